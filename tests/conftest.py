@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny random-weight Hugging Face models and the bundled real model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# One torch thread per test process: the CI machine has 2 cores and oversubscribed OpenMP threads
+# make small matrix products 10-100x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+TINY_LLAMA: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Save a random-weight transformers model (fp32 safetensors) and return its directory."""
+    import torch
+    import transformers
+
+    cfg_cls: Any = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+    }[model_type]
+    model_cls: Any = {
+        "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+    }[model_type]
+    kwargs = {**TINY_LLAMA, **overrides}
+    torch.manual_seed(seed)
+    config = cfg_cls(**kwargs)
+    model = model_cls(config).to(torch.float32)
+    # Random init leaves norms at 1 and biases at 0: perturb them so the test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    cache: dict[str, Path] = {}
+
+    def factory(model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+        key = repr((model_type, seed, sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = make_tiny_model(tmp_path_factory.mktemp("tiny"), model_type, seed, **overrides)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The bundled SmolLM2-135M-Instruct, converted once into Tandem's cache (TANDEM_HOME honoured)."""
+    from common.config.settings import ModelSettings, load_settings
+    from common.model.model_store import prepare_default_model
+
+    settings = load_settings(ModelSettings)
+    return prepare_default_model(settings.home, progress=False)
