@@ -1,0 +1,413 @@
+"""Convert a llama.cpp GGUF checkpoint into a Hugging Face Llama model directory.
+
+The output is what `transformers.AutoModelForCausalLM` / `AutoTokenizer` and Tandem's own loader read:
+config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json,
+special_tokens_map.json and generation_config.json. Every value comes from the GGUF metadata; the
+only knowledge baked in here is llama.cpp's naming and layout conventions, which are undone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tqdm import tqdm
+
+# Bump whenever the output of the conversion changes, so cached directories are rebuilt.
+CONVERTER_VERSION = 1
+
+SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+
+# Types that `gguf.quants.dequantize` turns back into float32 exactly (the dequantized values are the
+# model's real weights; float32 holds them without further loss).
+SUPPORTED_TENSOR_TYPES = frozenset(
+    {
+        GGMLQuantizationType.F32,
+        GGMLQuantizationType.F16,
+        GGMLQuantizationType.BF16,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q2_K,
+        GGMLQuantizationType.Q3_K,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
+)
+
+# llama.cpp per-layer tensor suffix -> Hugging Face Llama module path inside `model.layers.{i}`.
+_LAYER_TENSOR_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# Hidden directories beside out_dir: `.{name}.tmp-*` is being built, `.{name}.old-*` is being deleted.
+_SIBLING_ROLES = ("tmp", "old")
+
+# GGUF token types (llama.cpp `llama_token_type`).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+def _digits_then_bytelevel() -> pre_tokenizers.PreTokenizer:
+    # llama.cpp's "smollm"/"starcoder" pre-tokenizers split every digit on its own before the GPT-2 regex.
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+
+
+def _bytelevel_only() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+
+
+# `tokenizer.ggml.pre` -> the equivalent HF pre-tokenizer. Only names whose splitting rules are known
+# to match llama.cpp exactly are listed; anything else fails loudly instead of tokenizing differently.
+_PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    "smollm": _digits_then_bytelevel,
+    "starcoder": _digits_then_bytelevel,
+    "gpt-2": _bytelevel_only,
+}
+
+
+class _GGUFMetadata:
+    """Typed access to a GGUF file's key/value metadata, with errors that name the missing key."""
+
+    def __init__(self, reader: GGUFReader, path: Path) -> None:
+        self._reader = reader
+        self._path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._reader.get_field(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        field = self._reader.get_field(key)
+        if field is None:
+            raise ValueError(f"{self._path}: GGUF metadata key {key!r} is missing")
+        return field.contents()
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+    """Convert a Llama-family GGUF file into a Hugging Face model directory at `out_dir`.
+
+    Weights are dequantized to float32. The directory is built next to `out_dir` and renamed into
+    place, so an interrupted conversion never leaves a partial `out_dir`; an existing `out_dir` is
+    replaced. Raises `ValueError` for an unsupported architecture, tensor type, tensor name or tokenizer.
+    """
+    gguf_path = Path(gguf_path)
+    out_dir = Path(out_dir)
+    reader = GGUFReader(gguf_path)
+    meta = _GGUFMetadata(reader, gguf_path)
+
+    config = _build_config(meta, reader)
+    tokenizer = _build_tokenizer(meta)
+    if tokenizer.get_vocab_size(with_added_tokens=True) != config["vocab_size"]:
+        raise ValueError(
+            f"{gguf_path}: tokenizer has {tokenizer.get_vocab_size()} tokens "
+            f"but the model's vocab_size is {config['vocab_size']}"
+        )
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = _make_sibling_dir(out_dir, "tmp")
+    try:
+        _write_json(tmp_dir / "config.json", config)
+        tensors = _convert_tensors(reader, config, progress)
+        # safetensors + "format": "pt" is what transformers expects from a PyTorch checkpoint.
+        weights_path = tmp_dir / "model.safetensors"
+        save_file(tensors, str(weights_path), metadata={"format": "pt"})
+        del tensors
+        # safetensors creates its file 0600; give it the umask-derived mode the other files got, so a
+        # shared cache is readable by every service that can read config.json.
+        os.chmod(weights_path, (tmp_dir / "config.json").stat().st_mode & 0o777)
+        tokenizer.save(str(tmp_dir / "tokenizer.json"))
+        _write_json(tmp_dir / "generation_config.json", _generation_config(config))
+        special_tokens = _special_tokens(meta)
+        _write_json(tmp_dir / "special_tokens_map.json", special_tokens)
+        _write_json(tmp_dir / "tokenizer_config.json", _tokenizer_config(meta, config, special_tokens))
+        _replace_dir(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+
+
+def _build_config(meta: _GGUFMetadata, reader: GGUFReader) -> dict[str, Any]:
+    arch = meta.require("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    rope_scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if rope_scaling != "none":
+        raise ValueError(f"unsupported GGUF rope scaling {rope_scaling!r}; only unscaled RoPE is supported")
+
+    hidden_size = int(meta.require(f"{arch}.embedding_length"))
+    num_heads = int(meta.require(f"{arch}.attention.head_count"))
+    num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden_size // num_heads))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"unsupported partial RoPE: rope dimension {rope_dim} != head dim {head_dim}")
+    num_tokens = len(meta.require("tokenizer.ggml.tokens"))
+    vocab_size = int(meta.get(f"{arch}.vocab_size", num_tokens))
+    rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    # GGUF stores epsilon as float32 (1e-5 reads back as 9.99999974e-06); 7 significant digits is
+    # exactly what float32 carries, so this recovers the value the model was trained with.
+    rms_norm_eps = float(f"{float(meta.require(f'{arch}.attention.layer_norm_rms_epsilon')):.7g}")
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    pad = meta.get("tokenizer.ggml.padding_token_id")
+
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": int(meta.require(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(meta.require(f"{arch}.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta.require(f"{arch}.context_length")),
+        "rms_norm_eps": rms_norm_eps,
+        # transformers < 5 reads rope_theta at the top level; 5.x reads rope_parameters.
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": tied,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "pad_token_id": None if pad is None else int(pad),
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    return {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def _hf_tensor_name(name: str, num_layers: int) -> str:
+    if name in _GLOBAL_TENSOR_NAMES:
+        return _GLOBAL_TENSOR_NAMES[name]
+    prefix, _, rest = name.partition(".")
+    layer, _, suffix = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and int(layer) < num_layers and suffix in _LAYER_TENSOR_NAMES:
+        return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[suffix]}"
+    raise ValueError(f"unsupported GGUF tensor {name!r} for a Llama model")
+
+
+def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape, as `LlamaForCausalLM` declares it ([out_features, in_features])."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q_dim = config["num_attention_heads"] * config["head_dim"]
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.self_attn.q_proj.weight": (q_dim, hidden),
+            f"{p}.self_attn.k_proj.weight": (kv_dim, hidden),
+            f"{p}.self_attn.v_proj.weight": (kv_dim, hidden),
+            f"{p}.self_attn.o_proj.weight": (hidden, q_dim),
+            f"{p}.mlp.gate_proj.weight": (inter, hidden),
+            f"{p}.mlp.up_proj.weight": (inter, hidden),
+            f"{p}.mlp.down_proj.weight": (hidden, inter),
+            f"{p}.input_layernorm.weight": (hidden,),
+            f"{p}.post_attention_layernorm.weight": (hidden,),
+        }
+    return shapes
+
+
+def _dequantize(tensor: ReaderTensor) -> np.ndarray:
+    if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+        supported = sorted(t.name for t in SUPPORTED_TENSOR_TYPES)
+        raise ValueError(
+            f"unsupported GGUF tensor type {tensor.tensor_type.name} for {tensor.name!r}; "
+            f"supported: {supported}"
+        )
+    weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    # GGUF lists dimensions fastest-first (ggml's ne[0] is the row length); numpy is the reverse.
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return weights.reshape(shape)
+
+
+def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp's converter reorders each head's q/k rows from HF's "rotate half" layout
+    # (x0..x_{d/2-1}, y0..y_{d/2-1}) to interleaved pairs (x0, y0, x1, y1, ...) for its RoPE kernel.
+    # w: [num_heads * head_dim, hidden] -> view [num_heads, head_dim/2, 2, hidden], swap back.
+    rows = w.shape[0]
+    return np.ascontiguousarray(
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+    )
+
+
+def _convert_tensors(reader: GGUFReader, config: dict[str, Any], progress: bool) -> dict[str, np.ndarray]:
+    expected = _expected_shapes(config)
+    tensors: dict[str, np.ndarray] = {}
+    for tensor in tqdm(reader.tensors, desc="Converting GGUF", unit="tensor", disable=not progress):
+        name = _hf_tensor_name(tensor.name, config["num_hidden_layers"])
+        weights = _dequantize(tensor)
+        if weights.shape != expected[name]:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} has shape {weights.shape}, expected {expected[name]} for {name}"
+            )
+        if name.endswith("q_proj.weight"):
+            weights = _unpermute_rotary(weights, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            weights = _unpermute_rotary(weights, config["num_key_value_heads"])
+        tensors[name] = weights
+    missing = sorted(expected.keys() - tensors.keys())
+    if missing:
+        raise ValueError(f"GGUF file lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return tensors
+
+
+def _build_tokenizer(meta: _GGUFMetadata) -> Tokenizer:
+    tokenizer_model = meta.require("tokenizer.ggml.model")
+    if tokenizer_model != "gpt2":
+        raise ValueError(
+            f"unsupported GGUF tokenizer model {tokenizer_model!r}; only 'gpt2' (byte-level BPE)"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {sorted(_PRE_TOKENIZERS)}")
+
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type", [])
+    # Merges are stored as "left right"; byte-level BPE symbols never contain a plain space.
+    merges = [tuple(merge.split(" ", 1)) for merge in meta.require("tokenizer.ggml.merges")]
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("GGUF vocabulary contains duplicate tokens")
+
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, <|endoftext|>, ...) must match whole and never be split by BPE;
+    # they are special so that decode(skip_special_tokens=True) drops them.
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=token_type == _TOKEN_TYPE_CONTROL, normalized=False)
+            for i, token_type in enumerate(token_types)
+            if token_type in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+        ]
+    )
+    return tokenizer
+
+
+def _special_tokens(meta: _GGUFMetadata) -> dict[str, str]:
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+    roles = {"bos_token": "bos", "eos_token": "eos", "pad_token": "padding", "unk_token": "unknown"}
+    special: dict[str, str] = {}
+    for role, key in roles.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            special[role] = tokens[int(token_id)]
+    return special
+
+
+def _tokenizer_config(
+    meta: _GGUFMetadata, config: dict[str, Any], special_tokens: dict[str, str]
+) -> dict[str, Any]:
+    tokenizer_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": config["max_position_embeddings"],
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        # Byte-level BPE decodes exactly; the legacy clean-up would turn " ." into "." and break round trips.
+        "clean_up_tokenization_spaces": False,
+        **special_tokens,
+    }
+    chat_template = meta.get("tokenizer.chat_template")
+    if chat_template is not None:
+        tokenizer_config["chat_template"] = chat_template
+    return tokenizer_config
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def remove_partial_conversions(out_dir: Path) -> list[Path]:
+    """Delete temporary directories that killed conversions into `out_dir` left beside it.
+
+    Only safe while no other conversion into `out_dir` runs (the caller holds a lock). Returns the
+    removed paths.
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.parent.is_dir():
+        return []
+    stale = [
+        p for role in _SIBLING_ROLES for p in out_dir.parent.glob(f".{out_dir.name}.{role}-*") if p.is_dir()
+    ]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def _make_sibling_dir(path: Path, role: str) -> Path:
+    """Create a fresh hidden directory beside `path` (same filesystem, so rename() is atomic)."""
+    # Not tempfile.mkdtemp: that forces mode 0700, and the result becomes the cache directory itself.
+    while True:
+        candidate = path.parent / f".{path.name}.{role}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished `src` to `dst`; a previous `dst` is moved aside first, then deleted."""
+    if not dst.exists():
+        os.rename(src, dst)
+        return
+    # rename() cannot replace a non-empty directory, so swap via a sibling name on the same filesystem.
+    old = _make_sibling_dir(dst, "old")
+    os.rename(dst, old / dst.name)
+    os.rename(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
