@@ -1,0 +1,275 @@
+"""Per-request block tables on top of a ``BlockPool``: the paged-KV API the prefill and decode engines call.
+
+Lifecycle of a request: ``allocate`` (reuse the cached prefix, reserve blocks for the rest of the prompt) ->
+the engine (or a remote prefill) writes KV -> ``commit`` (enter the now-written full blocks in the prefix
+cache) -> ``append_slots`` / ``commit`` per decode step, ``truncate`` on speculative rollback, ``fork`` for
+parallel sampling -> ``free``.
+
+Invariant that keeps writes safe: the only block of a table that the request may still write into is its
+last, partially filled block, and that block is always private (ref count 1) and never in the hash map.
+Every other block is full, so it can be shared and cached. ``fork`` and ``truncate`` restore the invariant by
+copy-on-write and hand the caller the (src, dst) block copies to perform on the KV tensors.
+
+Expected shortfalls (not enough free blocks) return None and change nothing; caller bugs are asserts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from common.kv.block_hash import BlockHash, hash_block
+from common.kv.block_pool import BlockPool
+
+BlockCopy = tuple[int, int]
+"""(src_block_id, dst_block_id): copy the KV of ``src`` into ``dst`` before the next write to ``dst``."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The result of admitting a request: its full block table and how much of the prompt is cached."""
+
+    block_ids: list[int]
+    # The first num_cached_tokens prompt tokens already have KV in block_ids; compute the rest.
+    num_cached_tokens: int
+
+
+@dataclass
+class _RequestBlocks:
+    block_ids: list[int]
+    num_tokens: int
+    salt: bytes | None
+    # Chained hashes of this request's leading full blocks whose KV is known to be written, in order. A
+    # block may be missing from the pool's hash map (an identical block was cached first) but its hash is
+    # still needed as the parent of the next one.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Block tables keyed by request id, with prefix caching by chained hashes of full blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self._requests: dict[str, _RequestBlocks] = {}
+        # In tokens, like vLLM's prefix-cache metrics: counted once per admitted request (not on a failed
+        # allocate, which is retried), and only while prefix caching is enabled.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available to new allocations (free, including evictable cached blocks)."""
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one request."""
+        return self.pool.num_used_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of KV blocks held by requests (the ``kv_usage`` gauge)."""
+        return self.pool.usage
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` fresh blocks are free right now (ignores prefix hits)."""
+        return num_blocks <= self.pool.num_free_blocks
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` holds a block table."""
+        return request_id in self._requests
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table.
+
+        Token ``i`` lives in slot ``i % block_size`` of block ``block_ids[i // block_size]``.
+        """
+        return list(self._requests[request_id].block_ids)
+
+    def num_tokens(self, request_id: str) -> int:
+        """Number of token slots the request's table holds."""
+        return self._requests[request_id].num_tokens
+
+    def get_computed_blocks(self, token_ids: Sequence[int], salt: bytes | None = None) -> tuple[list[int], int]:
+        """Return the longest cached prefix of full blocks of a prompt and its length in tokens.
+
+        Capped so at least one prompt token is left to compute: the engine needs the last token's logits.
+        A pure query: no ref counts or counters change.
+        """
+        assert len(token_ids) > 0, "empty prompt"
+        if not self.enable_prefix_caching:
+            return [], 0
+        block_ids, _ = self._match_prefix(token_ids, salt)
+        return block_ids, len(block_ids) * self.block_size
+
+    # ------------------------------------------------------------------ mutations
+
+    def allocate(self, request_id: str, token_ids: Sequence[int], salt: bytes | None = None) -> Allocation | None:
+        """Admit a new request: reuse its cached prefix and reserve fresh blocks for the rest of the prompt."""
+        assert request_id not in self._requests, f"request {request_id!r} already has blocks"
+        assert len(token_ids) > 0, "empty prompt"
+        cached_ids: list[int] = []
+        cached_hashes: list[BlockHash] = []
+        if self.enable_prefix_caching:
+            cached_ids, cached_hashes = self._match_prefix(token_ids, salt)
+        num_new = self.blocks_needed(len(token_ids)) - len(cached_ids)
+        # A hit on a free cached block takes it out of the free queue, so it no longer counts as free.
+        num_revived = sum(self.pool.ref_count(block_id) == 0 for block_id in cached_ids)
+        if num_new > self.pool.num_free_blocks - num_revived:
+            return None
+        # Touch before allocating so get_new_blocks can't evict the very blocks we are reusing.
+        self.pool.touch(cached_ids)
+        block_ids = cached_ids + self.pool.get_new_blocks(num_new)
+        self._requests[request_id] = _RequestBlocks(block_ids, len(token_ids), salt, cached_hashes)
+        num_cached_tokens = len(cached_ids) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += len(token_ids)
+            self.prefix_cache_hits += num_cached_tokens
+        return Allocation(list(block_ids), num_cached_tokens)
+
+    def append_slots(self, request_id: str, num_new_tokens: int) -> list[int] | None:
+        """Grow the table by ``num_new_tokens`` slots; return the newly added block ids ([] if none needed)."""
+        assert num_new_tokens >= 0, f"num_new_tokens must be >= 0, got {num_new_tokens}"
+        req = self._requests[request_id]
+        num_new = self.blocks_needed(req.num_tokens + num_new_tokens) - len(req.block_ids)
+        if num_new > self.pool.num_free_blocks:
+            return None
+        new_ids = self.pool.get_new_blocks(num_new)
+        req.block_ids.extend(new_ids)
+        req.num_tokens += num_new_tokens
+        return new_ids
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Enter every full block of ``token_ids`` (a prefix of the request whose KV is now written) in the cache.
+
+        Blocks become findable only here, never at allocation: a decode node reserves blocks before the
+        remote prefill has filled them. Tokens of blocks committed earlier are trusted, not re-hashed.
+        """
+        req = self._requests[request_id]
+        assert len(token_ids) <= req.num_tokens, f"commit of {len(token_ids)} tokens, table holds {req.num_tokens}"
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        parent = req.block_hashes[-1] if req.block_hashes else None
+        for index in range(len(req.block_hashes), len(token_ids) // bs):
+            parent = hash_block(parent, token_ids[index * bs : (index + 1) * bs], req.salt)
+            req.block_hashes.append(parent)
+            block_id = req.block_ids[index]
+            existing = self.pool.get_block_hash(block_id)
+            if existing is None:
+                self.pool.cache_block(block_id, parent)
+            else:
+                # A forked sibling sharing this block committed it first.
+                assert existing == parent, f"block {block_id} is cached under a different hash"
+
+    def fork(self, parent_id: str, child_id: str) -> list[BlockCopy] | None:
+        """Give ``child_id`` the parent's tokens: full blocks shared, the partial last block copied on write."""
+        assert child_id not in self._requests, f"request {child_id!r} already has blocks"
+        parent = self._requests[parent_id]
+        num_full = parent.num_tokens // self.block_size
+        partial = len(parent.block_ids) > num_full
+        if partial and self.pool.num_free_blocks < 1:
+            return None
+        shared = parent.block_ids[:num_full]
+        self.pool.touch(shared)
+        copies: list[BlockCopy] = []
+        child_ids = list(shared)
+        if partial:
+            (dst,) = self.pool.get_new_blocks(1)
+            copies.append((parent.block_ids[-1], dst))
+            child_ids.append(dst)
+        self._requests[child_id] = _RequestBlocks(child_ids, parent.num_tokens, parent.salt, list(parent.block_hashes))
+        return copies
+
+    def truncate(self, request_id: str, num_tokens: int) -> list[BlockCopy] | None:
+        """Shrink the request to its first ``num_tokens`` tokens (speculative-decoding rollback).
+
+        Blocks past the end are freed, tail first. If the new last block is partial, the request will
+        overwrite its tail slots, so it must be private and uncached again:
+        * shared (ref > 1): copy-on-write into a fresh block, returned as a (src, dst) copy; the original
+          keeps its hash, which is still true for the other holders;
+        * private (ref 1) and cached: its hash is dropped (the cheap choice over copying to keep the entry).
+        Returns the copies to perform (usually none), or None without changes if no block is free for one.
+        """
+        req = self._requests[request_id]
+        assert 0 <= num_tokens <= req.num_tokens, f"truncate to {num_tokens} of {req.num_tokens} tokens"
+        bs = self.block_size
+        num_keep = self.blocks_needed(num_tokens)
+        dropped = req.block_ids[num_keep:]
+        last = req.block_ids[num_keep - 1] if num_tokens % bs else None
+        needs_copy = last is not None and self.pool.ref_count(last) > 1
+        if needs_copy:
+            # The dropped blocks this request alone holds become free before the copy is allocated.
+            freed = sum(self.pool.ref_count(block_id) == 1 for block_id in dropped)
+            if self.pool.num_free_blocks + freed < 1:
+                return None
+        self.pool.free_blocks(reversed(dropped))
+        del req.block_ids[num_keep:]
+        del req.block_hashes[num_tokens // bs :]
+        req.num_tokens = num_tokens
+        copies: list[BlockCopy] = []
+        if last is not None:
+            if needs_copy:
+                (dst,) = self.pool.get_new_blocks(1)
+                self.pool.free_blocks([last])
+                req.block_ids[-1] = dst
+                copies.append((last, dst))
+            else:
+                self.pool.uncache_block(last)
+        return copies
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first so its last blocks are evicted before its shared head."""
+        req = self._requests.pop(request_id)
+        self.pool.free_blocks(reversed(req.block_ids))
+
+    # ------------------------------------------------------------------ internals
+
+    def _match_prefix(self, token_ids: Sequence[int], salt: bytes | None) -> tuple[list[int], list[BlockHash]]:
+        # Stop at the first miss: chained hashes mean no later block can hit once one block misses.
+        bs = self.block_size
+        parent: BlockHash | None = None
+        block_ids: list[int] = []
+        hashes: list[BlockHash] = []
+        for index in range((len(token_ids) - 1) // bs):
+            parent = hash_block(parent, token_ids[index * bs : (index + 1) * bs], salt)
+            block_id = self.pool.get_cached_block(parent)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            hashes.append(parent)
+        return block_ids, hashes
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants and that ref counts, tables and hashes agree; tests call it often."""
+        self.pool.check_integrity()
+        bs = self.block_size
+        refs = [0] * self.pool.num_blocks
+        for request_id, req in self._requests.items():
+            assert len(req.block_ids) == self.blocks_needed(req.num_tokens), (
+                f"{request_id}: {len(req.block_ids)} blocks for {req.num_tokens} tokens"
+            )
+            assert len(set(req.block_ids)) == len(req.block_ids), f"{request_id}: block listed twice"
+            assert len(req.block_hashes) <= req.num_tokens // bs, f"{request_id}: hash of a partial block"
+            for index, block_id in enumerate(req.block_ids):
+                refs[block_id] += 1
+                block_hash = self.pool.get_block_hash(block_id)
+                if block_hash is None:
+                    continue
+                assert index < req.num_tokens // bs, f"{request_id}: partial block {block_id} is cached"
+                if index < len(req.block_hashes):
+                    assert block_hash == req.block_hashes[index], f"{request_id}: block {block_id} hash differs"
+            if req.num_tokens % bs:
+                assert self.pool.ref_count(req.block_ids[-1]) == 1, f"{request_id}: shared partial block"
+        for block_id, count in enumerate(refs):
+            assert self.pool.ref_count(block_id) == count, (
+                f"block {block_id}: ref count {self.pool.ref_count(block_id)}, {count} table references"
+            )
