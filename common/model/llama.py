@@ -16,6 +16,8 @@ from torch import nn
 from common.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from common.attention.backend import AttentionBackend
     from common.attention.metadata import AttentionMetadata
     from common.config.model_config import ModelConfig
@@ -89,11 +91,18 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache | None = None,
+        layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden]
+        """input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden].
+
+        ``layer_hook(i)`` runs right after layer ``i`` has written its K/V into ``kv_cache``: KV transfer
+        uses it to start sending a layer while the next ones compute.
+        """
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(positions, x, meta, kv_cache)
+            if layer_hook is not None:
+                layer_hook(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.errors import InvalidRequestError
+
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(InvalidRequestError):
     """A caller mistake in sampling parameters; ``field`` names the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)

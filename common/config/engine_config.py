@@ -1,0 +1,52 @@
+"""Engine settings: KV cache size and scheduling limits, as frozen dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Blocks in the paged cache. None: derive from kv_cache_memory_gb and the model's bytes per block.
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return max(1, int(self.kv_cache_memory_gb * 2**30) // bytes_per_block)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128  # running sequences per step
+    max_num_batched_tokens: int = 2048  # tokens per forward: decode tokens + prefill chunks
+    # A single prefill chunk takes at most this many tokens, so one long prompt cannot hold decodes back
+    # for a whole step (Sarathi-Serve's stall-free batching). None: limited by the step budget only.
+    max_prefill_chunk: int | None = 512
+    # Keep this fraction of blocks free when admitting new work, so running requests can grow without
+    # preempting each other straight away.
+    watermark: float = 0.01
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
+            raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

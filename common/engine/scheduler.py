@@ -1,0 +1,268 @@
+"""The token-budget scheduler every engine runs (pure Python: no torch).
+
+Each request has ``num_tokens`` (prompt + outputs) and ``num_computed_tokens`` (those with KV). A step
+gives every scheduled request a chunk of its uncomputed tokens, within a per-step token budget:
+
+1. Running requests first, oldest first: a decoding request gets 1 token, a request still in prefill
+   gets a chunk (at most ``max_prefill_chunk``). That puts decodes and prefill chunks in one batch
+   (Sarathi-Serve), so a long prompt never stalls the running streams.
+2. Then waiting requests in arrival order (FCFS; the queue is never skipped, so nobody starves), while
+   the budget, ``max_num_seqs`` and free blocks allow. Their cached prefix is reused.
+
+When a running request cannot grow, the newest running request is preempted by **recompute**: its blocks
+are freed (its full blocks stay in the prefix cache, so re-admission usually finds most of them) and it
+goes back to the front of the queue. We chose recompute over swap: swap needs a second, host-side pool
+and copies both ways, while recompute with prefix caching often costs nothing but a lookup. Preemptions
+are counted per request and in ``num_preemptions``.
+
+The same scheduler serves three roles: colocated (prefill and decode in one process), prefill-only
+(``prefill_only``: a request ends with its first token and keeps its blocks until ``release``, while KV
+transfer reads them), and decode (``reserve`` blocks for a remote prefill, then ``start_decoding`` once the
+KV has landed). A preempted decode-node request is simply recomputed locally.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from common.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+
+if TYPE_CHECKING:
+    from common.config.engine_config import SchedulerConfig
+    from common.kv.kv_cache_manager import Allocation, BlockCopy, KVCacheManager
+    from common.sampling.sampler import SampleResult
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute tokens ``start .. start+num_tokens-1`` of ``request`` this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: list[int]  # the request's whole block table
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token, so the step samples the next one."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[str] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 prefill_only: bool = False) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.prefill_only = prefill_only
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.reserved: dict[str, Request] = {}  # decode role: KV being filled by a remote prefill
+        self.retained: dict[str, Request] = {}  # prefill role: finished, blocks held for KV transfer
+        self.num_preemptions = 0
+        self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
+
+    # ---- admission -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request whose KV must be computed here (colocated and prefill roles)."""
+        assert request.num_tokens < self.max_model_len or self.prefill_only
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def reserve(self, request: Request) -> Allocation | None:
+        """Decode role: reserve blocks for a prompt that a remote prefill will fill. None: no room."""
+        if self.kv.blocks_needed(request.num_prompt_tokens) > self.kv.num_free_blocks - self._watermark_blocks:
+            return None
+        allocation = self.kv.allocate(request.request_id, request.prompt_token_ids)
+        if allocation is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_KV
+        request.num_cached_tokens = allocation.num_cached_tokens
+        self.reserved[request.request_id] = request
+        return allocation
+
+    def start_decoding(self, request_id: str, first_token: int) -> RequestOutput:
+        """Decode role: the prompt's KV has landed and the prefill sampled ``first_token``."""
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.commit(request_id, request.prompt_token_ids)
+        request.output_token_ids.append(first_token)
+        reason = request.check_stop(self.max_model_len)
+        if reason is not None:
+            self._finish(request, reason)
+        else:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return RequestOutput(request_id, [first_token], reason is not None, reason,
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             num_cached_tokens=request.num_cached_tokens)
+
+    # ---- the step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk_size(request, budget)
+            if not self._grow(request, n, preempted):
+                break  # `request` itself was preempted: everything after it already was
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, n,
+                                         self.kv.block_table(request.request_id)))
+            budget -= n
+            i += 1
+
+        # No admissions in a step that had to preempt: memory is short, let running requests finish.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            if not self._admit(request):
+                break  # FCFS: never let a later request overtake the head of the queue
+            self.waiting.popleft()
+            n = self._chunk_size(request, budget)
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, n,
+                                         self.kv.block_table(request.request_id)))
+            budget -= n
+        return SchedulerOutput(chunks, preempted)
+
+    def update(self, output: SchedulerOutput, sampled: SampleResult | None) -> list[RequestOutput]:
+        """Account for a finished forward: advance computed tokens, append sampled tokens, stop."""
+        outputs: list[RequestOutput] = []
+        row = 0
+        block_size = self.kv.block_size
+        for chunk in output.chunks:
+            request = chunk.request
+            before = request.num_computed_tokens
+            request.num_computed_tokens = before + chunk.num_tokens
+            if request.num_computed_tokens // block_size > before // block_size:
+                # A block just filled up: enter it in the prefix cache.
+                self.kv.commit(request.request_id, request.token_slice(0, request.num_computed_tokens))
+            if not chunk.samples:
+                continue
+            assert sampled is not None
+            token = sampled.token_ids[row]
+            logprob = sampled.logprobs[row]
+            top = sampled.top_logprobs[row]
+            row += 1
+            request.output_token_ids.append(token)
+            reason = request.check_stop(self.max_model_len)
+            if reason is not None or self.prefill_only:
+                self._finish(request, reason)
+            outputs.append(RequestOutput(
+                request.request_id, [token], request.is_finished, reason,
+                logprobs=None if logprob is None else [(logprob, top or [])],
+                num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+            ))
+        return outputs
+
+    # ---- ending ----------------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is and free its blocks. Unknown or finished ids: None."""
+        request = self.reserved.pop(request_id, None) or self.retained.pop(request_id, None)
+        if request is None:
+            request = next((r for r in self.running if r.request_id == request_id), None)
+            if request is not None:
+                self.running.remove(request)
+        if request is None:
+            request = next((r for r in self.waiting if r.request_id == request_id), None)
+            if request is not None:
+                self.waiting.remove(request)
+        if request is None:
+            return None
+        if self.kv.has_request(request_id):
+            self.kv.free(request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.ABORT
+        return request
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: KV transfer is done (or abandoned); free the retained blocks."""
+        request = self.retained.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.reserved)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if n > 1 and self.config.max_prefill_chunk is not None:
+            n = min(n, self.config.max_prefill_chunk)
+        assert n >= 1
+        return n
+
+    def _grow(self, request: Request, n: int, preempted: list[str]) -> bool:
+        """Make room for ``n`` more tokens of ``request``, preempting the newest requests if needed."""
+        needed = request.num_computed_tokens + n - self.kv.num_tokens(request.request_id)
+        while needed > 0 and self.kv.append_slots(request.request_id, needed) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit(self, request: Request) -> bool:
+        tokens = request.all_token_ids
+        fresh = self.kv.blocks_needed(len(tokens)) - len(self.kv.get_computed_blocks(tokens)[0])
+        # The watermark only holds back new work while others run; alone, a request may use it all.
+        reserve = self._watermark_blocks if self.running else 0
+        if fresh > self.kv.num_free_blocks - reserve:
+            return False
+        allocation = self.kv.allocate(request.request_id, tokens)
+        if allocation is None:
+            return False
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = allocation.num_cached_tokens
+        request.num_computed_tokens = allocation.num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        return True
+
+    def _finish(self, request: Request, reason: FinishReason | None) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if self.prefill_only:
+            self.retained[request.request_id] = request
+        else:
+            self.kv.free(request.request_id)

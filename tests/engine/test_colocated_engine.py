@@ -1,0 +1,165 @@
+"""The colocated engine: batching, preemption, chunked prefill and seeded sampling change nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.attention.metadata import AttentionMetadata
+from common.config.engine_config import CacheConfig, SchedulerConfig
+from common.engine.engine_core import ColocatedEngine
+from common.model.llama import LlamaForCausalLM
+from common.model.loader import load_model
+from common.sampling.params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory: Callable[..., Path]) -> LlamaForCausalLM:
+    return load_model(tiny_model_factory("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96),
+                      dtype="float32")
+
+
+def contiguous_greedy(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+    """The oracle: no KV cache at all, the whole sequence recomputed for every token."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            meta = AttentionMetadata.build([len(ids)], [0])
+            hidden = model(torch.tensor(ids), torch.arange(len(ids)), meta)
+            ids.append(int(model.compute_logits(hidden[-1:]).argmax()))
+    return ids[len(prompt):]
+
+
+def prompts(n: int, vocab: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def run_staggered(engine: ColocatedEngine, work: list[tuple[list[int], SamplingParams]],
+                  arrivals: list[int]) -> dict[str, list[int]]:
+    """Add request i at step arrivals[i]; step until all finish; return tokens by request id."""
+    out: dict[str, list[int]] = {}
+    step = 0
+    while step < 10_000:
+        for i, at in enumerate(arrivals):
+            if at == step:
+                engine.add_request(f"r{i}", work[i][0], work[i][1])
+                out[f"r{i}"] = []
+        if step > max(arrivals) and not engine.has_unfinished():
+            break
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        step += 1
+    engine.kv.check_integrity()
+    assert engine.kv.num_used_blocks == 0
+    return out
+
+
+def test_batched_equals_alone_with_staggered_arrivals(tiny: LlamaForCausalLM) -> None:
+    ps = prompts(8, tiny.config.vocab_size)
+    work = [(p, SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
+    engine = ColocatedEngine(tiny, CacheConfig(num_blocks=64, block_size=16),
+                             SchedulerConfig(max_num_batched_tokens=48, max_prefill_chunk=32))
+    got = run_staggered(engine, work, arrivals=[0, 0, 1, 3, 3, 4, 9, 15])
+    for i, (p, params) in enumerate(work):
+        assert got[f"r{i}"] == contiguous_greedy(tiny, p, params.max_tokens), i
+
+
+def test_preemption_under_tiny_block_budget_changes_nothing(tiny: LlamaForCausalLM) -> None:
+    ps = prompts(6, tiny.config.vocab_size, seed=1, lo=10, hi=30)
+    work = [(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for p in ps]
+    engine = ColocatedEngine(tiny, CacheConfig(num_blocks=10, block_size=8),
+                             SchedulerConfig(max_num_batched_tokens=64, watermark=0.0))
+    got = run_staggered(engine, work, arrivals=[0] * 6)
+    assert engine.scheduler.num_preemptions > 0
+    for i, (p, params) in enumerate(work):
+        assert got[f"r{i}"] == contiguous_greedy(tiny, p, params.max_tokens), i
+
+
+def test_prefix_reuse_gives_the_same_tokens(tiny: LlamaForCausalLM) -> None:
+    shared = prompts(1, tiny.config.vocab_size, seed=2, lo=40, hi=41)[0]
+    a, b = shared + [5, 6, 7], shared + [9]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = ColocatedEngine(tiny, CacheConfig(num_blocks=32, block_size=16))
+    first = run_staggered(engine, [(a, params)], [0])["r0"]
+    hits_before = engine.kv.prefix_cache_hits
+    second = run_staggered(engine, [(b, params)], [0])["r0"]
+    assert engine.kv.prefix_cache_hits - hits_before == 32  # two full blocks of the shared 40 tokens
+    assert first == contiguous_greedy(tiny, a, 8)
+    assert second == contiguous_greedy(tiny, b, 8)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, None])
+def test_chunked_prefill_same_kv_and_first_token(tiny: LlamaForCausalLM, chunk: int | None) -> None:
+    prompt = prompts(1, tiny.config.vocab_size, seed=3, lo=45, hi=46)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3)
+
+    def prefill(max_chunk: int | None) -> tuple[torch.Tensor, list[int], float]:
+        engine = ColocatedEngine(tiny, CacheConfig(num_blocks=8, block_size=16, enable_prefix_caching=False),
+                                 SchedulerConfig(max_num_batched_tokens=max_chunk or 256,
+                                                 max_prefill_chunk=max_chunk), prefill_only=True)
+        engine.add_request("p", prompt, params)
+        outs = []
+        while engine.has_unfinished():
+            outs.extend(engine.step())
+        table = engine.kv.block_table("p")
+        kv = engine.runner.kv_cache.gather(table)  # [blocks, layers, 2, block_size, kv_heads, head_dim]
+        kv = kv.permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, : len(prompt)]
+        (out,) = outs
+        assert out.logprobs is not None
+        return kv, out.new_token_ids, out.logprobs[0][0]
+
+    ref_kv, ref_token, ref_lp = prefill(None)
+    kv, token, lp = prefill(chunk)
+    assert token == ref_token == contiguous_greedy(tiny, prompt, 1)
+    torch.testing.assert_close(kv, ref_kv, atol=1e-5, rtol=1e-5)
+    assert lp == pytest.approx(ref_lp, abs=1e-4)
+
+
+def test_seeded_sampling_reproducible_across_batches(tiny: LlamaForCausalLM) -> None:
+    ps = prompts(4, tiny.config.vocab_size, seed=4)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    others = [SamplingParams(temperature=1.0, max_tokens=5 + i, ignore_eos=True) for i in range(3)]
+
+    def engine() -> ColocatedEngine:
+        return ColocatedEngine(tiny, CacheConfig(num_blocks=64, block_size=16))
+
+    alone = run_staggered(engine(), [(ps[0], seeded)], [0])["r0"]
+    batched = run_staggered(engine(), [(ps[1], others[0]), (ps[0], seeded), (ps[2], others[1]),
+                                       (ps[3], others[2])], [0, 0, 1, 2])["r1"]
+    assert alone == batched
+
+
+def test_validation_errors_name_the_field(tiny: LlamaForCausalLM) -> None:
+    engine = ColocatedEngine(tiny, CacheConfig(num_blocks=8, block_size=16), SchedulerConfig(max_model_len=64))
+    p = SamplingParams()
+    with pytest.raises(ValueError, match="prompt: must not be empty"):
+        engine.add_request("a", [], p)
+    with pytest.raises(ValueError, match="prompt: 64 tokens; the limit is max_model_len - 1 = 63"):
+        engine.add_request("a", [5] * 64, p)
+    with pytest.raises(ValueError, match=r"prompt_token_ids: ids must be in \[0, 128\)"):
+        engine.add_request("a", [5, 500], p)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request("a", [5], SamplingParams(stop_token_ids=(1000,)))
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.real_model
+def test_smollm2_batched_equals_alone(smollm2_dir: Path) -> None:
+    from common.engine.simple_generator import SimpleGenerator
+    from common.tokenizer import Tokenizer
+
+    model = load_model(smollm2_dir, dtype="float32")
+    tok = Tokenizer(smollm2_dir)
+    texts = ["The capital of France is", "def quicksort(arr):", "List three colors:", "Water boils at"]
+    work = [(tok.encode(t), SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=True))
+            for i, t in enumerate(texts)]
+    engine = ColocatedEngine(model, CacheConfig(num_blocks=64, block_size=16))
+    got = run_staggered(engine, work, arrivals=[0, 0, 2, 5])
+    alone = SimpleGenerator(model)
+    for i, (p, params) in enumerate(work):
+        assert got[f"r{i}"] == list(alone.stream(p, params)), texts[i]

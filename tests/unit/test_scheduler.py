@@ -1,0 +1,172 @@
+"""The scheduler with exact expectations: who is scheduled, with how many tokens, who is preempted."""
+
+from __future__ import annotations
+
+from common.config.engine_config import SchedulerConfig
+from common.engine.request import FinishReason, Request, RequestStatus
+from common.engine.scheduler import Scheduler, SchedulerOutput
+from common.kv.kv_cache_manager import KVCacheManager
+from common.sampling.params import SamplingParams
+from common.sampling.sampler import SampleResult
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def make(num_blocks: int = 16, block_size: int = 4, **cfg: object) -> Scheduler:
+    config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 16, "max_prefill_chunk": None,
+                                "watermark": 0.0, **cfg})  # type: ignore[arg-type]
+    return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len=64)
+
+
+def req(rid: str, n: int, params: SamplingParams = GREEDY, first: int = 0) -> Request:
+    return Request(rid, list(range(first, first + n)), params, eos_token_ids=(99,))
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
+
+
+def fake_sample(out: SchedulerOutput, token: int = 7) -> SampleResult:
+    n = sum(c.samples for c in out.chunks)
+    return SampleResult([token] * n, [None] * n, [None] * n)
+
+
+def step(s: Scheduler, token: int = 7) -> list[tuple[str, int, int]]:
+    out = s.schedule()
+    s.update(out, fake_sample(out, token))
+    s.kv.check_integrity()
+    return plan(out)
+
+
+def test_chunked_prefill_then_decode_with_token_budget() -> None:
+    s = make()
+    s.add_request(req("a", 10))
+    s.add_request(req("b", 10, first=50))
+    assert step(s) == [("a", 0, 10), ("b", 0, 6)]  # budget 16: b gets a chunk of 6
+    assert step(s) == [("a", 10, 1), ("b", 6, 4)]  # a decodes, b finishes its prompt
+    assert step(s) == [("a", 11, 1), ("b", 10, 1)]
+
+
+def test_max_prefill_chunk_caps_a_long_prompt() -> None:
+    s = make(max_prefill_chunk=4, num_blocks=32)
+    s.add_request(req("a", 10))
+    assert [step(s), step(s), step(s), step(s)] == [
+        [("a", 0, 4)], [("a", 4, 4)], [("a", 8, 2)], [("a", 10, 1)]]
+
+
+def test_fcfs_max_num_seqs_and_finishing_frees_blocks() -> None:
+    s = make(max_num_seqs=2)
+    for rid in "abc":
+        s.add_request(req(rid, 3, first=10 * ord(rid)))
+    assert step(s) == [("a", 0, 3), ("b", 0, 3)]  # c waits: max_num_seqs
+    for _ in range(3):
+        step(s)
+    # max_tokens=4: a and b are done after 4 sampled tokens; their blocks are back
+    assert [r.request_id for r in s.running] == [] and s.kv.num_used_blocks == 0
+    assert step(s) == [("c", 0, 3)]
+
+
+def test_prefix_reuse_on_admission() -> None:
+    s = make()
+    s.add_request(req("a", 9))
+    step(s)  # a's prompt computed; blocks [0..3],[4..7] full -> committed
+    s.add_request(req("b", 9))
+    assert step(s)[-1] == ("b", 8, 1)  # 8 of 9 tokens cached, one left to compute
+    assert s.kv.prefix_cache_hits == 8
+
+
+def test_preemption_recomputes_newest_and_keeps_fcfs() -> None:
+    # 4 blocks of 4 tokens: a (5 tokens) and b (5 tokens) use 2 blocks each; decoding needs more.
+    s = make(num_blocks=4, max_num_batched_tokens=32)
+    long = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    s.add_request(req("a", 7, long))
+    s.add_request(req("b", 7, long, first=20))
+    assert step(s) == [("a", 0, 7), ("b", 0, 7)]  # 2 blocks each; 8th token slots are free
+    assert step(s) == [("a", 7, 1), ("b", 7, 1)]
+    # a needs a 3rd block: none free -> b (newest) is preempted, a goes on alone
+    out = s.schedule()
+    assert plan(out) == [("a", 8, 1)] and out.preempted == ["b"]
+    s.update(out, fake_sample(out))
+    b = s.waiting[0]
+    assert b.status is RequestStatus.WAITING and b.num_preemptions == 1 and b.num_computed_tokens == 0
+    assert s.num_preemptions == 1
+    for _ in range(5):
+        step(s)
+    assert s.running == [] and s.kv.num_used_blocks == 0
+    # b is re-admitted with its prompt and its 2 outputs, recomputed from scratch: a's growth evicted
+    # b's cached blocks (LRU), and a's own cached blocks share no prefix with b
+    assert step(s) == [("b", 0, 9)]
+    assert b.output_token_ids == [7, 7, 7]  # recompute sampled the next token after the two it had
+
+
+def test_preempted_request_reuses_its_cached_blocks_when_not_evicted() -> None:
+    s = make(num_blocks=5, max_num_batched_tokens=32)
+    long = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    s.add_request(req("a", 8, long))
+    s.add_request(req("b", 8, long, first=20))
+    step(s)  # 2 blocks each, full and committed; 1 block free
+    out = s.schedule()  # both need a 3rd block: a takes the free one, b is preempted
+    assert plan(out) == [("a", 8, 1)] and out.preempted == ["b"]
+    s.update(out, fake_sample(out))
+    # b's two full blocks are free but still cached. Next step a finishes; b does not fit beside it yet.
+    assert step(s) == [("a", 9, 1)]
+    assert s.kv.num_used_blocks == 0
+    # Re-admitted, b finds its 8 prompt tokens in the cache and computes only its sampled token.
+    assert step(s) == [("b", 8, 1)]
+
+
+def test_stop_token_and_eos_finish_and_min_tokens() -> None:
+    s = make()
+    s.add_request(req("a", 3, SamplingParams(temperature=0.0, max_tokens=10)))
+    out = s.schedule()
+    (result,) = s.update(out, fake_sample(out, token=99))  # EOS
+    assert result.finished and result.finish_reason is FinishReason.STOP
+    s.add_request(req("b", 3, SamplingParams(temperature=0.0, max_tokens=10, min_tokens=2)))
+    out = s.schedule()
+    (result,) = s.update(out, fake_sample(out, token=99))
+    assert not result.finished  # min_tokens holds EOS back
+    assert s.kv.num_used_blocks == 1
+
+
+def test_max_tokens_finishes_with_length() -> None:
+    s = make()
+    s.add_request(req("a", 3, SamplingParams(temperature=0.0, max_tokens=2)))
+    step(s)
+    out = s.schedule()
+    (result,) = s.update(out, fake_sample(out))
+    assert result.finished and result.finish_reason is FinishReason.LENGTH
+
+
+def test_abort_frees_blocks_everywhere() -> None:
+    s = make(max_num_seqs=1)
+    s.add_request(req("a", 5))
+    s.add_request(req("b", 5))
+    step(s)
+    assert s.abort("b") is not None and s.abort("a") is not None and s.abort("zz") is None
+    assert s.kv.num_used_blocks == 0 and not s.has_work()
+
+
+def test_prefill_only_retains_blocks_until_release() -> None:
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, watermark=0.0)
+    s = Scheduler(config, KVCacheManager(8, 4), max_model_len=64, prefill_only=True)
+    s.add_request(req("a", 6, SamplingParams(temperature=0.0, max_tokens=50)))
+    out = s.schedule()
+    (result,) = s.update(out, fake_sample(out))
+    assert result.finished and result.finish_reason is None  # done here, decoding continues elsewhere
+    assert "a" in s.retained and s.kv.num_used_blocks == 2
+    s.release("a")
+    assert s.kv.num_used_blocks == 0
+
+
+def test_decode_role_reserve_then_start() -> None:
+    s = make()
+    r = req("a", 6)
+    allocation = s.reserve(r)
+    assert allocation is not None and allocation.block_ids == [0, 1]
+    assert s.schedule().is_empty  # waiting for KV: nothing to compute
+    first = s.start_decoding("a", 42)
+    assert first.new_token_ids == [42] and not first.finished
+    assert step(s) == [("a", 6, 1)]
+    assert r.output_token_ids == [42, 7]
+    s.abort("a")
+    assert s.kv.num_used_blocks == 0
