@@ -1,0 +1,1 @@
+"""Benchmarks: python -m benchmarks.<name>; numbers are measured, never asserted in tests."""

@@ -1,0 +1,288 @@
+"""PyTorch attention: the CPU serving path and the oracle every other backend is tested against.
+
+Three shapes of batch, three code paths:
+
+- prefill-only (no sequence has cached context): causal SDPA over the new tokens, one call per
+  sequence; the paged cache is only written, never read.
+- decode-only (one new token per sequence): the hot path on CPU. Sequences are processed in chunks
+  whose gathered K/V stay about 2 MiB, in reused scratch buffers, so the gather stays in cache and
+  is never page-faulted in afresh (one 100 MiB gather per call is ~7x slower).
+- anything else (extend, chunked prefill over a cached prefix, speculative verification): one
+  masked SDPA per sequence over K/V gathered through its block table.
+
+``reference_paged_attention`` is the slow, obviously-correct loop the tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from common.attention.backend import AttentionBackend
+from common.attention.metadata import AttentionMetadata
+from common.kv.kv_cache import write_kv
+
+# Gathered K+V bytes per decode chunk: small enough to stay in L2/L3, large enough that per-op
+# overhead is noise (measured best at 1-2 sequences of 1k tokens per chunk for SmolLM2 shapes).
+DECODE_CHUNK_BYTES = 2 << 20
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Attention in plain PyTorch; correct on any device, fast enough to serve on CPU."""
+
+    name = "torch"
+
+    def __init__(self, decode_chunk_bytes: int = DECODE_CHUNK_BYTES) -> None:
+        self.decode_chunk_bytes = decode_chunk_bytes
+        self.workspace = Workspace()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if kv_cache is not None and meta.slot_mapping is not None:
+            write_kv(kv_cache[0], kv_cache[1], key, value, meta.slot_mapping)
+        if meta.is_prefill_only:
+            return prefill_attention(query, key, value, meta.query_lens_cpu, scale)
+        if kv_cache is None or meta.block_tables is None:
+            raise ValueError("sequences with cached context need kv_cache and meta.block_tables")
+        key_cache, value_cache = kv_cache
+        if meta.is_decode_only and meta.num_tokens == meta.num_seqs:
+            return paged_decode_attention(
+                query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
+                scale, self.decode_chunk_bytes, self.workspace,
+            )
+        return paged_extend_attention(query, key_cache, value_cache, meta, scale)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_lens: tuple[int, ...],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over themselves (no cached context).
+
+    query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim]
+    """
+    out = torch.empty_like(query)
+    start = 0
+    for q_len in query_lens:
+        stop = start + q_len
+        if q_len:
+            # SDPA wants [batch, heads, len, dim]; enable_gqa broadcasts KV heads without a copy.
+            q = query[start:stop].transpose(0, 1).unsqueeze(0)
+            k = key[start:stop].transpose(0, 1).unsqueeze(0).to(query.dtype)
+            v = value[start:stop].transpose(0, 1).unsqueeze(0).to(query.dtype)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            out[start:stop] = o[0].transpose(0, 1)
+        start = stop
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_cpu: tuple[int, ...],
+    scale: float,
+    chunk_bytes: int = DECODE_CHUNK_BYTES,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its paged K/V, vectorised over chunks of sequences.
+
+    query: [num_seqs, num_heads, head_dim]; key_cache, value_cache: [num_blocks, block_size,
+    num_kv_heads, head_dim] (any block stride); block_tables: [num_seqs, max_blocks] int32.
+    """
+    workspace = workspace if workspace is not None else Workspace()
+    num_seqs, head_dim = query.shape[0], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    token_bytes = 2 * num_kv_heads * head_dim * key_cache.element_size()
+    out = torch.empty_like(query)
+    start = 0
+    while start < num_seqs:
+        # Greedily grow the chunk while its padded K+V gather fits the byte budget.
+        stop, longest = start + 1, seq_lens_cpu[start]
+        while stop < num_seqs:
+            grown = max(longest, seq_lens_cpu[stop])
+            if (stop + 1 - start) * grown * token_bytes > chunk_bytes:
+                break
+            stop, longest = stop + 1, grown
+        out[start:stop] = _decode_chunk(
+            query[start:stop], key_cache, value_cache, block_tables[start:stop], seq_lens[start:stop],
+            seq_lens_cpu[start:stop], scale, workspace,
+        )
+        start = stop
+    return out
+
+
+def _decode_chunk(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_cpu: tuple[int, ...],
+    scale: float,
+    workspace: Workspace,
+) -> torch.Tensor:
+    n, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = -(-max(seq_lens_cpu) // block_size)
+    padded = num_blocks * block_size
+    index = block_tables[:, :num_blocks].reshape(-1).long()
+    # k, v: [n, padded, num_kv_heads, head_dim], token-major as gathered.
+    token_major = (n, padded, num_kv_heads, head_dim)
+    k = gather_blocks(key_cache, index, workspace.take("k", token_major, key_cache)).view(token_major)
+    v = gather_blocks(value_cache, index, workspace.take("v", token_major, value_cache)).view(token_major)
+    # Slots past seq_len hold whatever the block's last owner left, NaN included, and 0 * NaN is NaN:
+    # zero V's tails (only the padding is touched; scores are masked below).
+    for i, seq_len in enumerate(seq_lens_cpu):
+        if seq_len < padded:
+            v[i, seq_len:] = 0
+    # Head-major copies make both matmuls plain batched GEMMs: [n, num_kv_heads, padded, head_dim].
+    head_major = (n, num_kv_heads, padded, head_dim)
+    k = workspace.take("k_heads", head_major, query).copy_(k.transpose(1, 2))
+    v = workspace.take("v_heads", head_major, query).copy_(v.transpose(1, 2))
+    # q: [n, num_kv_heads, group, D] — a GQA group shares one K/V matrix, so no repeat_interleave.
+    q = query.view(n, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [n, H_kv, group, padded]
+    positions = torch.arange(padded, device=query.device)
+    pad = positions[None, :] >= seq_lens[:, None].to(positions.dtype)  # [n, padded]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    # Softmax in fp32 whatever the input dtype; probabilities go back to the K/V dtype for the GEMM.
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(n, num_heads, head_dim)
+
+
+class Workspace:
+    """Scratch buffers reused across chunks and calls.
+
+    Multi-MiB temporaries allocated per call go back to the OS on free and are page-faulted in again
+    on the next call (2-3x slower decode on CPU); recycling them avoids that. Not thread-safe: one
+    per backend instance, which one engine thread drives.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A ``[*shape]`` tensor with ``like``'s dtype and device; contents undefined."""
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel].view(shape)
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def gather_blocks(cache: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``cache[index]`` for a strided ``[num_blocks, ...]`` cache view, as a contiguous copy.
+
+    index_select beats advanced indexing ~4x on CPU, and reinterpreting the elements as a same-width
+    integer keeps it on its fast copy path (bf16 takes a path ~15x slower in torch 2.13). ``out``,
+    when given, must have the cache's dtype and hold ``len(index)`` blocks.
+    """
+    as_int = _SAME_WIDTH_INT[cache.element_size()]
+    if out is None:
+        return cache.view(as_int).index_select(0, index).view(cache.dtype)
+    out_int = out.view(as_int).view(len(index), *cache.shape[1:])
+    return torch.index_select(cache.view(as_int), 0, index, out=out_int).view(cache.dtype)
+
+
+def paged_extend_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Several new tokens per sequence over cached context + themselves, causal aligned to the end.
+
+    query: [num_tokens, num_heads, head_dim]. The new tokens' K/V must already be in the cache.
+    Query token i of a sequence sits at position context_len + i and sees positions <= that.
+    """
+    assert meta.block_tables is not None
+    block_size = key_cache.shape[1]
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        stop = start + q_len
+        if q_len:
+            k, v = _gather_sequence(key_cache, value_cache, meta.block_tables[i], seq_len, block_size)
+            context_len = seq_len - q_len
+            rows = torch.arange(q_len, device=query.device)[:, None] + context_len
+            cols = torch.arange(seq_len, device=query.device)[None, :]
+            mask = cols <= rows  # [q_len, seq_len], True = may attend
+            q = query[start:stop].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            o = F.scaled_dot_product_attention(
+                q,
+                k.transpose(0, 1).unsqueeze(0).to(query.dtype),
+                v.transpose(0, 1).unsqueeze(0).to(query.dtype),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start:stop] = o[0].transpose(0, 1)
+        start = stop
+    return out
+
+
+def _gather_sequence(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K/V, each [seq_len, num_kv_heads, head_dim], gathered through its table."""
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    k = gather_blocks(key_cache, blocks).flatten(0, 1)[:seq_len]
+    v = gather_blocks(value_cache, blocks).flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def reference_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The test oracle: token by token, in float64, reading the cache slot by slot.
+
+    query: [num_tokens, num_heads, head_dim]; returns the same shape and dtype. Every new token's
+    K/V must already be in the cache.
+    """
+    assert meta.block_tables is not None
+    block_size = key_cache.shape[1]
+    group = query.shape[1] // key_cache.shape[2]
+    tables = meta.block_tables.tolist()
+    out = torch.empty(query.shape, dtype=torch.float64)
+    token = 0
+    for table, q_len, seq_len in zip(tables, meta.query_lens_cpu, meta.seq_lens_cpu, strict=True):
+        for i in range(q_len):
+            position = seq_len - q_len + i
+            # Slots 0..position of this sequence: block table entry, then offset in the block.
+            blocks = [table[p // block_size] for p in range(position + 1)]
+            offsets = [p % block_size for p in range(position + 1)]
+            k = key_cache[blocks, offsets].double().repeat_interleave(group, dim=1)  # [pos+1, H, D]
+            v = value_cache[blocks, offsets].double().repeat_interleave(group, dim=1)
+            q = query[token].double()  # [H, D]
+            scores = torch.einsum("hd,khd->hk", q, k) * scale
+            out[token] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v)
+            token += 1
+    return out.to(query.dtype)
