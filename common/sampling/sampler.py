@@ -92,19 +92,9 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
-        params = [s.params for s in states]
         device = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=device)
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-        scaled = logits / temps.unsqueeze(1)
-
-        if any(p.top_k is not None or p.top_p < 1.0 for p in params):
-            scaled = _top_k_top_p(scaled, params)
-        probs = torch.softmax(scaled, dim=-1)
-        min_ps = torch.tensor([p.min_p for p in params], device=device)
-        if bool((min_ps > 0).any()):
-            threshold = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        greedy = torch.tensor([s.params.greedy for s in states], device=device)
+        probs = target_probs(logits, [s.params for s in states])  # [batch, vocab]
 
         # Exponential race, one generator per seeded request; unseeded rows share the global RNG.
         noise = torch.empty_like(probs)
@@ -139,6 +129,42 @@ class Sampler:
                 out_lp.append(chosen[i])
                 out_top.append(list(zip(top_ids_l[i][: p.logprobs], top_vals_l[i][: p.logprobs], strict=True)))
         return out_lp, out_top
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: temperature -> top-k -> top-p -> min-p, as ``Sampler`` does.
+
+    ``logits``: ``[batch, vocab]`` fp32, one row per entry of ``params``. Returns ``[batch, vocab]`` fp32
+    probabilities that sum to 1 per row; a greedy row (temperature 0) is a one-hot at its argmax.
+
+    Penalties and the ``min_tokens`` mask are *not* applied: they depend on the tokens generated so far,
+    so the caller applies them to ``logits`` first (``Sampler`` does). Speculative verification scores
+    several positions at once and does not, which is why the engine switches speculation off for requests
+    with penalties or whose ``min_tokens`` is not yet reached.
+    """
+    assert logits.dim() == 2 and logits.shape[0] == len(params)
+    device = logits.device
+    # Greedy rows are scaled by 1 here and replaced by a one-hot at the end.
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    scaled = logits / temps.unsqueeze(1)
+
+    if any(p.top_k is not None or p.top_p < 1.0 for p in params):
+        scaled = _top_k_top_p(scaled, params)
+    probs = torch.softmax(scaled, dim=-1)  # [batch, vocab]
+    min_ps = torch.tensor([p.min_p for p in params], device=device)
+    if bool((min_ps > 0).any()):
+        threshold = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        # The top token always survives (min_p <= 1), so every row keeps positive mass.
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        rows = torch.tensor(greedy, device=device)
+        one_hot = torch.zeros((len(greedy), logits.shape[1]), dtype=probs.dtype, device=device)
+        one_hot[torch.arange(len(greedy), device=device), logits[rows].argmax(dim=-1)] = 1.0
+        probs[rows] = one_hot
+    return probs
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
