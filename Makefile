@@ -8,6 +8,7 @@ PROMPT ?= Write a haiku about two GPUs working in tandem.
 
 venv:
 	@bash scripts/setup-venv.sh
+	@bash scripts/gen-protos.sh
 
 demo: venv
 	$(VENV)/bin/tandem generate --chat --max-tokens 96 --prompt "$(PROMPT)"
@@ -19,7 +20,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 typecheck: venv
-	$(VENV)/bin/mypy common kv_transfer prefill_service decode_service gateway tandem
+	$(VENV)/bin/mypy common kv_transfer prefill_service decode_service gateway tandem_cli
 
 bench-attention: venv
 	$(PY) -m benchmarks.bench_attention

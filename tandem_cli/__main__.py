@@ -1,5 +1,5 @@
 import sys
 
-from tandem.cli import main
+from tandem_cli.cli import main
 
 sys.exit(main())

@@ -44,45 +44,33 @@ def cmd_model_prepare(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from common.engine.simple_generator import SimpleGenerator
-    from common.model.loader import load_model
-    from common.model.model_store import resolve_model
+    from common.engine.llm import LLM
     from common.sampling.params import SamplingParams
-    from common.tokenizer import Tokenizer
 
     settings = _model_settings(args)
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
-    model_dir = resolve_model(settings.model, settings.home, progress=True)
-    tokenizer = Tokenizer(model_dir)
-    model = load_model(model_dir, settings.dtype, settings.device, settings.attention_backend)
+    llm = LLM(settings.model, dtype=settings.dtype, device=settings.device,
+              attention_backend=settings.attention_backend)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
-    if args.chat:
-        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    else:
-        prompt_ids = tokenizer.encode(args.prompt)
-
-    from common.detokenizer import IncrementalDetokenizer
-
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-    generator = SimpleGenerator(model)
+    prompt_ids = llm.encode(args.prompt, chat=args.chat)
     if not args.chat:
         sys.stdout.write(args.prompt)
     start = time.perf_counter()
     first: float | None = None
     count = 0
-    for token in generator.stream(prompt_ids, params, tokenizer.eos_token_ids):
+    for delta in llm.stream([prompt_ids], params):
         first = first or time.perf_counter()
-        count += 1
-        sys.stdout.write(detok.add([token]))
+        count += len(delta.token_ids)
+        sys.stdout.write(delta.text)
         sys.stdout.flush()
     end = time.perf_counter()
     sys.stdout.write("\n")
     decode_rate = (count - 1) / (end - first) if first and count > 1 else 0.0
     print(f"[{count} tokens, prompt {len(prompt_ids)} tokens, time to first token "
           f"{((first or end) - start) * 1000:.0f} ms, decode {decode_rate:.1f} tokens/s, "
-          f"dtype {next(model.parameters()).dtype}]", file=sys.stderr)
+          f"dtype {next(llm.model.parameters()).dtype}]", file=sys.stderr)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 
@@ -50,3 +51,35 @@ class SchedulerConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+class SpeculativeMethod(enum.Enum):
+    NONE = "none"
+    NGRAM = "ngram"  # prompt lookup: propose what followed the latest earlier match of the last n tokens
+    DRAFT_LAYERS = "draft_layers"  # the target's first L layers + final norm + LM head as the draft model
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: SpeculativeMethod = SpeculativeMethod.NONE
+    num_speculative_tokens: int = 4  # the most drafts per request per step (k)
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+    draft_layers: int = 8  # DRAFT_LAYERS: how many of the target's first layers draft
+    # Above this many decoding requests a step is compute-bound and speculation stops paying: switch it off.
+    max_batch_size: int = 8
+    adaptive: bool = True  # per-request k follows the observed acceptance rate
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.ngram_min_n < 1 or self.ngram_max_n < self.ngram_min_n:
+            raise ValueError(f"need 1 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n}, {self.ngram_max_n}")
+        if self.draft_layers < 1:
+            raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not SpeculativeMethod.NONE

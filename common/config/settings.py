@@ -43,6 +43,36 @@ class ModelSettings:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 
 
+@dataclass(frozen=True)
+class NodeSettings:
+    """A prefill or decode node: where it listens and how big its KV cache and batches are."""
+
+    host: str = "127.0.0.1"  # binding to other interfaces is an explicit choice
+    port: int = 0  # 0: pick a free port (printed at start-up)
+    node_id: str = ""  # "" -> "<role>-<port>"
+    kv_store_port: int = 0  # decode: the TCPStore KV pair groups rendezvous on (0: pick one)
+    num_blocks: int = 0  # 0: derive from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 512
+    enable_prefix_caching: bool = True
+    kv_timeout_s: float = 30.0  # how long a decode reservation waits for its KV; how long a push may take
+    grace_s: float = 5.0  # graceful shutdown: drain in-flight calls this long
+    metrics_port: int = 0  # Prometheus /metrics; 0: off
+
+    def __post_init__(self) -> None:
+        for name in ("port", "kv_store_port", "num_blocks", "metrics_port"):
+            if not 0 <= getattr(self, name) <= (65535 if "port" in name else 2**31):
+                raise ValueError(f"{name} out of range: {getattr(self, name)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_timeout_s <= 0 or self.grace_s < 0 or self.kv_cache_memory_gb <= 0:
+            raise ValueError("kv_timeout_s and kv_cache_memory_gb must be > 0, grace_s >= 0")
+
+
 def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 

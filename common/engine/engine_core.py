@@ -7,12 +7,13 @@ prefill and decode services subclass it with their KV-transfer hooks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.config.engine_config import CacheConfig, SchedulerConfig
+from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from common.engine.model_runner import ModelRunner, kv_cache_spec
 from common.engine.request import Request, RequestOutput
-from common.engine.scheduler import Scheduler
+from common.engine.scheduler import Scheduler, SchedulerOutput
 from common.errors import InvalidRequestError
 from common.kv.kv_cache_manager import KVCacheManager
 
@@ -25,17 +26,21 @@ class EngineCore:
     """Continuous batching with chunked prefill mixed into decode steps, over one paged KV cache."""
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig | None = None,
-                 scheduler: SchedulerConfig | None = None, prefill_only: bool = False) -> None:
+                 scheduler: SchedulerConfig | None = None, prefill_only: bool = False,
+                 speculative: SpeculativeConfig | None = None) -> None:
         cache = cache or CacheConfig()
         scheduler = scheduler or SchedulerConfig()
         spec = kv_cache_spec(model, cache.block_size)
         element_size = next(model.parameters()).element_size()
         num_blocks = cache.resolve_num_blocks(spec.bytes_per_block(element_size))
         self.model_config = model.config
-        self.max_model_len = scheduler.max_model_len or model.config.max_position_embeddings
+        # A sequence must fit in the cache on its own, or it could only ever preempt itself.
+        self.max_model_len = min(scheduler.max_model_len or model.config.max_position_embeddings,
+                                 num_blocks * cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, prefill_only=prefill_only)
-        self.runner = ModelRunner(model, cache.block_size, num_blocks)
+        self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, prefill_only=prefill_only,
+                                   speculative=speculative)
+        self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Caller mistakes become InvalidRequestError naming the field and the limit."""
@@ -65,14 +70,41 @@ class EngineCore:
         """One iteration: schedule -> run the model and sample -> append tokens and stop."""
         scheduled = self.scheduler.schedule()
         sampled = self.runner.execute(scheduled) if not scheduled.is_empty else None
+        self.on_kv_written(scheduled)
         outputs = self.scheduler.update(scheduled, sampled)
         for out in outputs:
             if out.finished:
                 self.runner.forget(out.request_id)
         return outputs
 
+    def on_kv_written(self, scheduled: SchedulerOutput) -> None:
+        """Called after each forward, once the scheduled chunks' KV is in the cache (a hook for KV transfer)."""
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_blocks=kv.pool.num_blocks, free_blocks=kv.num_free_blocks, used_blocks=kv.num_used_blocks,
+            block_size=kv.block_size, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.reserved),
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
 
 
 class ColocatedEngine(EngineCore):

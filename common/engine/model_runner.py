@@ -3,22 +3,31 @@
 Inputs are flat: the chunks' tokens laid end to end with their positions, one ``AttentionMetadata``
 describing the ragged batch, and logits computed only for the rows that sample (the last token of each
 chunk that reaches its request's end) — the LM head is the largest matmul of a small model.
+
+With speculative decoding, a decoding chunk with draft slots gets proposals (n-gram lookup, or the
+model's own first layers run autoregressively), the drafts ride along in the same forward, and the
+target's logits at every draft position are verified exactly (``common.spec_decode.rejection``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from common.attention.metadata import AttentionMetadata
+from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
+from common.engine.scheduler import StepResult
 from common.kv.kv_cache import KVCache, KVCacheSpec
-from common.sampling.sampler import RequestSamplingState, Sampler, SampleResult
+from common.sampling.sampler import RequestSamplingState, Sampler, target_probs
+from common.spec_decode.ngram import NgramProposer
+from common.spec_decode.rejection import verify
 
 if TYPE_CHECKING:
     from common.engine.request import Request
-    from common.engine.scheduler import SchedulerOutput
+    from common.engine.scheduler import ScheduledChunk, SchedulerOutput
     from common.model.llama import LlamaForCausalLM
 
 
@@ -32,13 +41,18 @@ def kv_cache_spec(model: LlamaForCausalLM, block_size: int) -> KVCacheSpec:
 class ModelRunner:
     """Owns the model, its paged KV tensors and the sampler."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size = block_size
         self.kv_cache = KVCache(kv_cache_spec(model, block_size), num_blocks, self.device)
         self.sampler = Sampler()
+        self.speculative = speculative or SpeculativeConfig()
+        self.ngram = NgramProposer(self.speculative.ngram_min_n, self.speculative.ngram_max_n)
         self._sampling: dict[str, RequestSamplingState] = {}
+        self.draft_seconds = 0.0  # time spent proposing (speculative decoding)
+        self.forward_seconds = 0.0  # time in the target's forward + sampling / verification
 
     def forget(self, request_id: str) -> None:
         """Drop per-request sampling state (seeded generator) of a request that ended."""
@@ -59,21 +73,106 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput,
-                layer_hook: Callable[[int], None] | None = None) -> SampleResult | None:
-        """Run the step's forward; return samples for the chunks that reach their request's end."""
+                layer_hook: Callable[[int], None] | None = None) -> StepResult | None:
+        """Run the step's forward; return tokens for the chunks that reach their request's end."""
         if output.block_copies:
             self.kv_cache.copy_blocks(output.block_copies)
-        hidden, meta = self.forward(output, layer_hook)
-        sample_rows = [end - 1 for end, chunk in zip(meta.query_start_loc.tolist()[1:], output.chunks, strict=True)
-                       if chunk.samples]
-        if not sample_rows:
+        start = time.perf_counter()
+        drafts, draft_probs = self._propose(output.chunks)
+        self.draft_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        hidden, meta = self.forward(output, layer_hook, drafts)
+        ends = meta.query_start_loc.tolist()[1:]
+        sampling = [i for i, c in enumerate(output.chunks) if c.samples]
+        if not sampling:
+            self.forward_seconds += time.perf_counter() - start
             return None
-        logits = self.model.compute_logits(hidden[sample_rows])
-        states = [self._sampling_state(c.request) for c in output.chunks if c.samples]
-        return self.sampler(logits, states)
+        if not any(drafts[i] for i in sampling):
+            logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sampling]])
+            result = StepResult.from_samples(
+                self.sampler(logits, [self._sampling_state(output.chunks[i].request) for i in sampling]))
+        else:
+            result = self._verify(output.chunks, sampling, drafts, draft_probs, hidden, ends)
+        self.forward_seconds += time.perf_counter() - start
+        return result
 
-    def forward(self, output: SchedulerOutput,
-                layer_hook: Callable[[int], None] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+    def _verify(self, chunks: list[ScheduledChunk], sampling: list[int], drafts: list[list[int]],
+                draft_probs: list[torch.Tensor | None], hidden: torch.Tensor, ends: list[int]) -> StepResult:
+        """Plain sampling for chunks without drafts, exact verification for the others, in chunk order."""
+        plain = [i for i in sampling if not drafts[i]]
+        spec = [i for i in sampling if drafts[i]]
+        tokens: dict[int, list[int]] = {}
+        logprobs: dict[int, list[tuple[float, list[tuple[int, float]]]] | None] = {}
+        accepted: dict[int, int] = {}
+        if plain:
+            logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in plain]])
+            sampled = StepResult.from_samples(
+                self.sampler(logits, [self._sampling_state(chunks[i].request) for i in plain]))
+            for j, i in enumerate(plain):
+                tokens[i], logprobs[i], accepted[i] = sampled.token_ids[j], sampled.logprobs[j], 0
+        # request i scores its last k_i + 1 positions: the token before the drafts and each draft
+        rows = [r for i in spec for r in range(ends[i] - len(drafts[i]) - 1, ends[i])]
+        result = verify(self.model.compute_logits(hidden[rows]), [drafts[i] for i in spec],
+                        [draft_probs[i] for i in spec], [self._sampling_state(chunks[i].request) for i in spec])
+        for j, i in enumerate(spec):
+            tokens[i], logprobs[i], accepted[i] = result.token_ids[j], None, result.num_accepted[j]
+        return StepResult([tokens[i] for i in sampling], [logprobs[i] for i in sampling],
+                          [len(drafts[i]) for i in sampling], [accepted[i] for i in sampling])
+
+    def _propose(self, chunks: list[ScheduledChunk]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Draft tokens (and their distributions, for a sampled draft) per chunk; [] without slots."""
+        drafts: list[list[int]] = [[] for _ in chunks]
+        probs: list[torch.Tensor | None] = [None] * len(chunks)
+        slots = [i for i, c in enumerate(chunks) if c.num_draft_slots]
+        if not slots:
+            return drafts, probs
+        method = self.speculative.method
+        if method is SpeculativeMethod.NGRAM:
+            for i in slots:
+                drafts[i] = self.ngram.propose(chunks[i].request.all_token_ids, chunks[i].num_draft_slots)
+        elif method is SpeculativeMethod.DRAFT_LAYERS:
+            self._draft_with_early_layers(chunks, slots, drafts, probs)
+        return drafts, probs
+
+    def _draft_with_early_layers(self, chunks: list[ScheduledChunk], slots: list[int],
+                                 drafts: list[list[int]], probs: list[torch.Tensor | None]) -> None:
+        """Run the first L layers autoregressively for k steps over the speculating requests.
+
+        The draft shares the target's paged cache: layers < L of the target *are* the draft, so the
+        context's KV is already there, and the draft writes its own tokens' KV into the reserved draft
+        slots, which the verification forward then overwrites (or truncation gives back).
+        """
+        bs = self.block_size
+        layers = min(self.speculative.draft_layers, self.model.config.num_layers)
+        active = list(slots)
+        step_probs: dict[int, list[torch.Tensor]] = {i: [] for i in slots}
+        last = {i: chunks[i].request.output_token_ids[-1] for i in slots}
+        for j in range(max(chunks[i].num_draft_slots for i in slots)):
+            active = [i for i in active if chunks[i].num_draft_slots > j]
+            if not active:
+                break
+            positions = [chunks[i].start + j for i in active]
+            tables = [chunks[i].block_ids[: p // bs + 1] for i, p in zip(active, positions, strict=True)]
+            meta = AttentionMetadata.build([1] * len(active), positions, tables, bs, self.device)
+            hidden = self.model(torch.tensor([last[i] for i in active], device=self.device),
+                                torch.tensor(positions, device=self.device), meta, self.kv_cache,
+                                num_layers=layers)
+            params = [chunks[i].request.params for i in active]
+            p = target_probs(self.model.compute_logits(hidden), params)
+            for row, i in enumerate(active):
+                state = self._sampling_state(chunks[i].request)
+                if params[row].greedy:
+                    token = int(p[row].argmax())
+                else:
+                    token = int(torch.multinomial(p[row], 1, generator=state.generator))
+                drafts[i].append(token)
+                step_probs[i].append(p[row])
+                last[i] = token
+        for i in slots:
+            probs[i] = torch.stack(step_probs[i]) if step_probs[i] else None
+
+    def forward(self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None = None,
+                drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
         """The forward alone: hidden states ``[num_tokens, hidden]`` and the batch metadata."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -81,11 +180,13 @@ class ModelRunner:
         context_lens: list[int] = []
         tables: list[list[int]] = []
         bs = self.block_size
-        for chunk in output.chunks:
-            end = chunk.start + chunk.num_tokens
-            input_ids.extend(chunk.request.token_slice(chunk.start, end))
+        for i, chunk in enumerate(output.chunks):
+            extra = drafts[i] if drafts else []
+            end = chunk.start + chunk.num_tokens + len(extra)
+            input_ids.extend(chunk.request.token_slice(chunk.start, chunk.start + chunk.num_tokens))
+            input_ids.extend(extra)
             positions.extend(range(chunk.start, end))
-            query_lens.append(chunk.num_tokens)
+            query_lens.append(end - chunk.start)
             context_lens.append(chunk.start)
             tables.append(chunk.block_ids[: -(-end // bs)])
         meta = AttentionMetadata.build(query_lens, context_lens, tables, bs, self.device)

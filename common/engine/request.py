@@ -40,6 +40,10 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Speculative decoding: running acceptance-rate estimate (drives adaptive k) and counters.
+    spec_acceptance: float = 0.6
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"

@@ -23,6 +23,7 @@ KV has landed). A preempted decode-node request is simply recomputed locally.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,24 +32,48 @@ from typing import TYPE_CHECKING
 from common.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 
 if TYPE_CHECKING:
-    from common.config.engine_config import SchedulerConfig
+    from common.config.engine_config import SchedulerConfig, SpeculativeConfig
     from common.kv.kv_cache_manager import Allocation, BlockCopy, KVCacheManager
     from common.sampling.sampler import SampleResult
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Compute tokens ``start .. start+num_tokens-1`` of ``request`` this step."""
+    """Compute tokens ``start .. start+num_tokens-1`` of ``request`` this step.
+
+    A decoding request may also get ``num_draft_slots`` KV slots after its token for speculative
+    decoding: the model runner fills them with up to that many proposed tokens and verifies them.
+    """
 
     request: Request
     start: int
     num_tokens: int
     block_ids: list[int]  # the request's whole block table
+    num_draft_slots: int = 0
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the request's last token, so the step samples the next one."""
         return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the model runner produced for the chunks that sample, in chunk order."""
+
+    token_ids: list[list[int]]  # one token, or with speculation: the accepted drafts + 1
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
+    num_drafts: list[int]  # drafts verified per chunk (0 without speculation)
+    num_accepted: list[int]
+
+    @staticmethod
+    def from_samples(sampled: SampleResult) -> StepResult:
+        n = len(sampled.token_ids)
+        logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] = [
+            None if lp is None else [(lp, top or [])]
+            for lp, top in zip(sampled.logprobs, sampled.top_logprobs, strict=True)
+        ]
+        return StepResult([[t] for t in sampled.token_ids], logprobs, [0] * n, [0] * n)
 
 
 @dataclass(frozen=True)
@@ -59,7 +84,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(c.num_tokens + c.num_draft_slots for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
@@ -68,8 +93,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 prefill_only: bool = False) -> None:
+                 prefill_only: bool = False, speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
+        self._pending_copies: list[BlockCopy] = []
+        self.num_spec_steps = 0  # request-steps that verified at least one draft
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.kv = kv
         self.max_model_len = max_model_len
         self.prefill_only = prefill_only
@@ -123,15 +153,17 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
 
+        speculate = self._speculation_on()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._chunk_size(request, budget)
-            if not self._grow(request, n, preempted):
+            k = self._num_drafts(request, budget - n) if speculate else 0
+            if not self._grow(request, n + k, preempted):
                 break  # `request` itself was preempted: everything after it already was
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, n,
-                                         self.kv.block_table(request.request_id)))
-            budget -= n
+                                         self.kv.block_table(request.request_id), k))
+            budget -= n + k
             i += 1
 
         # No admissions in a step that had to preempt: memory is short, let running requests finish.
@@ -146,37 +178,53 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, n,
                                          self.kv.block_table(request.request_id)))
             budget -= n
-        return SchedulerOutput(chunks, preempted)
+        copies, self._pending_copies = self._pending_copies, []
+        return SchedulerOutput(chunks, preempted, copies)
 
-    def update(self, output: SchedulerOutput, sampled: SampleResult | None) -> list[RequestOutput]:
+    def update(self, output: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
         """Account for a finished forward: advance computed tokens, append sampled tokens, stop."""
         outputs: list[RequestOutput] = []
         row = 0
         block_size = self.kv.block_size
         for chunk in output.chunks:
             request = chunk.request
-            before = request.num_computed_tokens
-            request.num_computed_tokens = before + chunk.num_tokens
-            if request.num_computed_tokens // block_size > before // block_size:
-                # A block just filled up: enter it in the prefix cache.
-                self.kv.commit(request.request_id, request.token_slice(0, request.num_computed_tokens))
             if not chunk.samples:
+                self._advance(request, chunk.num_tokens, block_size)
                 continue
-            assert sampled is not None
-            token = sampled.token_ids[row]
-            logprob = sampled.logprobs[row]
-            top = sampled.top_logprobs[row]
+            assert result is not None
+            tokens, accepted, drafts = result.token_ids[row], result.num_accepted[row], result.num_drafts[row]
+            logprobs = result.logprobs[row]
             row += 1
-            request.output_token_ids.append(token)
-            reason = request.check_stop(self.max_model_len)
+            # Accepted drafts' KV is valid; rejected drafts' slots are given back below.
+            self._advance(request, chunk.num_tokens + accepted, block_size)
+            if chunk.num_draft_slots:
+                self._account_speculation(request, drafts, accepted)
+                copies = self.kv.truncate(request.request_id, request.num_computed_tokens)
+                assert copies is not None  # shrinking never needs a free block
+                self._pending_copies.extend(copies)
+            new_tokens: list[int] = []
+            reason = None
+            for token in tokens:
+                request.output_token_ids.append(token)
+                new_tokens.append(token)
+                reason = request.check_stop(self.max_model_len)
+                if reason is not None:
+                    break  # tokens after a stop are dropped, as if never generated
             if reason is not None or self.prefill_only:
                 self._finish(request, reason)
             outputs.append(RequestOutput(
-                request.request_id, [token], request.is_finished, reason,
-                logprobs=None if logprob is None else [(logprob, top or [])],
+                request.request_id, new_tokens, request.is_finished, reason,
+                logprobs=None if logprobs is None else logprobs[: len(new_tokens)],
                 num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
             ))
         return outputs
+
+    def _advance(self, request: Request, num_tokens: int, block_size: int) -> None:
+        before = request.num_computed_tokens
+        request.num_computed_tokens = before + num_tokens
+        if request.num_computed_tokens // block_size > before // block_size:
+            # A block just filled up: enter it in the prefix cache.
+            self.kv.commit(request.request_id, request.token_slice(0, request.num_computed_tokens))
 
     # ---- ending ----------------------------------------------------------------------------------
 
@@ -211,6 +259,41 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- speculative decoding ----------------------------------------------------------------------
+
+    def _speculation_on(self) -> bool:
+        """Speculate only while the batch is small: a big decode batch is compute-bound already."""
+        if self.speculative is None:
+            return False
+        decoding = sum(1 for r in self.running if r.num_computed_tokens == r.num_tokens - 1)
+        return 0 < decoding <= self.speculative.max_batch_size
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """How many draft slots a decoding request gets this step (0: plain decode)."""
+        spec = self.speculative
+        p = request.params
+        if (spec is None or request.num_computed_tokens != request.num_tokens - 1 or not p.can_speculate
+                or len(request.output_token_ids) < p.min_tokens):
+            return 0
+        k = p.num_speculative_tokens if p.num_speculative_tokens is not None else spec.num_speculative_tokens
+        if spec.adaptive:
+            # With per-token acceptance a, a run of accepted drafts is a/(1-a) long on average: draft a bit more.
+            a = min(request.spec_acceptance, 0.95)
+            k = min(k, max(1, math.ceil(a / (1 - a)) + 1))
+        # No drafts past the end: the last token is the target's own.
+        remaining = min(p.max_tokens - len(request.output_token_ids), self.max_model_len - request.num_tokens) - 1
+        return max(0, min(k, remaining, budget))
+
+    def _account_speculation(self, request: Request, drafts: int, accepted: int) -> None:
+        if drafts == 0:
+            return
+        request.num_draft_tokens += drafts
+        request.num_accepted_tokens += accepted
+        request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * (accepted / drafts)
+        self.num_spec_steps += 1
+        self.num_draft_tokens += drafts
+        self.num_accepted_tokens += accepted
 
     # ---- internals -------------------------------------------------------------------------------
 

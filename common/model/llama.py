@@ -92,14 +92,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_cache: KVCache | None = None,
         layer_hook: Callable[[int], None] | None = None,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden].
 
         ``layer_hook(i)`` runs right after layer ``i`` has written its K/V into ``kv_cache``: KV transfer
-        uses it to start sending a layer while the next ones compute.
+        uses it to start sending a layer while the next ones compute. ``num_layers`` runs only the first
+        layers (then the final norm): the target's early layers as its own draft model.
         """
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for i, layer in enumerate(layers):
             x = layer(positions, x, meta, kv_cache)
             if layer_hook is not None:
                 layer_hook(i)

@@ -8,6 +8,7 @@ from common.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+MAX_SPECULATIVE_TOKENS = 16
 
 
 class SamplingParamsError(InvalidRequestError):
@@ -34,6 +35,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return beside the sampled token
+    # Speculative tokens per step for this request: None = the deployment's setting, 0 = off.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
@@ -55,10 +58,18 @@ class SamplingParams:
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "ids must be >= 0")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"must be in [0, {MAX_LOGPROBS}] (or unset), got {self.logprobs}")
+        _check(self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+               "num_speculative_tokens",
+               f"must be in [0, {MAX_SPECULATIVE_TOKENS}] (or unset), got {self.num_speculative_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def can_speculate(self) -> bool:
+        """Verification scores several positions at once, so history-dependent processing rules it out."""
+        return not self.has_penalties and self.logprobs is None and self.num_speculative_tokens != 0
 
     @property
     def has_penalties(self) -> bool:

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("gateway", "prefill_service", "decode_service", "kv_transfer", "tandem")
+SERVICES = ("gateway", "prefill_service", "decode_service", "kv_transfer", "tandem_cli")
 
 
 def _imports(package: str) -> dict[Path, set[str]]:
@@ -38,12 +38,12 @@ def test_common_imports_no_service() -> None:
 
 
 def test_kv_transfer_imports_no_service() -> None:
-    assert _violations("kv_transfer", {"gateway", "prefill_service", "decode_service", "tandem"}) == []
+    assert _violations("kv_transfer", {"gateway", "prefill_service", "decode_service", "tandem_cli"}) == []
 
 
 def test_services_do_not_import_each_other() -> None:
-    assert _violations("prefill_service", {"decode_service", "gateway", "tandem"}) == []
-    assert _violations("decode_service", {"prefill_service", "gateway", "tandem"}) == []
+    assert _violations("prefill_service", {"decode_service", "gateway", "tandem_cli"}) == []
+    assert _violations("decode_service", {"prefill_service", "gateway", "tandem_cli"}) == []
 
 
 def test_pure_python_scheduling_modules_import_no_torch() -> None:

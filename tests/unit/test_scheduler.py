@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from common.config.engine_config import SchedulerConfig
 from common.engine.request import FinishReason, Request, RequestStatus
-from common.engine.scheduler import Scheduler, SchedulerOutput
+from common.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from common.kv.kv_cache_manager import KVCacheManager
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampleResult
@@ -26,9 +26,9 @@ def plan(out: SchedulerOutput) -> list[tuple[str, int, int]]:
     return [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
 
 
-def fake_sample(out: SchedulerOutput, token: int = 7) -> SampleResult:
+def fake_sample(out: SchedulerOutput, token: int = 7) -> StepResult:
     n = sum(c.samples for c in out.chunks)
-    return SampleResult([token] * n, [None] * n, [None] * n)
+    return StepResult.from_samples(SampleResult([token] * n, [None] * n, [None] * n))
 
 
 def step(s: Scheduler, token: int = 7) -> list[tuple[str, int, int]]:

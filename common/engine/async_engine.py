@@ -1,0 +1,160 @@
+"""Runs an engine in its own thread and talks to asyncio servicers through queues.
+
+The engine thread owns the engine outright: every mutation (add, abort, reserve, release...) is a
+command queued to it and applied between steps, so the scheduler and block pool need no locks. Outputs
+go back to per-request ``asyncio.Queue``s on the servicer's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from common.engine.request import FinishReason, RequestOutput
+
+if TYPE_CHECKING:
+    from common.engine.engine_core import EngineCore
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# How long the idle engine thread sleeps waiting for a command before re-checking for shutdown.
+_IDLE_POLL_S = 0.05
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread crashed; every pending request fails with this."""
+
+
+class AsyncEngine:
+    """An ``EngineCore`` driven by a background thread, with an async API."""
+
+    def __init__(self, engine: EngineCore, name: str = "engine") -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self.step_hooks: list[Callable[[list[RequestOutput]], None]] = []
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- async API -------------------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread between steps and return its result."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except Exception as exc:  # delivered to the awaiting coroutine
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._commands.put(run)
+        return await future
+
+    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | Exception]:
+        """Register a queue that receives every output of ``request_id`` (call before it can produce any)."""
+        q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def stream(self, request_id: str,
+                     q: asyncio.Queue[RequestOutput | Exception]) -> AsyncIterator[RequestOutput]:
+        """Yield outputs until the request finishes. If the consumer stops early, the request is aborted."""
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.close_stream(request_id)
+            if not finished:
+                self.submit(lambda: self.engine.abort(request_id))
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Fire-and-forget a command on the engine thread (safe from any thread)."""
+        self._commands.put(fn)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine thread failed: {self._error!r}")
+
+    # ---- engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    self._deliver(outputs)
+                    for hook in self.step_hooks:
+                        hook(outputs)
+        except BaseException as exc:  # the thread must report, not vanish
+            log.exception("engine thread crashed")
+            self._error = exc
+            for rid in list(self._streams):
+                self._push(rid, EngineDeadError(f"engine thread failed: {exc!r}"))
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            cmd()
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._push(out.request_id, out)
+
+    def _push(self, request_id: str, item: RequestOutput | Exception) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+
+def aborted_output(request_id: str) -> RequestOutput:
+    return RequestOutput(request_id, [], True, FinishReason.ABORT)
+
+
+def _set_result(future: asyncio.Future[T], value: T) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,176 @@
+"""Start a ``grpc.aio`` server the way every Tandem service runs: status interceptor, health, reflection,
+graceful shutdown on SIGINT/SIGTERM.
+
+Shutdown order: health goes NOT_SERVING (so launchers and balancers stop sending), the server stops
+accepting RPCs, in-flight RPCs get ``grace_s`` to finish and are cancelled after it, then the shutdown
+hooks run (close channels, stop engine loops, flush exporters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.serving.channel import format_address, open_channel
+from common.serving.status import StatusInterceptor
+
+log = logging.getLogger(__name__)
+
+ServicerAdder = Callable[[grpc.aio.Server], None]
+ShutdownHook = Callable[[], Awaitable[None]]
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
+    # Without this, two servers can silently share a port (Linux SO_REUSEPORT) and split the traffic.
+    ("grpc.so_reuseport", 0),
+    # Accept the keepalive pings of common.serving.channel's clients, even during a long silent RPC.
+    ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+)
+
+
+@dataclass
+class RunningServer:
+    """A started server; ``stop`` shuts it down gracefully and is safe to call more than once."""
+
+    server: grpc.aio.Server
+    health: Any  # grpc_health.v1.health.aio.HealthServicer
+    host: str
+    port: int
+    service_names: tuple[str, ...]
+    _hooks: list[ShutdownHook] = field(default_factory=list)
+    _stopping: bool = False
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` that clients dial (the bound port when 0 was asked for)."""
+        return format_address(self.host, self.port)
+
+    def add_shutdown_hook(self, hook: ShutdownHook) -> None:
+        """Run ``hook`` after the server stopped; hooks run in reverse order of registration."""
+        self._hooks.append(hook)
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report every service (and the server as a whole) SERVING or NOT_SERVING."""
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop gracefully: NOT_SERVING, refuse new RPCs, drain in-flight ones up to ``grace_s``, stop."""
+        if self._stopping:
+            # A second stop (a second Ctrl-C) may shorten the grace period; gRPC honours the smaller one.
+            await self.server.stop(grace_s)
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        try:
+            await self.health.enter_graceful_shutdown()
+            await self.server.stop(grace_s)
+            for hook in reversed(self._hooks):
+                try:
+                    await hook()
+                except Exception:
+                    log.exception("shutdown hook %r failed", hook)
+        finally:
+            self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        """Return once ``stop`` has finished."""
+        await self._stopped.wait()
+
+
+async def start_server(
+    servicer_adders: Sequence[ServicerAdder],
+    service_names: Sequence[str],
+    host: str,
+    port: int,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
+    options: Sequence[tuple[str, Any]] = (),
+) -> RunningServer:
+    """Build, bind and start a server hosting the given services plus health and reflection.
+
+    ``servicer_adders`` are the generated ``add_XServicer_to_server`` functions bound to their servicer
+    (e.g. ``functools.partial(add_TandemServicer_to_server, servicer)``); ``service_names`` are the full
+    names (``tandem.v1.Tandem``) reported by health and reflection. ``interceptors`` default to one
+    ``StatusInterceptor()``; the first interceptor is the outermost. ``port`` 0 picks a free port.
+    """
+    if interceptors is None:
+        interceptors = [StatusInterceptor()]
+    merged_options = dict(SERVER_OPTIONS)
+    merged_options.update(options)
+    server = grpc.aio.server(interceptors=list(interceptors), options=list(merged_options.items()))
+    for add in servicer_adders:
+        add(server)
+
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(service_names)
+    for name in ("", *names):
+        await health_servicer.set(name, SERVING)
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    address = format_address(host, port)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # recent grpcio raises; older ones return 0
+        raise OSError(f"cannot listen on {address}: port in use or not a local address ({exc})") from None
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}: port in use or not a local address")
+    await server.start()
+    log.info("serving %s on %s", ", ".join(names), format_address(host, bound))
+    return RunningServer(server=server, health=health_servicer, host=host, port=bound, service_names=names)
+
+
+def install_signal_handlers(running: RunningServer, grace_s: float) -> None:
+    """On SIGINT/SIGTERM stop ``running`` gracefully; a second signal stops it at once.
+
+    Call from inside the running event loop (asyncio's signal handlers need the main thread).
+    """
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()  # keep references: the loop holds tasks only weakly
+
+    def on_signal(signum: int) -> None:
+        grace = 0.0 if tasks else grace_s
+        log.info("received %s; stopping (grace %.1f s)", signal.Signals(signum).name, grace)
+        task = loop.create_task(running.stop(grace))
+        tasks.add(task)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+async def serve_until_signal(running: RunningServer, grace_s: float) -> None:
+    """Install the signal handlers and return once the server has stopped."""
+    install_signal_handlers(running, grace_s)
+    await running.wait_for_termination()
+
+
+async def wait_for_health(target: str, timeout_s: float, service: str = "") -> None:
+    """Return once ``target`` reports ``service`` SERVING; raise ``TimeoutError`` after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last = "no answer"
+    async with open_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while (remaining := deadline - loop.time()) > 0:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                         timeout=min(remaining, 1.0), wait_for_ready=True)
+                if reply.status == SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0.0)))
+    raise TimeoutError(f"{target} did not report {service or 'the server'} SERVING within {timeout_s:g} s ({last})")

@@ -1,0 +1,249 @@
+"""One request across two nodes: reserve on a decode node, prefill into the reservation, relay the tokens.
+
+    client ── Generate ──> gateway
+                             ├─ Decode.Generate ──> decode node: Reservation, then TokenDeltas
+                             └─ Prefill.Prefill ──> prefill node: pushes KV into the reservation,
+                                                    answers with the first token
+The first token goes to the client as soon as the prefill answers; the decode stream is read by its own
+task into a queue, so the decode node never waits for a slow client, and each client message carries
+everything that queued up since the previous one. Whatever ends the request (its end, a stop string,
+a failure, the client's cancel, a deadline) cancels whichever leg is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable
+from dataclasses import dataclass
+from typing import TypeAlias, TypeVar
+
+import grpc
+
+from common.kv.block_hash import hash_prompt_blocks
+from common.protocol import sampling_to_proto
+from common.serving.errors import DeadlineExceededError, ServiceError, UnavailableError
+from gateway.model import ServedModel
+from gateway.node_pool import NodePool
+from gateway.output import OutputChunk, OutputProcessor, Timings, Usage
+from gateway.request import GatewayRequest
+from gateway.router import NodeState, Router
+from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A node's status that means the same to our client, passed on as it is; other codes become INTERNAL.
+_PASSED_ON = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION})
+
+
+class _StreamEnd:
+    """Queued after the decode stream's last message."""
+
+
+_QueueItem: TypeAlias = decode_pb2.DecodeResponse | _StreamEnd | grpc.aio.AioRpcError
+_Reader: TypeAlias = asyncio.Task[grpc.aio.AioRpcError | None]  # the decode stream's reader: the error that ended it
+
+
+@dataclass
+class _DecodeLeg:
+    node: NodeState
+    call: grpc.aio.UnaryStreamCall
+    reservation: decode_pb2.Reservation
+
+
+class Coordinator:
+    """Runs Generate requests over the nodes of one ``Router``; shared by all requests."""
+
+    def __init__(self, model: ServedModel, router: Router, pool: NodePool, block_size: int,
+                 kv_timeout_s: float) -> None:
+        self._model = model
+        self._router = router
+        self._pool = pool
+        self._block_size = block_size
+        self._kv_timeout_s = kv_timeout_s
+
+    async def generate(self, req: GatewayRequest, arrival: float, deadline: float,
+                       ) -> AsyncGenerator[OutputChunk, None]:
+        """Yield the request's output chunks; the last one carries finish reason, usage and timings.
+
+        ``arrival`` and ``deadline`` are ``time.monotonic()`` values; the deadline is passed on to both
+        nodes. Raises ``ServiceError`` subclasses when a node fails or none is reachable.
+        """
+        block_hashes = hash_prompt_blocks(req.prompt_token_ids, self._block_size)
+        decode = await self._reserve(req, deadline, num_prompt_blocks=len(req.prompt_token_ids) // self._block_size)
+        queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
+        reader = asyncio.create_task(_read_decode_stream(decode.call, queue), name=f"decode-{req.request_id}")
+        decode_done = False  # the decode node sent its finish reason: its call ends by itself
+        try:
+            prefill_node, reply, prefill_started = await self._prefill(req, decode, reader, block_hashes, deadline)
+            out = OutputProcessor(self._model.tokenizer, req.prompt_token_ids, req.stop, req.include_stop_string)
+            chunk = OutputChunk()
+            out.add(chunk, [reply.first_token], [reply.first_logprob] if reply.HasField("first_logprob") else [])
+            first_token_time = time.monotonic()
+            if not out.finished:
+                yield chunk  # at once, even when its text is held back: this is the time to first token
+            while not out.finished:
+                chunk = OutputChunk()
+                items = [await queue.get()]
+                while not queue.empty():  # coalesce whatever arrived while the previous message was written
+                    items.append(queue.get_nowait())
+                for item in items:
+                    delta = self._delta(item, decode)
+                    decode_done = delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                    out.add(chunk, delta.token_ids, delta.logprobs, delta.finish_reason or None)
+                    if out.finished:
+                        break
+                if not out.finished and _visible(chunk, req):
+                    yield chunk
+            if not decode_done:  # a stop string ended it: abort the rest on the decode node now
+                decode.call.cancel()
+            chunk.usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=out.num_tokens,
+                                cached_tokens=reply.num_cached_tokens)
+            chunk.timings = Timings(
+                queue_seconds=prefill_started - arrival + reply.queue_seconds,
+                time_to_first_token=first_token_time - arrival,
+                e2e_seconds=time.monotonic() - arrival,
+                kv_transfer_seconds=reply.transfer_seconds,
+                kv_transfer_bytes=reply.transfer_bytes,
+                prefill_node=prefill_node.node_id,
+                decode_node=decode.reservation.node_id or decode.node.node_id,
+            )
+            yield chunk
+        finally:
+            # Runs on success, failure, client cancel and deadline alike: nothing is left running.
+            if not decode_done:
+                reader.cancel()
+                decode.call.cancel()
+            decode.node.end()
+
+    def _delta(self, item: _QueueItem, decode: _DecodeLeg) -> decode_pb2.TokenDelta:
+        if isinstance(item, grpc.aio.AioRpcError):
+            raise self._node_error("decode", decode.node, item)
+        if isinstance(item, _StreamEnd) or not item.HasField("delta"):
+            what = "ended its stream" if isinstance(item, _StreamEnd) else "sent a second reservation"
+            raise ServiceError(f"decode node {decode.node.target} {what} before a finish reason")
+        return item.delta
+
+    async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int) -> _DecodeLeg:
+        """Open a decode stream and read its reservation; a node that cannot be reached is replaced once."""
+        request = decode_pb2.DecodeRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_to_proto(req.sampling), eos_token_ids=self._model.eos_token_ids,
+            kv_timeout_seconds=min(self._kv_timeout_s, _remaining(deadline)),
+        )
+        tried: list[str] = []
+        while True:
+            node = self._router.pick_decode(num_prompt_blocks, exclude=tried)
+            if node is None:
+                raise UnavailableError(f"no reachable decode node (targets: {', '.join(self._router.decode)})")
+            tried.append(node.target)
+            call = self._pool.decode(node.target).Generate(request, timeout=_remaining(deadline))
+            node.begin()
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                node.end()
+                error = self._node_error("decode", node, exc)
+                if len(tried) == 1 and self._never_reached(node, exc):
+                    log.warning("%s: %s; trying another decode node", req.request_id, error)
+                    continue
+                raise error from None
+            except BaseException:
+                call.cancel()
+                node.end()
+                raise
+            if first is grpc.aio.EOF or not first.HasField("reservation"):
+                call.cancel()
+                node.end()
+                raise ServiceError(f"decode node {node.target} answered without a reservation")
+            return _DecodeLeg(node, call, first.reservation)
+
+    async def _prefill(self, req: GatewayRequest, decode: _DecodeLeg, reader: _Reader,
+                       block_hashes: list[bytes], deadline: float,
+                       ) -> tuple[NodeState, prefill_pb2.PrefillResponse, float]:
+        """Prefill into the reservation; a node that cannot be reached is replaced once (the reservation
+        stays valid: nothing was written into it). Returns the node, its answer and when it was called."""
+        r = decode.reservation
+        request = prefill_pb2.PrefillRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_to_proto(req.sampling), eos_token_ids=self._model.eos_token_ids,
+            destination=prefill_pb2.KVDestination(kv_endpoint=r.kv_endpoint, node_id=r.node_id,
+                                                  transfer_id=r.transfer_id, block_ids=r.block_ids,
+                                                  num_cached_tokens=r.num_cached_tokens),
+        )
+        tried: list[str] = []
+        while True:
+            node = self._router.pick_prefill(block_hashes, exclude=tried)
+            if node is None:
+                raise UnavailableError(f"no reachable prefill node (targets: {', '.join(self._router.prefill)})")
+            tried.append(node.target)
+            node.begin()
+            started = time.monotonic()
+            try:
+                call = self._pool.prefill(node.target).Prefill(request, timeout=_remaining(deadline))
+                return node, await self._unless_decode_fails(call, reader, decode), started
+            except grpc.aio.AioRpcError as exc:
+                error = self._node_error("prefill", node, exc)
+                if len(tried) == 1 and self._never_reached(node, exc):
+                    log.warning("%s: %s; trying another prefill node", req.request_id, error)
+                    continue
+                raise error from None
+            finally:
+                node.end()
+
+    async def _unless_decode_fails(self, awaitable: Awaitable[T], reader: _Reader,
+                                   decode: _DecodeLeg) -> T:
+        """Await ``awaitable``, but give up (cancelling it) as soon as the decode stream fails."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            done, _ = await asyncio.wait({task, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done and (failure := reader.result()) is not None:
+                raise self._node_error("decode", decode.node, failure)
+            # Otherwise the decode stream ended cleanly (a request that finished at its first token).
+            return await task
+        finally:
+            task.cancel()
+
+    def _never_reached(self, node: NodeState, exc: grpc.aio.AioRpcError) -> bool:
+        return exc.code() == grpc.StatusCode.UNAVAILABLE and not self._pool.is_connected(node.target)
+
+    def _node_error(self, role: str, node: NodeState, exc: grpc.aio.AioRpcError) -> ServiceError:
+        """The status our client gets for a node's failure; an unreachable node is taken out of routing."""
+        code, what = exc.code(), f"{role} node {node.target}"
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            if not self._pool.is_connected(node.target):
+                self._router.mark_unreachable(node.target)
+            return UnavailableError(f"{what} unavailable: {exc.details()}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DeadlineExceededError(f"{what} did not finish before the request's deadline")
+        if code in _PASSED_ON:
+            return ServiceError(f"{what}: {exc.details()}", code)
+        return ServiceError(f"{what} failed: {code.name}: {exc.details()}")
+
+
+def _visible(chunk: OutputChunk, req: GatewayRequest) -> bool:
+    """Whether the client would see anything in ``chunk`` (text may be held back for a stop string)."""
+    return bool((chunk.text and not req.skip_text) or (chunk.token_ids and req.include_token_ids) or chunk.logprobs)
+
+
+async def _read_decode_stream(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue[_QueueItem],
+                              ) -> grpc.aio.AioRpcError | None:
+    """Move the decode stream's messages into ``queue``; return (and queue) the error that ended it, if any."""
+    try:
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            queue.put_nowait(msg)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.CANCELLED or not call.cancelled():  # not our own cancel
+            queue.put_nowait(exc)
+            return exc
+        return None
+    queue.put_nowait(_StreamEnd())
+    return None
+
+
+def _remaining(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)

@@ -1,0 +1,87 @@
+"""The gateway's connections to its nodes, and the loop that polls their load into the router."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from common.serving.channel import open_channel
+from gateway.router import NodeLoad, Router
+from tandem.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def load_from_proto(stats: common_pb2.NodeStats) -> NodeLoad:
+    return NodeLoad(node_id=stats.node_id, num_blocks=stats.num_blocks, free_blocks=stats.free_blocks,
+                    num_running=stats.num_running, num_waiting=stats.num_waiting, block_size=stats.block_size)
+
+
+class NodePool:
+    """One channel per node (gRPC multiplexes every request over it) and the stats poller."""
+
+    def __init__(self, router: Router, stats_interval_s: float, block_size: int) -> None:
+        self._router = router
+        self._interval = stats_interval_s
+        self._block_size = block_size
+        self._channels = {t: open_channel(t) for t in (*router.prefill, *router.decode)}
+        self._prefill = {t: prefill_pb2_grpc.PrefillStub(self._channels[t]) for t in router.prefill}
+        self._decode = {t: decode_pb2_grpc.DecodeStub(self._channels[t]) for t in router.decode}
+        self._poller: asyncio.Task[None] | None = None
+        self._warned: set[str] = set()
+
+    def prefill(self, target: str) -> prefill_pb2_grpc.PrefillStub:
+        return self._prefill[target]
+
+    def decode(self, target: str) -> decode_pb2_grpc.DecodeStub:
+        return self._decode[target]
+
+    def is_connected(self, target: str) -> bool:
+        """Whether the channel holds a live connection. A call that failed UNAVAILABLE on a channel
+        that is not READY never reached the node (or the node died): the node is down, not the request."""
+        return self._channels[target].get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+
+    async def start(self) -> None:
+        """Poll once (so the first requests are routed on real load), then keep polling in the background."""
+        await self.poll_once()
+        self._poller = asyncio.create_task(self._poll_forever(), name="gateway-stats-poller")
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        await asyncio.gather(*(channel.close() for channel in self._channels.values()))
+
+    async def poll_once(self) -> None:
+        """Ask every node for its Stats at once; a node that does not answer is marked unreachable."""
+        await asyncio.gather(*(self._poll(t, self._prefill[t].Stats) for t in self._prefill),
+                             *(self._poll(t, self._decode[t].Stats) for t in self._decode))
+
+    async def _poll(self, target: str, stats_rpc: grpc.aio.UnaryUnaryMultiCallable) -> None:
+        try:
+            stats = await stats_rpc(common_pb2.StatsRequest(), timeout=min(self._interval, 2.0))
+        except grpc.aio.AioRpcError as exc:
+            if self._router.node(target).reachable:
+                log.warning("node %s unreachable: %s %s", target, exc.code().name, exc.details())
+            self._router.mark_unreachable(target)
+            return
+        if stats.block_size and stats.block_size != self._block_size and target not in self._warned:
+            # Prefix affinity hashes blocks of block_size tokens; a mismatch only weakens affinity.
+            self._warned.add(target)
+            log.warning("node %s uses block_size %d, the gateway %d: prefix affinity will miss",
+                        target, stats.block_size, self._block_size)
+        if not self._router.node(target).reachable:
+            log.info("node %s reachable again", target)
+        self._router.update(target, load_from_proto(stats))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.poll_once()
+            except Exception:  # never let one odd answer stop routing updates
+                log.exception("stats poll failed")

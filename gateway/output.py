@@ -1,0 +1,91 @@
+"""Turn generated token ids into what the client sees: text deltas, stop strings, finish, usage, timings.
+
+Token logprobs stay ``TokenLogprob`` protos: the gateway relays them from the nodes to the client untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from common.detokenizer import IncrementalDetokenizer
+from common.tokenizer import Tokenizer
+from gateway.stop_strings import StopStringMatcher
+from tandem.v1 import common_pb2
+
+FinishReason = common_pb2.FinishReason
+FINISH_STOP = common_pb2.FINISH_REASON_STOP
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens the prefill node did not recompute (its prefix cache)
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_seconds: float  # gateway admission to the start of the prefill compute
+    time_to_first_token: float  # gateway admission to the first token handed to gRPC
+    e2e_seconds: float
+    kv_transfer_seconds: float
+    kv_transfer_bytes: int
+    prefill_node: str
+    decode_node: str
+
+
+@dataclass
+class OutputChunk:
+    """One message to the client: everything produced since the previous one (several engine steps when
+    the client reads slower than the engine generates). ``finish_reason`` is set on the last one only."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_string: str = ""
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class OutputProcessor:
+    """Detokenizes incrementally and applies stop strings for one request."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 include_stop_string: bool = False) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, list(prompt_token_ids))
+        self._matcher = StopStringMatcher(stop, include_stop_string) if stop else None
+        self.num_tokens = 0  # completion tokens, up to the one that completed a stop string
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, chunk: OutputChunk, token_ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprob] = (),
+            finish_reason: FinishReason | None = None) -> None:
+        """Append new tokens (and the engine's finish reason, if this is its last delta) to ``chunk``.
+
+        A stop string ends the generation at the token that completed it; later tokens are dropped.
+        """
+        assert not self.finished, "tokens after the generation finished"
+        for i, token_id in enumerate(token_ids):
+            self.num_tokens += 1
+            chunk.token_ids.append(token_id)
+            if i < len(logprobs):
+                chunk.logprobs.append(logprobs[i])
+            piece = self._detok.add([token_id])
+            if self._matcher is None:
+                chunk.text += piece
+                continue
+            emit, stop = self._matcher.feed(piece)
+            chunk.text += emit
+            if stop is not None:
+                self.finish_reason = chunk.finish_reason = FINISH_STOP
+                chunk.stop_string = stop
+                return
+        if finish_reason:
+            if self._matcher is not None:
+                chunk.text += self._matcher.flush()
+            self.finish_reason = chunk.finish_reason = finish_reason

@@ -1,0 +1,149 @@
+"""Which decode node reserves a request and which prefill node computes it. Pure logic, no I/O.
+
+Load comes from two places: each node's last ``Stats`` (polled by ``NodePool``; it also counts requests
+from other gateways) and the gateway's own in-flight count (exact and current, where polls are up to one
+interval old). A node's queue depth is the larger of the two, so neither is counted twice.
+
+Decode: nodes whose free blocks fit the prompt first, then the shallowest queue, then the most free
+blocks, then the order of the targets. Prefill: the node that last computed the longest prefix of this
+prompt (its prefix cache probably still holds it), unless its queue is more than ``affinity_load_slack``
+deeper than the shallowest one; otherwise the shallowest queue.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from common.kv.block_hash import BlockHash
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """A node's ``Stats`` answer, as the router uses it."""
+
+    node_id: str
+    num_blocks: int
+    free_blocks: int
+    num_running: int
+    num_waiting: int
+    block_size: int
+
+
+@dataclass(eq=False)
+class NodeState:
+    """What the router knows about one node."""
+
+    target: str  # host:port
+    index: int  # position in the configured targets: the last tie-break, so choices are deterministic
+    load: NodeLoad | None = None  # None until the first successful poll
+    reachable: bool = True  # optimistic until a poll or a call fails to connect
+    inflight: int = 0  # this gateway's requests on the node right now
+
+    @property
+    def node_id(self) -> str:
+        return self.load.node_id if self.load is not None and self.load.node_id else self.target
+
+    @property
+    def queue_depth(self) -> int:
+        polled = self.load.num_running + self.load.num_waiting if self.load is not None else 0
+        return max(self.inflight, polled)
+
+    def begin(self) -> None:
+        self.inflight += 1
+
+    def end(self) -> None:
+        assert self.inflight > 0, f"{self.target}: end() without begin()"
+        self.inflight -= 1
+
+
+class AffinityIndex:
+    """Bounded LRU map from a chained block hash to the prefill node that last computed that prefix."""
+
+    def __init__(self, capacity: int) -> None:
+        assert capacity > 0
+        self._capacity = capacity
+        self._owner: OrderedDict[BlockHash, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def record(self, block_hashes: Sequence[BlockHash], target: str) -> None:
+        for h in block_hashes:
+            self._owner[h] = target
+            self._owner.move_to_end(h)
+        while len(self._owner) > self._capacity:
+            self._owner.popitem(last=False)
+
+    def matched_blocks(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """For each node, how many leading blocks of the prompt it computed last.
+
+        Hashes are chained, so a node that computed block i computed the whole prefix up to block i.
+        """
+        matched: dict[str, int] = {}
+        for i, h in enumerate(block_hashes):
+            target = self._owner.get(h)
+            if target is not None:
+                matched[target] = i + 1
+        return matched
+
+
+class Router:
+    """Picks nodes for requests; ``NodePool`` feeds it polls, the coordinator reports failures."""
+
+    def __init__(self, prefill_targets: Sequence[str], decode_targets: Sequence[str],
+                 affinity_capacity: int = 100_000, affinity_load_slack: int = 4) -> None:
+        self.prefill = {t: NodeState(t, i) for i, t in enumerate(prefill_targets)}
+        self.decode = {t: NodeState(t, i) for i, t in enumerate(decode_targets)}
+        self.affinity = AffinityIndex(affinity_capacity)
+        self._slack = affinity_load_slack
+
+    def node(self, target: str) -> NodeState:
+        return self.prefill.get(target) or self.decode[target]
+
+    def update(self, target: str, load: NodeLoad) -> None:
+        """A successful poll: the node is reachable and this is its load."""
+        node = self.node(target)
+        node.load, node.reachable = load, True
+
+    def mark_unreachable(self, target: str) -> None:
+        """A poll or a call could not reach the node; skip it until a poll succeeds again."""
+        self.node(target).reachable = False
+
+    def pick_decode(self, num_prompt_blocks: int, exclude: Collection[str] = ()) -> NodeState | None:
+        """The decode node for a prompt of ``num_prompt_blocks`` blocks, or None if none is reachable."""
+        candidates = _candidates(self.decode, exclude)
+        if not candidates:
+            return None
+        needed = num_prompt_blocks + 1  # the prompt and the first generated token
+
+        def key(n: NodeState) -> tuple[bool, int, int, int]:
+            free = n.load.free_blocks if n.load is not None else None
+            fits = free is None or free >= needed  # never polled: assume it fits
+            return (not fits, n.queue_depth, -(free or 0), n.index)
+
+        return min(candidates, key=key)
+
+    def pick_prefill(self, block_hashes: Sequence[BlockHash], exclude: Collection[str] = ()) -> NodeState | None:
+        """The prefill node for a prompt with these full-block hashes, or None if none is reachable.
+
+        The choice is remembered for the prompt's blocks right away, so concurrent requests sharing a
+        prefix follow the first one to the same node.
+        """
+        candidates = _candidates(self.prefill, exclude)
+        if not candidates:
+            return None
+        chosen = min(candidates, key=lambda n: (n.queue_depth, n.index))
+        matched = self.affinity.matched_blocks(block_hashes)
+        warm = [n for n in candidates if matched.get(n.target, 0) > 0]
+        if warm:
+            best = max(warm, key=lambda n: (matched[n.target], -n.queue_depth, -n.index))
+            if best.queue_depth <= chosen.queue_depth + self._slack:
+                chosen = best
+        self.affinity.record(block_hashes, chosen.target)
+        return chosen
+
+
+def _candidates(nodes: dict[str, NodeState], exclude: Collection[str]) -> list[NodeState]:
+    return [n for n in nodes.values() if n.reachable and n.target not in exclude]

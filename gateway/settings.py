@@ -1,0 +1,76 @@
+"""The gateway's configuration: one frozen dataclass, filled by ``load_settings`` from flags and ``TANDEM_*``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config.settings import env_name
+from common.serving.channel import format_address
+
+
+def _targets(value: tuple[str, ...] | str, field: str) -> tuple[str, ...]:
+    """Accept a tuple or a comma-separated string (as environment variables carry it)."""
+    items = value.split(",") if isinstance(value, str) else value
+    targets = tuple(t.strip() for t in items if t.strip())
+    for target in targets:
+        host, sep, port = target.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"{field}: {target!r} is not host:port ({env_name(field)} takes a comma-separated list)")
+    if len(set(targets)) != len(targets):
+        raise ValueError(f"{field}: duplicate targets in {list(targets)}")
+    return targets
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Where the gateway listens, what it serves, which nodes it routes to, and its limits."""
+
+    model_dir: Path | None = None  # the model's Hugging Face directory (tokenizer, config); required
+    model_name: str = ""  # the name clients may send in ``model``; default: the directory's name
+    host: str = "127.0.0.1"  # loopback by default; listening on other interfaces is an explicit choice
+    port: int = 50051
+    prefill_targets: tuple[str, ...] = ()  # host:port of each prefill node (env: comma-separated)
+    decode_targets: tuple[str, ...] = ()
+    max_inflight: int = 256  # Generate calls in progress; beyond it new ones get RESOURCE_EXHAUSTED
+    request_timeout_s: float = 600.0  # per Generate, or the client's deadline when that is sooner
+    kv_timeout_s: float = 60.0  # a decode node frees a reservation whose KV has not arrived by then
+    stats_interval_s: float = 1.0  # how often each node's Stats is polled for routing
+    block_size: int = 16  # KV block size of the nodes, for prefix-affinity hashing
+    max_model_len: int = 0  # prompt + generated tokens; 0 = the model's max_position_embeddings
+    affinity_capacity: int = 100_000  # block hashes remembered for prefix-affinity routing (LRU)
+    affinity_load_slack: int = 4  # keep a prefix on its node unless that node has this many more requests
+    shutdown_grace_s: float = 10.0  # in-flight streams get this long to finish on SIGTERM
+    dtype: str = "auto"  # what ModelInfo reports; auto = config.json's torch_dtype
+
+    def __post_init__(self) -> None:
+        # Environment variables arrive as strings; the dataclass is frozen, hence object.__setattr__.
+        if isinstance(self.model_dir, str):
+            object.__setattr__(self, "model_dir", Path(self.model_dir).expanduser())
+        object.__setattr__(self, "prefill_targets", _targets(self.prefill_targets, "prefill_targets"))
+        object.__setattr__(self, "decode_targets", _targets(self.decode_targets, "decode_targets"))
+        if self.model_dir is None:
+            raise ValueError(f"model_dir is required (--model-dir or {env_name('model_dir')})")
+        if not self.prefill_targets:
+            raise ValueError(f"prefill_targets: at least one prefill node is required ({env_name('prefill_targets')})")
+        if not self.decode_targets:
+            raise ValueError(f"decode_targets: at least one decode node is required ({env_name('decode_targets')})")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_inflight", "block_size", "affinity_capacity"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout_s", "kv_timeout_s", "stats_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_model_len < 0 or self.affinity_load_slack < 0 or self.shutdown_grace_s < 0:
+            raise ValueError("max_model_len, affinity_load_slack and shutdown_grace_s must be >= 0")
+
+    @property
+    def address(self) -> str:
+        return format_address(self.host, self.port)
+
+    @property
+    def served_model_name(self) -> str:
+        assert self.model_dir is not None
+        return self.model_name or self.model_dir.name

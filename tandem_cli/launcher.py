@@ -1,0 +1,175 @@
+"""``tandem up``: 1 gateway + N prefill + M decode nodes as local processes.
+
+Each node gets its own CPU cores and a matching torch thread count (oversubscribed OpenMP threads make
+small matrix products 10-100x slower), as separate GPUs would give each its own device. compose.yaml
+describes the same topology for containers; ``tests/e2e/test_topology.py`` checks they agree.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GATEWAY_PORT = 50051
+# Fixed internal ports, as in compose.yaml: prefill nodes from 50061, decode nodes from 50071.
+PREFILL_BASE_PORT = 50061
+DECODE_BASE_PORT = 50071
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str  # "gateway", "prefill-0", "decode-1"...
+    role: str  # "gateway" | "prefill" | "decode"
+    port: int
+    args: tuple[str, ...] = ()
+    cpus: tuple[int, ...] = ()  # empty: no pinning
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The processes of one local deployment."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    gateway_port: int = GATEWAY_PORT
+    free_ports: bool = False  # tests: pick free ports instead of the fixed ones
+    node_args: tuple[str, ...] = ()  # extra flags for every prefill/decode node (model, dtype, ...)
+    gateway_args: tuple[str, ...] = ()
+    cpus: tuple[int, ...] = field(default_factory=lambda: tuple(sorted(os.sched_getaffinity(0))))
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("num_prefill and num_decode must be >= 1")
+
+    def nodes(self) -> list[NodeSpec]:
+        ports = _free_ports(self.num_prefill + self.num_decode + 1) if self.free_ports else None
+        workers = [("prefill", i) for i in range(self.num_prefill)] + [("decode", i) for i in range(self.num_decode)]
+        specs: list[NodeSpec] = []
+        for k, (role, i) in enumerate(workers):
+            base = PREFILL_BASE_PORT if role == "prefill" else DECODE_BASE_PORT
+            port = ports[k] if ports else base + i
+            specs.append(NodeSpec(f"{role}-{i}", role, port,
+                                  ("--node-id", f"{role}-{i}", *self.node_args), self._cores(k, len(workers))))
+        gateway_port = ports[-1] if ports else self.gateway_port
+        prefill = ",".join(s.target for s in specs if s.role == "prefill")
+        decode = ",".join(s.target for s in specs if s.role == "decode")
+        gateway = NodeSpec("gateway", "gateway", gateway_port,
+                           ("--prefill", prefill, "--decode", decode, *self.gateway_args), ())
+        return [*specs, gateway]
+
+    def _cores(self, k: int, n: int) -> tuple[int, ...]:
+        """Split the cores evenly; with fewer cores than nodes, nodes share round-robin."""
+        cpus = self.cpus
+        if len(cpus) >= n:
+            per = len(cpus) // n
+            return cpus[k * per : (k + 1) * per]
+        return (cpus[k % len(cpus)],)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Launcher:
+    """Start, health-check and stop the processes of a topology."""
+
+    def __init__(self, topology: Topology, log_dir: Path | None = None, env: dict[str, str] | None = None) -> None:
+        self.topology = topology
+        self.specs = topology.nodes()
+        self.log_dir = log_dir
+        self.env = env or {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def gateway(self) -> NodeSpec:
+        return next(s for s in self.specs if s.role == "gateway")
+
+    def start(self) -> None:
+        for spec in self.specs:
+            env = {**os.environ, **self.env}
+            if spec.cpus:
+                threads = str(len(spec.cpus))
+                env.update(TANDEM_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
+            argv = [sys.executable, "-m", "tandem_cli", "serve", spec.role, "--port", str(spec.port), *spec.args]
+            out = None
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                out = open(self.log_dir / f"{spec.name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+            cpus = set(spec.cpus)
+            self.procs[spec.name] = subprocess.Popen(
+                argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                preexec_fn=(lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None,
+                start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
+            )
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for spec in self.specs:
+            while True:
+                proc = self.procs[spec.name]
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{spec.name} exited with code {proc.returncode} during start-up"
+                                       + (f"; see {self.log_dir / (spec.name + '.log')}" if self.log_dir else ""))
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{spec.name} was not healthy within {timeout_s:.0f} s")
+                if is_serving(spec.target, min(2.0, remaining)):
+                    break
+                time.sleep(0.2)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM (graceful drain) the gateway first, then the nodes; SIGKILL what is left after grace."""
+        for spec in sorted(self.specs, key=lambda s: s.role != "gateway"):
+            proc = self.procs.get(spec.name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+    def __enter__(self) -> Launcher:
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def is_serving(target: str, timeout_s: float) -> bool:
+    """One gRPC health check: True when the server answers SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

@@ -1,0 +1,225 @@
+"""Scripted prefill and decode nodes: real ``grpc.aio`` servers that speak the internal protocol with
+deterministic tokens, and record what happened to each request (served, cancelled) for the tests.
+
+The KV transfer is stood in for by ``KVBoard``: the scripted prefill "pushes" a transfer by resolving it on
+the board, which is what the scripted decode node waits for before it streams the rest of the tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import socket
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from common.serving.channel import open_channel
+from common.serving.errors import DeadlineExceededError
+from common.serving.server import RunningServer, start_server
+from gateway.model import ServedModel
+from gateway.server import serve_gateway
+from gateway.settings import GatewaySettings
+from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc, generate_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+DECODE_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+
+T = TypeVar("T")
+
+
+class KVBoard:
+    """transfer id -> the first token, resolved by the prefill that pushed the KV."""
+
+    def __init__(self) -> None:
+        self._transfers: dict[str, asyncio.Future[int]] = {}
+
+    def open(self, transfer_id: str) -> asyncio.Future[int]:
+        fut = self._transfers[transfer_id] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def push(self, transfer_id: str, first_token: int) -> None:
+        fut = self._transfers.get(transfer_id)
+        if fut is None:
+            raise KeyError(f"no reservation {transfer_id}")
+        if not fut.done():
+            fut.set_result(first_token)
+
+    def close(self, transfer_id: str) -> None:
+        self._transfers.pop(transfer_id, None)
+
+    @property
+    def open_transfers(self) -> int:
+        return len(self._transfers)
+
+
+def logprob(token: int, position: int) -> common_pb2.TokenLogprob:
+    """The scripted logprob of the token at ``position`` of the generation."""
+    return common_pb2.TokenLogprob(token_id=token, logprob=-0.5 * position)
+
+
+@dataclass
+class Script:
+    """The generation every request gets: ``tokens[0]`` comes from the prefill, the rest from the decode."""
+
+    tokens: list[int]
+    token_delay_s: float = 0.0  # between decode deltas
+    gate: asyncio.Event | None = None  # when set, decode deltas wait for it after the KV arrived
+
+
+@dataclass
+class Record:
+    """What a scripted node saw."""
+
+    requests: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    completed: list[str] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)  # the decode's KV wait timed out
+
+
+class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, node_id: str, board: KVBoard, script: Script, free_blocks: int = 1000) -> None:
+        self.node_id, self.board, self.script, self.free_blocks = node_id, board, script, free_blocks
+        self.record = Record()
+        self.last_request: decode_pb2.DecodeRequest | None = None
+        self.num_cached_tokens = 0
+        self.kv_endpoint = "127.0.0.1:1"
+
+    async def Generate(self, request: decode_pb2.DecodeRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        rid, transfer_id = request.request_id, f"{self.node_id}/{request.request_id}"
+        self.record.requests.append(rid)
+        self.last_request = request
+        kv = self.board.open(transfer_id)
+        try:
+            num_blocks = (len(request.prompt_token_ids) + 16) // 16
+            yield decode_pb2.DecodeResponse(reservation=decode_pb2.Reservation(
+                transfer_id=transfer_id, block_ids=list(range(num_blocks)), num_cached_tokens=self.num_cached_tokens,
+                kv_endpoint=self.kv_endpoint, node_id=self.node_id))
+            try:
+                await asyncio.wait_for(kv, request.kv_timeout_seconds)
+            except TimeoutError:
+                self.record.expired.append(rid)
+                raise DeadlineExceededError(f"no KV for {transfer_id} in {request.kv_timeout_seconds:.3g} s") from None
+            max_tokens = request.sampling.max_tokens
+            tokens = self.script.tokens[1:max_tokens]
+            finish = (common_pb2.FINISH_REASON_LENGTH if max_tokens <= len(self.script.tokens)
+                      else common_pb2.FINISH_REASON_STOP)
+            if self.script.gate is not None:
+                await self.script.gate.wait()
+            if not tokens:  # the request ended at the prefill's token
+                yield decode_pb2.DecodeResponse(delta=decode_pb2.TokenDelta(finish_reason=finish))
+            for i, token in enumerate(tokens):
+                if self.script.token_delay_s:
+                    await asyncio.sleep(self.script.token_delay_s)
+                last = i == len(tokens) - 1
+                logprobs = [logprob(token, i + 1)] if request.sampling.HasField("logprobs") else []
+                yield decode_pb2.DecodeResponse(delta=decode_pb2.TokenDelta(
+                    token_ids=[token], logprobs=logprobs,
+                    finish_reason=finish if last else common_pb2.FINISH_REASON_UNSPECIFIED))
+            self.record.completed.append(rid)
+        except asyncio.CancelledError:
+            self.record.cancelled.append(rid)
+            raise
+        finally:
+            self.board.close(transfer_id)
+
+    async def Stats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> common_pb2.NodeStats:
+        return common_pb2.NodeStats(node_id=self.node_id, role="decode", num_blocks=1000, free_blocks=self.free_blocks,
+                                    block_size=16)
+
+
+class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, node_id: str, board: KVBoard, script: Script) -> None:
+        self.node_id, self.board, self.script = node_id, board, script
+        self.record = Record()
+        self.delay_before_push_s = 0.0
+        self.delay_after_push_s = 0.0
+        self.fail_with: grpc.StatusCode | None = None
+        self.num_cached_tokens = 0
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        rid = request.request_id
+        self.record.requests.append(rid)
+        try:
+            if self.fail_with is not None:
+                await context.abort(self.fail_with, f"scripted failure on {self.node_id}")
+            await asyncio.sleep(self.delay_before_push_s)
+            self.board.push(request.destination.transfer_id, self.script.tokens[0])
+            await asyncio.sleep(self.delay_after_push_s)
+            self.record.completed.append(rid)
+            first = self.script.tokens[0]
+            reply = prefill_pb2.PrefillResponse(first_token=first, num_cached_tokens=self.num_cached_tokens,
+                                                transfer_bytes=1234, transfer_seconds=0.01, queue_seconds=0.001)
+            if request.sampling.HasField("logprobs"):
+                reply.first_logprob.CopyFrom(logprob(first, 0))
+            return reply
+        except asyncio.CancelledError:
+            self.record.cancelled.append(rid)
+            raise
+
+    async def Stats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> common_pb2.NodeStats:
+        return common_pb2.NodeStats(node_id=self.node_id, role="prefill", block_size=16)
+
+
+def free_port() -> int:
+    """A loopback port with nothing listening on it (a node that is down)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    gateway: RunningServer
+    stub: generate_pb2_grpc.TandemStub
+    channel: grpc.aio.Channel
+    prefills: list[ScriptedPrefill]
+    decodes: list[ScriptedDecode]
+    node_servers: dict[str, RunningServer]  # by node id
+    script: Script
+    board: KVBoard
+
+
+@contextlib.asynccontextmanager
+async def scripted_cluster(model: ServedModel, model_dir: Path, script_tokens: Sequence[int], *,
+                           num_prefill: int = 1, num_decode: int = 1, dead_prefill: int = 0, dead_decode: int = 0,
+                           **settings: object) -> AsyncIterator[Cluster]:
+    """Scripted nodes (dead ones, with nothing listening, are listed first), a gateway, a client stub."""
+    board, script = KVBoard(), Script(list(script_tokens))
+    prefills = [ScriptedPrefill(f"prefill-{i}", board, script) for i in range(num_prefill)]
+    decodes = [ScriptedDecode(f"decode-{i}", board, script) for i in range(num_decode)]
+    servers: dict[str, RunningServer] = {}
+    for p in prefills:
+        servers[p.node_id] = await start_server(
+            [functools.partial(prefill_pb2_grpc.add_PrefillServicer_to_server, p)], [PREFILL_SERVICE], "127.0.0.1", 0)
+    for d in decodes:
+        servers[d.node_id] = await start_server(
+            [functools.partial(decode_pb2_grpc.add_DecodeServicer_to_server, d)], [DECODE_SERVICE], "127.0.0.1", 0)
+    dead = [f"127.0.0.1:{free_port()}" for _ in range(dead_prefill + dead_decode)]
+    gateway_settings = GatewaySettings(
+        model_dir=model_dir, model_name=model.name, port=0,
+        prefill_targets=(*dead[:dead_prefill], *(servers[p.node_id].address for p in prefills)),
+        decode_targets=(*dead[dead_prefill:], *(servers[d.node_id].address for d in decodes)),
+        **settings,  # type: ignore[arg-type]
+    )
+    gateway = await serve_gateway(gateway_settings, model)
+    channel = open_channel(gateway.address)
+    try:
+        stub = generate_pb2_grpc.TandemStub(channel)
+        yield Cluster(gateway, stub, channel, prefills, decodes, servers, script, board)
+    finally:
+        await channel.close()
+        await gateway.stop(0)
+        for server in servers.values():
+            await server.stop(0)
+
+
+def run_async(coro: Coroutine[Any, Any, T], timeout_s: float = 20.0) -> T:
+    """Run one test scenario in a fresh event loop, failing (not hanging) after ``timeout_s``."""
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
