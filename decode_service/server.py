@@ -1,0 +1,65 @@
+"""Start a decode node: model, decode engine in its own thread, KV receiver, gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from common.config.engine_config import SpeculativeConfig
+from common.config.settings import ModelSettings, NodeSettings
+from common.engine.async_engine import AsyncEngine
+from common.engine.model_runner import kv_cache_spec
+from common.engine.node_setup import engine_configs, load_node_model
+from common.serving.channel import format_address
+from common.serving.server import RunningServer, serve_until_signal, start_server
+from common.serving.status import StatusInterceptor
+from decode_service.engine import DecodeEngine
+from decode_service.servicer import DecodeServicer
+from kv_transfer.errors import TransferFailed
+from kv_transfer.layout import make_layout, model_fingerprint
+from kv_transfer.receiver import KVReceiver
+from tandem.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2
+
+log = logging.getLogger(__name__)
+
+
+async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
+                       speculative: SpeculativeConfig | None = None) -> RunningServer:
+    loaded = load_node_model(model_settings)
+    cache, scheduler = engine_configs(node)
+    core = DecodeEngine(loaded.model, cache, scheduler, speculative=speculative)
+    engine = AsyncEngine(core, name="decode-engine")
+    layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
+    node_id = node.node_id or f"decode-{node.port}"
+    receiver = KVReceiver(core.runner.kv_cache, layout, node_id, host=node.host, store_port=node.kv_store_port,
+                          group_timeout_s=node.kv_timeout_s)
+    # The KV endpoint is this very server (KVTransfer is registered beside Decode); with port 0 its
+    # address is known only once bound, so it is filled in below.
+    servicer = DecodeServicer(engine, receiver, node_id, kv_endpoint="", kv_timeout_s=node.kv_timeout_s)
+    running = await start_server(
+        [lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s), receiver.add_to_server],
+        [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
+         kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name],
+        node.host, node.port,
+        interceptors=[StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})],
+    )
+    servicer.kv_endpoint = format_address(node.host, running.port)
+
+    async def shutdown() -> None:
+        await receiver.close()
+        engine.shutdown()
+
+    running.add_shutdown_hook(shutdown)
+    log.info("decode node %s serving on %s", node_id, running.address)
+    return running
+
+
+def run_decode(model_settings: ModelSettings, node: NodeSettings, speculative: SpeculativeConfig | None = None) -> None:
+    async def main() -> None:
+        running = await serve_decode(model_settings, node, speculative)
+        print(f"decode node listening on {running.address}", flush=True)
+        await serve_until_signal(running, node.grace_s)
+
+    asyncio.run(main())

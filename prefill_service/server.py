@@ -1,0 +1,56 @@
+"""Start a prefill node: model, prefill engine in its own thread, KV sender, gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from common.config.settings import ModelSettings, NodeSettings
+from common.engine.async_engine import AsyncEngine
+from common.engine.model_runner import kv_cache_spec
+from common.engine.node_setup import engine_configs, load_node_model
+from common.serving.server import RunningServer, serve_until_signal, start_server
+from common.serving.status import StatusInterceptor
+from kv_transfer.errors import TransferFailed
+from kv_transfer.layout import make_layout, model_fingerprint
+from kv_transfer.sender import KVSender
+from prefill_service.engine import PrefillEngine
+from prefill_service.servicer import PrefillServicer
+from tandem.v1 import prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+async def serve_prefill(model_settings: ModelSettings, node: NodeSettings) -> RunningServer:
+    loaded = load_node_model(model_settings)
+    cache, scheduler = engine_configs(node)
+    engine = AsyncEngine(PrefillEngine(loaded.model, cache, scheduler), name="prefill-engine")
+    layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
+    node_id = node.node_id or f"prefill-{node.port}"
+    sender = KVSender(engine.engine.runner.kv_cache, layout, node_id, group_timeout_s=node.kv_timeout_s)
+    servicer = PrefillServicer(engine, sender, node_id, transfer_timeout_s=node.kv_timeout_s)
+    running = await start_server(
+        [lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s)],
+        [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
+        node.host, node.port,
+        interceptors=[StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})],
+    )
+
+    async def shutdown() -> None:
+        await sender.close()
+        engine.shutdown()
+
+    running.add_shutdown_hook(shutdown)
+    log.info("prefill node %s serving on %s", node_id, running.address)
+    return running
+
+
+def run_prefill(model_settings: ModelSettings, node: NodeSettings) -> None:
+    async def main() -> None:
+        running = await serve_prefill(model_settings, node)
+        print(f"prefill node listening on {running.address}", flush=True)
+        await serve_until_signal(running, node.grace_s)
+
+    asyncio.run(main())

@@ -1,0 +1,1 @@
+"""Generated protocol stubs (tandem.v1); see protos/ and scripts/gen-protos.sh."""

@@ -1,0 +1,1 @@
+"""Generated from protos/tandem/v1/*.proto by scripts/gen-protos.sh; never edit the *_pb2 files."""
