@@ -2,7 +2,6 @@
 # Each creates .venv and installs the pinned dependencies itself (scripts/setup-venv.sh).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PROMPT ?= Write a haiku about two GPUs working in tandem.
 
 .PHONY: venv demo test lint typecheck bench-attention clean
 
@@ -11,7 +10,7 @@ venv:
 	@bash scripts/gen-protos.sh
 
 demo: venv
-	$(VENV)/bin/tandem generate --chat --max-tokens 96 --prompt "$(PROMPT)"
+	$(VENV)/bin/tandem up --demo
 
 test: venv
 	@bash scripts/run-tests.sh

@@ -94,3 +94,18 @@ def smollm2_dir() -> Path:
 
     settings = load_settings(ModelSettings)
     return prepare_default_model(settings.home, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_served_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny random-weight Llama with SmolLM2's vocabulary and tokenizer: fast, yet servable end to end."""
+    import shutil
+
+    directory = tmp_path_factory.mktemp("tiny-served")
+    make_tiny_model(directory, "llama", seed=11, vocab_size=49152, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, directory / name)
+    return directory

@@ -1,0 +1,188 @@
+"""The whole system as real processes on 127.0.0.1: gateway -> prefill -> KV transfer -> decode."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from common.config.engine_config import CacheConfig
+from common.engine.engine_core import ColocatedEngine
+from common.model.loader import load_model
+from common.sampling.params import SamplingParams
+from tandem.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
+from tandem_cli.launcher import Launcher, Topology
+
+pytestmark = pytest.mark.e2e
+TIMEOUT_S = 120.0
+
+
+def deployment(model_dir: Path, tmp_path: Path, prefill: int, decode: int) -> Launcher:
+    topology = Topology(num_prefill=prefill, num_decode=decode, free_ports=True,
+                        model_args=("--model", str(model_dir), "--dtype", "float32"),
+                        node_args=("--num-blocks", "256", "--kv-timeout-s", "20", "--grace-s", "1"),
+                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
+    return Launcher(topology, log_dir=tmp_path, env={"TANDEM_HOME": os.environ.get("TANDEM_HOME", "")} if
+                    os.environ.get("TANDEM_HOME") else None)
+
+
+@pytest.fixture(scope="module")
+def system(tiny_served_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    with deployment(tiny_served_model_dir, tmp_path_factory.mktemp("logs"), prefill=2, decode=2) as launcher:
+        yield launcher
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(20, 49000, (int(k),), generator=g).tolist()
+            for k in torch.randint(3, 60, (n,), generator=g)]
+
+
+def reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    engine = ColocatedEngine(load_model(model_dir, dtype="float32"), CacheConfig(num_blocks=256))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def request(ids: list[int], max_tokens: int, **sampling: object) -> generate_pb2.GenerateRequest:
+    params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
+    return generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=ids), sampling=params,
+                                        stream=generate_pb2.StreamOptions(include_token_ids=True))
+
+
+def generate(target: str, req: generate_pb2.GenerateRequest) -> tuple[list[int], generate_pb2.GenerateResponse]:
+    with grpc.insecure_channel(target) as channel:
+        responses = list(generate_pb2_grpc.TandemStub(channel).Generate(req, timeout=TIMEOUT_S))
+    return [t for r in responses for t in r.token_ids], responses[-1]
+
+
+def used_blocks(launcher: Launcher) -> dict[str, int]:
+    out = {}
+    for spec in launcher.specs:
+        if spec.role == "gateway" or launcher.procs[spec.name].poll() is not None:
+            continue
+        stub = prefill_pb2_grpc.PrefillStub if spec.role == "prefill" else decode_pb2_grpc.DecodeStub
+        with grpc.insecure_channel(spec.target) as channel:
+            out[spec.name] = stub(channel).Stats(common_pb2.StatsRequest(), timeout=10).used_blocks
+    return out
+
+
+def wait_all_blocks_free(launcher: Launcher, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = used_blocks(launcher)
+        if not any(used.values()):
+            return
+        assert time.monotonic() < deadline, f"blocks still in use: {used}"
+        time.sleep(0.2)
+
+
+def test_streams_equal_the_colocated_engine(system: Launcher, tiny_served_model_dir: Path) -> None:
+    ps = prompts(4)
+    expected = reference(tiny_served_model_dir, ps, 12)
+    for p, want in zip(ps, expected, strict=True):
+        tokens, last = generate(system.gateway.target, request(p, 12))
+        assert tokens == want
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert last.usage.prompt_tokens == len(p) and last.usage.completion_tokens == 12
+        assert last.timings.kv_transfer_bytes > 0 and last.timings.prefill_node and last.timings.decode_node
+    wait_all_blocks_free(system)
+
+
+def test_sixteen_concurrent_streams(system: Launcher, tiny_served_model_dir: Path) -> None:
+    ps = prompts(16, seed=1)
+    expected = reference(tiny_served_model_dir, ps, 10)
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda p: generate(system.gateway.target, request(p, 10)), ps))
+    assert [tokens for tokens, _ in results] == expected
+    assert {last.timings.decode_node for _, last in results} == {"decode-0", "decode-1"}  # both nodes served
+    wait_all_blocks_free(system)
+
+
+def test_request_with_a_cached_prefix(system: Launcher, tiny_served_model_dir: Path) -> None:
+    shared = prompts(1, seed=2)[0] * 2 + [77] * 40  # > 2 full blocks
+    first, second = shared + [5, 6], shared + [9]
+    expected = reference(tiny_served_model_dir, [first, second], 8)
+    tokens1, _ = generate(system.gateway.target, request(first, 8))
+    tokens2, last = generate(system.gateway.target, request(second, 8))
+    assert [tokens1, tokens2] == expected
+    assert last.usage.cached_tokens >= 16 * (len(shared) // 16) - 16  # routed back to the node holding the prefix
+
+
+def test_cancel_mid_stream_frees_every_block(system: Launcher) -> None:
+    with grpc.insecure_channel(system.gateway.target) as channel:
+        call = generate_pb2_grpc.TandemStub(channel).Generate(request(prompts(1, seed=3)[0], 400), timeout=TIMEOUT_S)
+        seen = 0
+        for _ in call:
+            seen += 1
+            if seen == 3:
+                call.cancel()
+                break
+    assert seen == 3
+    wait_all_blocks_free(system)
+
+
+@pytest.mark.parametrize(("mutate", "field"), [
+    (lambda r: r.ClearField("token_ids"), "input"),
+    (lambda r: r.token_ids.ids.extend([5] * 1100), "token_ids"),
+    (lambda r: setattr(r.sampling, "max_tokens", 0), "max_tokens"),
+    (lambda r: setattr(r.sampling, "top_p", 1.5), "top_p"),
+    (lambda r: setattr(r.sampling, "temperature", -1.0), "temperature"),
+    (lambda r: setattr(r, "model", "no-such-model"), "model"),
+])
+def test_bad_input_is_invalid_argument_and_service_keeps_serving(system: Launcher, mutate: object, field: str) -> None:
+    bad = request([10, 11, 12], 4)
+    mutate(bad)  # type: ignore[operator]
+    with pytest.raises(grpc.RpcError) as info:
+        generate(system.gateway.target, bad)
+    assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+    assert field in (info.value.details() or "")
+    tokens, _ = generate(system.gateway.target, request([10, 11, 12], 4))
+    assert len(tokens) == 4
+
+
+def test_node_failures(tiny_served_model_dir: Path, tmp_path: Path) -> None:
+    with deployment(tiny_served_model_dir, tmp_path, prefill=2, decode=2) as launcher:
+        gateway = launcher.gateway.target
+        # A prefill node dies: requests go to the other one.
+        os.kill(launcher.procs["prefill-0"].pid, signal.SIGKILL)
+        launcher.procs["prefill-0"].wait(10)
+        for p in prompts(3, seed=4):
+            tokens, last = generate(gateway, request(p, 4))
+            assert len(tokens) == 4 and last.timings.prefill_node == "prefill-1"
+        # A decode node dies mid-stream: its streams end UNAVAILABLE, the others finish, new requests work.
+        channel = grpc.insecure_channel(gateway)
+        stub = generate_pb2_grpc.TandemStub(channel)
+        calls = [stub.Generate(request(p, 300), timeout=TIMEOUT_S) for p in prompts(4, seed=5)]
+        for call in calls:
+            next(call)  # every stream has started (first token out)
+        os.kill(launcher.procs["decode-0"].pid, signal.SIGKILL)
+        launcher.procs["decode-0"].wait(10)
+        codes = []
+        for call in calls:
+            try:
+                for _ in call:
+                    pass
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+        channel.close()
+        assert grpc.StatusCode.UNAVAILABLE in codes
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
+        for p in prompts(3, seed=6):
+            tokens, last = generate(gateway, request(p, 4))
+            assert len(tokens) == 4 and last.timings.decode_node == "decode-1"
+        wait_all_blocks_free(launcher)
