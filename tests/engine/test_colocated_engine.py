@@ -163,3 +163,22 @@ def test_smollm2_batched_equals_alone(smollm2_dir: Path) -> None:
     alone = SimpleGenerator(model)
     for i, (p, params) in enumerate(work):
         assert got[f"r{i}"] == list(alone.stream(p, params)), texts[i]
+
+
+@pytest.mark.real_model
+def test_smollm2_prefix_reuse_equals_contiguous(smollm2_dir: Path) -> None:
+    from common.tokenizer import Tokenizer
+
+    model = load_model(smollm2_dir, dtype="float32")
+    tok = Tokenizer(smollm2_dir)
+    system = tok.encode_chat([{"role": "system", "content": "You are a terse assistant who answers in one line."},
+                              {"role": "user", "content": "Name a colour."}])
+    other = tok.encode_chat([{"role": "system", "content": "You are a terse assistant who answers in one line."},
+                             {"role": "user", "content": "Name a planet."}])
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine = ColocatedEngine(model, CacheConfig(num_blocks=64, block_size=16))
+    first = run_staggered(engine, [(system, params)], [0])["r0"]
+    second = run_staggered(engine, [(other, params)], [0])["r0"]
+    assert engine.kv.prefix_cache_hits >= 16  # the shared system prompt came from the cache
+    assert first == contiguous_greedy(model, system, 10)
+    assert second == contiguous_greedy(model, other, 10)
