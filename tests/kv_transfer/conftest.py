@@ -102,15 +102,26 @@ class Harness:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
+    def begin_close(self) -> None:
+        """Ask for a graceful shutdown (closes stdin: the harness closes its receiver / sender and exits)."""
+        if self.proc.poll() is None and self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+
+    def close(self) -> None:
+        self.begin_close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.kill()
         self._log.close()
+
+
+def stop(harnesses: list[Harness]) -> None:
+    """Shut several harnesses down at once."""
+    for harness in harnesses:
+        harness.begin_close()
+    for harness in harnesses:
+        harness.close()
 
 
 def start(log_dir: Path, *nodes: tuple[str, dict[str, Any]]) -> list[Harness]:
@@ -119,8 +130,7 @@ def start(log_dir: Path, *nodes: tuple[str, dict[str, Any]]) -> list[Harness]:
     try:
         return [h.wait_ready() for h in harnesses]
     except BaseException:
-        for harness in harnesses:
-            harness.close()
+        stop(harnesses)
         raise
 
 
@@ -139,8 +149,7 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., list[Harness]]]:
         return harnesses
 
     yield factory
-    for harness in started:
-        harness.close()
+    stop(started)
 
 
 @pytest.fixture(scope="module")
@@ -158,5 +167,4 @@ def kv_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Harnes
         ("prefill", {**common, "num_blocks": 96, "node_id": "prefill-1"}),
     )
     yield nodes
-    for node in nodes:
-        node.close()
+    stop(nodes)

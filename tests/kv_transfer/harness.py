@@ -36,7 +36,7 @@ import torch
 from common.kv.kv_cache import KVCache, KVCacheSpec
 from common.kv.kv_cache_manager import KVCacheManager
 from kv_transfer import KVReceiver, KVSender, TransferFailed, make_layout
-from kv_transfer.pair_group import DataOp, PairGroup
+from kv_transfer.pair_group import PairGroup
 from tandem.v1 import common_pb2, prefill_pb2
 
 _stdout_lock = threading.Lock()
@@ -107,16 +107,17 @@ def forbid_pickle() -> None:
 
 
 def stall_data_op(direction: str, after: int) -> None:
-    """From the ``after``-th data op in ``direction`` ("send" | "recv") on, the pair's thread blocks forever
-    before posting it (a stuck peer), announcing it once."""
+    """From the ``after``-th data op in ``direction`` ("send" | "recv") on, the pair's poster thread blocks
+    forever before posting it (a stuck peer), announcing it once."""
     original = PairGroup._post
     calls = itertools.count()
 
-    def stalled(self: PairGroup, op: DataOp) -> Any:
+    def stalled(self: PairGroup, posted: Any) -> None:
+        op = posted.op
         if op.tensors is not None and op.send == (direction == "send") and next(calls) >= after:
             emit({"event": f"{direction}_stalled"})
             threading.Event().wait()
-        return original(self, op)
+        original(self, posted)
 
     PairGroup._post = stalled  # type: ignore[method-assign]
 
@@ -128,11 +129,11 @@ class Node:
         self.spec = KVCacheSpec(cfg.get("num_layers", 2), cfg.get("num_kv_heads", 2), cfg.get("head_dim", 8),
                                 cfg.get("block_size", 4), cfg.get("dtype", "bfloat16"))
         self.seed = cfg.get("seed", 0)
-        self.kv = KVCache(self.spec, cfg.get("num_blocks", 64))
+        self.kv = KVCache(self.spec, cfg.get("num_blocks", 64), device=cfg.get("device", "cpu"))
         # Garbage, so a block that was never written cannot pass for a transferred one.
         gen = torch.Generator().manual_seed(1234 + os.getpid())
         raw = self.kv.data.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8).to(raw.device))
         self.manager = KVCacheManager(self.kv.num_blocks, self.spec.block_size,
                                       enable_prefix_caching=cfg["role"] == "decode")
         if cfg.get("fragment"):
@@ -173,7 +174,7 @@ class DecodeNode(Node):
         tokens = self.tokens[request_id]
         table = self.manager.block_table(request_id)
         mismatched = [block for block, prefix in zip(table, block_prefixes(tokens, self.spec.block_size), strict=True)
-                      if not same_bits(self.kv.data[block], expected_block(self.spec, self.seed, prefix))]
+                      if not same_bits(self.kv.data[block].cpu(), expected_block(self.spec, self.seed, prefix))]
         self.manager.commit(request_id, tokens)
         if free:
             self.manager.free(request_id)
@@ -203,7 +204,7 @@ class PrefillNode(Node):
         assert allocation is not None, "out of blocks"
         src = allocation.block_ids
         for block, prefix in zip(src, block_prefixes(token_ids, bs), strict=True):
-            self.kv.data[block].copy_(expected_block(self.spec, self.seed, prefix))
+            self.kv.data[block].copy_(expected_block(self.spec, self.seed, prefix).to(self.kv.data.device))
         dst = destination["block_ids"]
         skip = destination.get("num_cached_tokens", 0) // bs
         started = time.monotonic()
@@ -273,7 +274,7 @@ async def serve(cfg: dict[str, Any]) -> None:
         task.add_done_callback(tasks.discard)
     if isinstance(node, DecodeNode):
         await node.receiver.close()
-        await node.server.stop(0.5)
+        await node.server.stop(0)
     else:
         await node.sender.close()
 

@@ -30,7 +30,8 @@ def test_layout_mismatch_names_each_differing_field() -> None:
         "model_fingerprint differs: prefill 'xyz', decode 'abc'; dtype differs: prefill 'float16', decode 'bfloat16'; "
         "num_kv_heads differs: prefill 2, decode 3"
     )
-    assert layout_mismatch(prefill, decode, "prefill", "decode").startswith("model_fingerprint differs: decode 'abc'")
+    assert str(layout_mismatch(prefill, decode, "prefill", "decode")).startswith(
+        "model_fingerprint differs: decode 'abc'")
 
 
 def test_model_fingerprint_ignores_formatting_but_not_values(tmp_path: Path) -> None:

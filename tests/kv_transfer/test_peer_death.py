@@ -1,13 +1,14 @@
 """A peer SIGKILLed mid-transfer: the survivor reports TransferFailed within seconds, gives every block back,
 and a fresh pair works afterwards.
 
-The kill lands while a data op is in flight: the harness makes PairGroup.send (or recv) block forever from
-its second call on, so the other side has already posted the matching recv (or send) when the kill comes.
+The kill lands while a data op is in flight: the doomed harness's pair thread blocks forever before posting
+its second send (or recv), so the survivor has already posted the matching recv (or send) when the kill comes.
 """
 
 from __future__ import annotations
 
 import random
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -90,3 +91,27 @@ def test_decode_killed_mid_transfer(spawn: Callable[..., list[Any]]) -> None:
     assert restarted.info["kv_endpoint"] == doomed.info["kv_endpoint"]
     _transfer_ok(restarted, prefill, "r2", seed=4)
     assert prefill.call("state")["free_blocks"] == free_blocks
+
+
+def test_silent_decode_fails_the_transfer_within_the_group_timeout(spawn: Callable[..., list[Any]]) -> None:
+    group_timeout_s = 2.0
+    frozen, prefill = spawn(
+        ("decode", {**SPEC, "group_timeout_s": group_timeout_s, "node_id": "decode-frozen"}),
+        ("prefill", {**SPEC, "node_id": "prefill-0"}),
+    )
+    free_blocks = prefill.info["free_blocks"]
+    tokens = _prompt(5, length=160)  # 40 blocks, one per push every 50 ms
+    reservation = frozen.call("reserve", request_id="r1", token_ids=tokens)
+    frozen.send("wait", request_id="r1", timeout_s=30)
+    push = prefill.send("transfer", transfer_id="r1", token_ids=tokens, blocks_per_push=1, push_interval_s=0.05,
+                        timeout_s=30, destination=frozen.destination(reservation, "r1"))
+    time.sleep(0.5)
+    frozen.proc.send_signal(signal.SIGSTOP)  # alive but silent: TCP still acks, nothing is ever received
+    stopped_at = time.monotonic()
+    try:
+        reply = prefill.reply(push, timeout_s=group_timeout_s + 10)
+        assert "decode-frozen" in reply["failed"], reply
+        assert time.monotonic() - stopped_at < group_timeout_s + DETECT_S
+        assert reply["free_blocks"] == free_blocks
+    finally:
+        frozen.kill()

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-SPEC = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": "bfloat16"}
+BLOCK_SIZE = 4  # conftest.SPEC
 BYTES_PER_BLOCK = 2 * 2 * 4 * 2 * 8 * 2  # num_layers * (K, V) * block_size * heads * head_dim * bf16
 Cluster = list[Any]  # [decode, prefill-0, prefill-1]: conftest.Harness processes
 
@@ -49,12 +49,13 @@ def test_ragged_transfers_land_bit_exact_in_fragmented_blocks(kv_cluster: Cluste
     free_decode, free_prefill = decode.call("state")["free_blocks"], prefill.call("state")["free_blocks"]
     rng = random.Random(1)
     lengths = [1, 4, 5, 17, 38, 63]
-    jobs = [(prefill, f"ragged-{n}", _prompt(rng, n),
-             {"blocks_per_push": 1 + i % 3, "trace_context": {"traceparent": f"00-{i:032x}-{i:016x}-01"}})
-            for i, n in enumerate(lengths)]
+    jobs: list[tuple[Any, str, list[int], dict[str, Any]]] = [
+        (prefill, f"ragged-{n}", _prompt(rng, n),
+         {"blocks_per_push": 1 + i % 3, "trace_context": {"traceparent": f"00-{i:032x}-{i:016x}-01"}})
+        for i, n in enumerate(lengths)]
     outcomes = _run_transfers(decode, jobs)
     for (_, _, tokens, kw), outcome in zip(jobs, outcomes, strict=True):
-        num_blocks = -(-len(tokens) // SPEC["block_size"])
+        num_blocks = -(-len(tokens) // BLOCK_SIZE)
         _assert_landed(outcome, num_blocks)
         assert outcome["decode"]["trace_context"] == kw["trace_context"]
         assert outcome["decode"]["first_token"] == sum(tokens) % 97
@@ -91,7 +92,7 @@ def test_two_prefill_processes_push_into_one_decode_concurrently(kv_cluster: Clu
             for i, (p, n) in enumerate([(prefill_a, 30), (prefill_b, 45), (prefill_a, 21),
                                         (prefill_b, 9), (prefill_a, 50), (prefill_b, 33)])]
     for (_, _, tokens, _), outcome in zip(jobs, _run_transfers(decode, jobs), strict=True):
-        _assert_landed(outcome, -(-len(tokens) // SPEC["block_size"]))
+        _assert_landed(outcome, -(-len(tokens) // BLOCK_SIZE))
     assert decode.call("state")["free_blocks"] == free_decode
 
 
@@ -146,6 +147,14 @@ def test_decode_abandon_stops_the_sender_and_the_pair_survives(kv_cluster: Clust
     reply = prefill.reply(push)
     assert "client cancelled" in reply["failed"]
     assert reply["free_blocks"] == free_prefill
+
+    # Abandoned before the prefill even started: its chunks are refused with the decode side's reason.
+    tokens = _prompt(rng, 12)
+    reservation = decode.call("reserve", request_id="early", token_ids=tokens)
+    assert decode.call("abandon", request_id="early", reason="deadline passed")["free_blocks"] == free_decode
+    reply = prefill.call("transfer", transfer_id="early", token_ids=tokens,
+                         destination=decode.destination(reservation, "early"))
+    assert "abandoned by decode node decode-0: deadline passed" in reply["failed"]
 
     # A reservation nobody fills times out, and its blocks come back.
     decode.call("reserve", request_id="orphan", token_ids=_prompt(rng, 10))

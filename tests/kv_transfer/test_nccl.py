@@ -1,0 +1,41 @@
+"""The NCCL path (CUDA KV caches): the same harnesses, one GPU per process. Needs two GPUs: NCCL does not pair
+two ranks on one device. Skips itself elsewhere (the ``gpu`` marker skips without CUDA)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.e2e,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pairs need two GPUs"),
+]
+
+SPEC = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "block_size": 16, "dtype": "bfloat16",
+        "num_blocks": 128, "group_timeout_s": 20.0}
+
+
+def test_nccl_pair_moves_kv_bit_exact_and_survives_a_refusal(spawn: Callable[..., list[Any]]) -> None:
+    decode, prefill = spawn(
+        ("decode", {**SPEC, "device": "cuda:0", "fragment": 3, "node_id": "decode-gpu"}),
+        ("prefill", {**SPEC, "device": "cuda:1", "node_id": "prefill-gpu"}),
+    )
+    rng = random.Random(0)
+    for i, length in enumerate([5, 100, 333]):
+        tokens = [rng.randrange(1000) for _ in range(length)]
+        rid = f"gpu-{i}"
+        reservation = decode.call("reserve", request_id=rid, token_ids=tokens)
+        wait = decode.send("wait", request_id=rid, timeout_s=60)
+        pushed = prefill.call("transfer", transfer_id=rid, token_ids=tokens, blocks_per_push=4,
+                              destination=decode.destination(reservation, rid), reply_timeout_s=90)
+        landed = decode.reply(wait, 90)
+        assert "failed" not in pushed and "failed" not in landed, (pushed, landed)
+        assert landed["mismatched_blocks"] == []
+    ghost = {"kv_endpoint": decode.info["kv_endpoint"], "transfer_id": "ghost", "block_ids": list(range(1, 30, 3))}
+    assert "not expected" in prefill.call("transfer", transfer_id="ghost", destination=ghost,
+                                          token_ids=list(range(40)))["failed"]
