@@ -1,8 +1,51 @@
-# One image for every Tandem role (gateway, prefill, decode); the command picks the role.
+# syntax=docker/dockerfile:1
+# One image for every Tandem role (gateway, prefill, decode, colocated): the command picks the role.
+#
+#   docker build -t tandem:cpu .                                   CPU torch (the default)
+#   docker build -t tandem:gpu --build-arg TORCH_FLAVOUR=cuda .    CUDA torch (+ triton, its dependency)
+#
+# The CUDA image carries the CUDA runtime inside torch's wheels; the driver comes from the host through
+# the NVIDIA Container Toolkit (compose.yaml's gpu profile). flash-attn has no wheel for every torch/CUDA
+# pair and builds from source only where nvcc exists, which this slim base lacks: setup-venv.sh then says
+# so and the triton attention backend serves instead.
 FROM python:3.11-slim
-RUN apt-get update && apt-get install -y --no-install-recommends make gcc && rm -rf /var/lib/apt/lists/*
+
+# gcc + libc headers: triton compiles its small launcher stubs at run time; make: the Makefile's targets.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev make \
+    && rm -rf /var/lib/apt/lists/*
+
+# An unprivileged user owns the virtualenv and the converted model.
+RUN useradd --create-home --uid 10001 tandem && install -d -o tandem -g tandem /opt/tandem
+USER tandem
 WORKDIR /opt/tandem
-COPY . .
-RUN bash scripts/setup-venv.sh && .venv/bin/tandem model prepare
-ENV PATH=/opt/tandem/.venv/bin:$PATH TANDEM_HOME=/root/.cache/tandem
+
+ARG TORCH_FLAVOUR=cpu
+# The pinned CPU build (torch==X+cpu, requirements/constraints-cpu.txt) is on PyTorch's own index, not on
+# PyPI; the CUDA build is PyPI's default wheel, so the cuda flavour installs from PyPI alone.
+ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV TANDEM_HOME=/opt/tandem/cache \
+    PATH=/opt/tandem/.venv/bin:$PATH \
+    PYTHONUNBUFFERED=1
+
+# Dependencies first, from only the files that pin them, so that a code change does not reinstall torch.
+# The one install path is scripts/setup-venv.sh (the same pins as `make test`, CI and every developer).
+COPY --chown=tandem:tandem pyproject.toml README.md ./
+COPY --chown=tandem:tandem requirements/ requirements/
+COPY --chown=tandem:tandem scripts/ scripts/
+COPY --chown=tandem:tandem protos/ protos/
+COPY --chown=tandem:tandem tandem/ tandem/
+RUN --mount=type=cache,target=/home/tandem/.cache/pip,uid=10001,gid=10001 \
+    if [ "$TORCH_FLAVOUR" = cpu ]; then export PIP_EXTRA_INDEX_URL="$CPU_TORCH_INDEX"; fi \
+    && TORCH_FLAVOUR="$TORCH_FLAVOUR" bash scripts/setup-venv.sh
+
+# The code, installed in place (editable, as setup-venv.sh does); then the bundled SmolLM2 is converted
+# into TANDEM_HOME once, at build time, so that containers start in seconds.
+COPY --chown=tandem:tandem . .
+RUN python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e . \
+    && tandem model prepare
+
+# gRPC: gateway / colocated 50051, prefill nodes 50061+, decode nodes 50071+ (+ their KV store port).
+EXPOSE 50051
 ENTRYPOINT ["tandem"]
+CMD ["--help"]

@@ -15,6 +15,7 @@ from common.engine.node_setup import engine_configs, load_node_model
 from common.serving.channel import format_address
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
+from common.telemetry.metrics import DecodeMetrics, serve_metrics, snapshot_of
 from decode_service.engine import DecodeEngine
 from decode_service.servicer import DecodeServicer
 from kv_transfer.errors import TransferFailed
@@ -37,19 +38,32 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
                           group_timeout_s=node.kv_timeout_s)
     # The KV endpoint is this very server (KVTransfer is registered beside Decode); with port 0 its
     # address is known only once bound, so it is filled in below.
-    servicer = DecodeServicer(engine, receiver, node_id, kv_endpoint="", kv_timeout_s=node.kv_timeout_s)
-    running = await start_server(
-        [lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s), receiver.add_to_server],
-        [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
-         kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name],
-        node.host, node.port,
-        interceptors=[StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})],
-    )
-    servicer.kv_endpoint = format_address(node.host, running.port)
+    status = StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})
+    metrics = DecodeMetrics(node_id)
+    speculating = core.scheduler.speculative is not None
+    # Read on scrape from the HTTP thread: O(1) reads of lengths and counters, atomic under the GIL.
+    metrics.add_engine(lambda: snapshot_of(core.stats(), core.scheduler), speculative=speculating)
+    servicer = DecodeServicer(engine, receiver, node_id, kv_endpoint="", kv_timeout_s=node.kv_timeout_s,
+                              metrics=metrics, status_for=status.status_for)
+    metrics_server = serve_metrics(metrics, node.host, node.metrics_port) if node.metrics_port else None
+    try:
+        running = await start_server(
+            [lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s), receiver.add_to_server],
+            [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
+             kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name],
+            node.host, node.port, interceptors=[status],
+        )
+    except BaseException:
+        if metrics_server is not None:
+            metrics_server.close()
+        raise
+    servicer.kv_endpoint = format_address(node.advertise_host or node.host, running.port)
 
     async def shutdown() -> None:
         await receiver.close()
         engine.shutdown()
+        if metrics_server is not None:
+            await metrics_server.stop()
 
     running.add_shutdown_hook(shutdown)
     log.info("decode node %s serving on %s", node_id, running.address)

@@ -1,32 +1,51 @@
-"""The decode node's gRPC servicer: reserve blocks, wait for the pushed KV, then stream tokens."""
+"""The decode node's gRPC servicer: reserve blocks, wait for the pushed KV, then stream tokens.
+
+Telemetry at this edge: the ``decode`` span (a child of the gateway's, through the gRPC metadata) with
+``decode.reserve``, ``decode.wait_kv``, ``decode.stream``, and ``kv_transfer.receive`` made from the
+transfer's result under the prefill node's send span (its context came in the KV control messages); plus
+the node's inter-token latency, end-to-end, KV-wait and transfer metrics.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Link
 
 from common.protocol import finish_reason_to_proto, logprob_to_proto, sampling_from_proto, stats_to_proto
 from common.serving.errors import ResourceExhaustedError
+from common.serving.status import StatusInterceptor
+from common.telemetry import spans
+from common.telemetry.logs import request_scope
+from common.telemetry.metrics import DecodeMetrics
+from common.telemetry.propagation import context_from_headers
+from common.telemetry.tracing import get_tracer
 from decode_service.engine import DecodeEngine
 from kv_transfer.errors import TransferFailed
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 if TYPE_CHECKING:
-    import grpc
-
     from common.engine.async_engine import AsyncEngine
-    from common.engine.request import RequestOutput
-    from kv_transfer.receiver import KVReceiver
+    from common.engine.request import Request, RequestOutput
+    from common.kv.kv_cache_manager import Allocation
+    from kv_transfer.receiver import KVReceiver, TransferResult
 
 log = logging.getLogger(__name__)
+_tracer = get_tracer(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: AsyncEngine, receiver: KVReceiver, node_id: str, kv_endpoint: str,
-                 kv_timeout_s: float) -> None:
+                 kv_timeout_s: float, metrics: DecodeMetrics | None = None,
+                 status_for: spans.StatusFor | None = None) -> None:
         assert isinstance(engine.engine, DecodeEngine)
         self.engine = engine
         self.core: DecodeEngine = engine.engine
@@ -34,49 +53,136 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.node_id = node_id
         self.kv_endpoint = kv_endpoint
         self.kv_timeout_s = kv_timeout_s
+        self.metrics = metrics or DecodeMetrics(node_id)
+        self._status_for = status_for or StatusInterceptor().status_for
 
     async def Generate(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        with (_tracer.start_as_current_span(spans.DECODE, kind=spans.SERVER, record_exception=False,
+                                            set_status_on_exception=False) as span,
+              request_scope(request.request_id)):
+            try:
+                # aclosing: a cancelled stream runs the inner generator's cleanup now, not at garbage collection.
+                async with contextlib.aclosing(self._generate(request, span)) as responses:
+                    async for response in responses:
+                        yield response
+            except BaseException as exc:
+                spans.record_failure(span, exc, self._status_for, log, "decode failed")
+                raise
+            spans.set_ok(span)
+
+    async def _generate(self, request: decode_pb2.DecodeRequest,
+                        span: trace.Span) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
+        arrival = time.monotonic()
         params = sampling_from_proto(request.sampling)
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
         eos = tuple(request.eos_token_ids)
         timeout = request.kv_timeout_seconds or self.kv_timeout_s
         transfer_id = f"{rid}/{uuid.uuid4().hex[:12]}"
+        if span.is_recording():
+            span.set_attributes({spans.REQUEST_ID: rid, spans.NODE: self.node_id, spans.PROMPT_TOKENS: len(prompt),
+                                 spans.TRANSFER_ID: transfer_id})
         stream = self.engine.open_stream(rid)
-        allocation = await self.engine.call(lambda: self.core.reserve(rid, prompt, params, eos))
-        if allocation is None:
-            self.engine.close_stream(rid)
-            free = self.core.kv.num_free_blocks
-            raise ResourceExhaustedError(
-                f"KV cache full on {self.node_id}: the prompt needs {self.core.kv.blocks_needed(len(prompt))} "
-                f"blocks, {free} free")
+
+        def reserve() -> tuple[Allocation | None, Request | None]:
+            allocation = self.core.reserve(rid, prompt, params, eos)
+            return allocation, self.core.scheduler.reserved.get(rid)
+
+        with _tracer.start_as_current_span(spans.DECODE_RESERVE) as reserve_span:
+            allocation, state = await self.engine.call(reserve)
+            if allocation is None:
+                self.engine.close_stream(rid)
+                free = self.core.kv.num_free_blocks
+                raise ResourceExhaustedError(
+                    f"KV cache full on {self.node_id}: the prompt needs {self.core.kv.blocks_needed(len(prompt))} "
+                    f"blocks, {free} free")
+            if reserve_span.is_recording():
+                reserve_span.set_attributes({spans.RESERVED_BLOCKS: len(allocation.block_ids),
+                                             spans.CACHED_TOKENS: allocation.num_cached_tokens})
         self.receiver.expect(transfer_id, allocation.block_ids, allocation.num_cached_tokens)
         try:
             yield decode_pb2.DecodeResponse(reservation=decode_pb2.Reservation(
                 transfer_id=transfer_id, block_ids=allocation.block_ids,
                 num_cached_tokens=allocation.num_cached_tokens, kv_endpoint=self.kv_endpoint, node_id=self.node_id))
-            result = await self.receiver.wait(transfer_id, timeout)
+            waited_from = time.monotonic()
+            with _tracer.start_as_current_span(spans.DECODE_WAIT_KV) as wait_span:
+                result = await self.receiver.wait(transfer_id, timeout)
+            self.metrics.kv_wait_time.observe(time.monotonic() - waited_from)
         except BaseException as exc:
+            if isinstance(exc, TransferFailed):
+                self.metrics.kv_transfer_failures.inc()
             # Cancelled, timed out or the transfer failed: no recv may still write our blocks before we free them.
             await _abandon(self.receiver, transfer_id, repr(exc))
             self.engine.close_stream(rid)
             await asyncio.shield(self.engine.call(lambda: self.core.abort(rid)))
             raise
-        first = await self.engine.call(lambda: self.core.start_decoding(rid, result.first_token))
-        if first.finished:
-            self.engine.close_stream(rid)
-            yield decode_pb2.DecodeResponse(delta=decode_pb2.TokenDelta(
-                finish_reason=finish_reason_to_proto(first.finish_reason)))
-            return
-        async for out in self.engine.stream(rid, stream):
-            yield decode_pb2.DecodeResponse(delta=_delta(out))
+        self.metrics.transfer_done(result.bytes, result.seconds)
+        if span.is_recording():  # (wait_span has ended: it records no more)
+            num_blocks = len(allocation.block_ids) - allocation.num_cached_tokens // self.core.kv.block_size
+            _record_receive(result, num_blocks, transfer_id, wait_span)
+
+        with _tracer.start_as_current_span(spans.DECODE_STREAM) as stream_span:
+            first = await self.engine.call(lambda: self.core.start_decoding(rid, result.first_token))
+            num_steps, num_tokens, last = 0, 1, time.monotonic()
+            reason = first.finish_reason
+            try:
+                if first.finished:  # the prefill's token was the last one
+                    self.engine.close_stream(rid)
+                    yield decode_pb2.DecodeResponse(delta=decode_pb2.TokenDelta(
+                        finish_reason=finish_reason_to_proto(first.finish_reason)))
+                else:
+                    async for out in self.engine.stream(rid, stream):
+                        now = time.monotonic()
+                        self.metrics.inter_token_latency.observe(now - last)
+                        last = now
+                        num_steps += 1
+                        num_tokens += len(out.new_token_ids)
+                        reason = out.finish_reason
+                        yield decode_pb2.DecodeResponse(delta=_delta(out))
+            finally:
+                self.metrics.generation_tokens.inc(num_tokens)
+                if stream_span.is_recording():
+                    _stream_attributes(stream_span, state, num_steps, num_tokens)
+        finish = reason.value if reason is not None else "unknown"
+        self.metrics.request_finished(finish, time.monotonic() - arrival)
+        if span.is_recording():
+            span.set_attributes({spans.COMPLETION_TOKENS: num_tokens, spans.FINISH_REASONS: [finish],
+                                 spans.CACHED_TOKENS: allocation.num_cached_tokens})
 
     async def Stats(
         self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.NodeStats:
-        return stats_to_proto(await self.engine.call(self.core.stats), self.node_id, "decode")
+        # Read without queueing behind the engine: a long step must not make the node look down to the
+        # gateway's poller. Counters read mid-step may be one step stale, which routing tolerates.
+        return stats_to_proto(self.core.stats(), self.node_id, "decode")
+
+
+def _record_receive(result: TransferResult, num_blocks: int, transfer_id: str, wait_span: trace.Span) -> None:
+    """The receive side of the transfer, first chunk announced -> everything landed, as a span under the
+    prefill's send span (its context came in the KV messages), linked to the decode node's wait."""
+    end_ns = time.time_ns()
+    start_ns = end_ns - int(result.seconds * 1e9)
+    sender = context_from_headers(result.trace_context)
+    parent = sender if sender is not None else trace.set_span_in_context(wait_span)
+    attributes = {spans.TRANSFER_ID: transfer_id, **spans.transfer_attributes(result.bytes, result.seconds,
+                                                                              num_blocks)}
+    spans.record_span(_tracer, spans.KV_RECEIVE, start_ns, end_ns, attributes, parent=parent, kind=spans.CONSUMER,
+                      links=[Link(wait_span.get_span_context())] if sender is not None else ())
+
+
+def _stream_attributes(span: trace.Span, state: Request | None, num_steps: int, num_tokens: int) -> None:
+    """Per-request engine counters; ``state`` is read once the request left the engine (or nearly: a
+    cancelled request may still be running, and a stale counter is all that can go wrong)."""
+    span.set_attributes({spans.NUM_STEPS: num_steps, spans.COMPLETION_TOKENS: num_tokens})
+    if state is None:
+        return
+    span.set_attribute(spans.PREEMPTIONS, state.num_preemptions)
+    if state.num_draft_tokens:
+        span.set_attributes({spans.SPEC_DRAFT_TOKENS: state.num_draft_tokens,
+                             spans.SPEC_ACCEPTED_TOKENS: state.num_accepted_tokens,
+                             spans.SPEC_ACCEPTANCE: round(state.num_accepted_tokens / state.num_draft_tokens, 4)})
 
 
 def _delta(out: RequestOutput) -> decode_pb2.TokenDelta:

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import TypeAlias, TypeVar
 
 import grpc
+from opentelemetry import trace
 
 from common.kv.block_hash import hash_prompt_blocks
 from common.protocol import sampling_to_proto
 from common.serving.errors import DeadlineExceededError, ServiceError, UnavailableError
+from common.telemetry import spans
 from gateway.model import ServedModel
 from gateway.node_pool import NodePool
 from gateway.output import OutputChunk, OutputProcessor, Timings, Usage
@@ -75,6 +77,12 @@ class Coordinator:
         """
         block_hashes = hash_prompt_blocks(req.prompt_token_ids, self._block_size)
         decode = await self._reserve(req, deadline, num_prompt_blocks=len(req.prompt_token_ids) // self._block_size)
+        span = trace.get_current_span()
+        if span.is_recording():
+            r = decode.reservation
+            span.add_event("reserved", {spans.DECODE_NODE: r.node_id or decode.node.node_id,
+                                        spans.TRANSFER_ID: r.transfer_id, spans.RESERVED_BLOCKS: len(r.block_ids),
+                                        spans.CACHED_TOKENS: r.num_cached_tokens})
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         reader = asyncio.create_task(_read_decode_stream(decode.call, queue), name=f"decode-{req.request_id}")
         decode_done = False  # the decode node sent its finish reason: its call ends by itself
@@ -84,6 +92,9 @@ class Coordinator:
             chunk = OutputChunk()
             out.add(chunk, [reply.first_token], [reply.first_logprob] if reply.HasField("first_logprob") else [])
             first_token_time = time.monotonic()
+            if span.is_recording():
+                span.add_event("first_token", {spans.PREFILL_NODE: prefill_node.node_id,
+                                               spans.CACHED_TOKENS: reply.num_cached_tokens})
             if not out.finished:
                 yield chunk  # at once, even when its text is held back: this is the time to first token
             while not out.finished:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 
 import grpc
 
@@ -23,11 +24,13 @@ def load_from_proto(stats: common_pb2.NodeStats) -> NodeLoad:
 class NodePool:
     """One channel per node (gRPC multiplexes every request over it) and the stats poller."""
 
-    def __init__(self, router: Router, stats_interval_s: float, block_size: int) -> None:
+    def __init__(self, router: Router, stats_interval_s: float, block_size: int,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
         self._router = router
         self._interval = stats_interval_s
         self._block_size = block_size
-        self._channels = {t: open_channel(t) for t in (*router.prefill, *router.decode)}
+        # ``interceptors``: trace-context propagation when tracing is on (common.telemetry.propagation).
+        self._channels = {t: open_channel(t, interceptors=interceptors) for t in (*router.prefill, *router.decode)}
         self._prefill = {t: prefill_pb2_grpc.PrefillStub(self._channels[t]) for t in router.prefill}
         self._decode = {t: decode_pb2_grpc.DecodeStub(self._channels[t]) for t in router.decode}
         self._poller: asyncio.Task[None] | None = None

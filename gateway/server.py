@@ -7,6 +7,9 @@ import functools
 import logging
 
 from common.serving.server import RunningServer, serve_until_signal, start_server
+from common.serving.status import StatusInterceptor
+from common.telemetry.metrics import GatewayMetrics, serve_metrics
+from common.telemetry.propagation import client_interceptors
 from gateway.coordinator import Coordinator
 from gateway.model import ServedModel
 from gateway.node_pool import NodePool
@@ -30,16 +33,25 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
                                  settings.dtype)
     router = Router(settings.prefill_targets, settings.decode_targets, settings.affinity_capacity,
                     settings.affinity_load_slack)
-    pool = NodePool(router, settings.stats_interval_s, settings.block_size)
+    pool = NodePool(router, settings.stats_interval_s, settings.block_size, interceptors=client_interceptors())
     await pool.start()
     coordinator = Coordinator(model, router, pool, settings.block_size, settings.kv_timeout_s)
-    servicer = TandemServicer(model, coordinator, settings)
+    status = StatusInterceptor()
+    metrics = GatewayMetrics()
+    servicer = TandemServicer(model, coordinator, settings, metrics, status.status_for)
+    metrics_server = None
     try:
+        if settings.metrics_port:
+            metrics_server = serve_metrics(metrics, settings.host, settings.metrics_port)
         running = await start_server([functools.partial(generate_pb2_grpc.add_TandemServicer_to_server, servicer)],
-                                     [SERVICE_NAME], settings.host, settings.port)
+                                     [SERVICE_NAME], settings.host, settings.port, interceptors=[status])
     except BaseException:
         await pool.close()
+        if metrics_server is not None:
+            metrics_server.close()
         raise
+    if metrics_server is not None:
+        running.add_shutdown_hook(metrics_server.stop)
     running.add_shutdown_hook(pool.close)
     return running
 

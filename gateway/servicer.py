@@ -1,19 +1,26 @@
 """The public ``tandem.v1.Tandem`` service: admission, validation, deadline; the flow is the coordinator's.
 
-Observability hooks in at this edge: one root span and the request metrics per ``Generate`` wrap the
-body of ``Generate`` (the last chunk carries usage and timings).
+Observability hooks in at this edge: one root span (``generate``) and the request metrics per ``Generate``
+wrap its body (the last chunk carries usage and timings), plus one structured log line per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import grpc
+from opentelemetry import trace
 
 from common.errors import InvalidRequestError
 from common.serving.errors import DeadlineExceededError, ResourceExhaustedError
+from common.serving.status import StatusInterceptor
+from common.telemetry import spans
+from common.telemetry.logs import log_event, request_scope
+from common.telemetry.metrics import GatewayMetrics
+from common.telemetry.tracing import get_tracer
 from gateway.coordinator import Coordinator
 from gateway.model import ServedModel
 from gateway.output import OutputChunk
@@ -23,29 +30,63 @@ from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
 
+log = logging.getLogger(__name__)
+_tracer = get_tracer(__name__)
+
 
 class TandemServicer(generate_pb2_grpc.TandemServicer):
-    """Generate, Tokenize, ModelInfo; errors are raised and mapped to statuses by the interceptor."""
+    """Generate, Tokenize, ModelInfo; errors are raised and mapped to statuses by the interceptor.
 
-    def __init__(self, model: ServedModel, coordinator: Coordinator, settings: GatewaySettings) -> None:
+    ``status_for`` is that interceptor's mapping, so that the root span and the failure counter carry
+    the status the client gets.
+    """
+
+    def __init__(self, model: ServedModel, coordinator: Coordinator, settings: GatewaySettings,
+                 metrics: GatewayMetrics | None = None, status_for: spans.StatusFor | None = None) -> None:
         self._model = model
         self._coordinator = coordinator
         self._settings = settings
+        self._metrics = metrics or GatewayMetrics()
+        self._status_for = status_for or StatusInterceptor().status_for
         self.num_inflight = 0
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        with (_tracer.start_as_current_span(spans.GENERATE, kind=spans.SERVER, record_exception=False,
+                                            set_status_on_exception=False) as span,
+              contextlib.ExitStack() as log_scope):
+            try:
+                await self._generate(request, context, span, log_scope)
+            except BaseException as exc:
+                code = spans.record_failure(span, exc, self._status_for, log, "request failed")
+                self._metrics.request_failed(code.name)
+                raise
+
+    async def _generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                        span: trace.Span, log_scope: contextlib.ExitStack) -> None:
         limit = self._settings.max_inflight
         if self.num_inflight >= limit:
             raise ResourceExhaustedError(f"too many requests in flight: the limit is max_inflight={limit}; retry later")
         self.num_inflight += 1
+        self._metrics.num_requests_running.inc()
         try:
             arrival = time.monotonic()
+            if request.request_id:  # the client's id, for the logs and span of a request that fails validation
+                span.set_attribute(spans.REQUEST_ID, request.request_id)
+                log_scope.enter_context(request_scope(request.request_id))
             req = GatewayRequest.from_proto(request, self._model)
+            if req.request_id != request.request_id:
+                log_scope.enter_context(request_scope(req.request_id))  # until Generate has logged its end
+            if span.is_recording():
+                span.set_attributes({spans.REQUEST_ID: req.request_id, spans.MODEL: self._model.name,
+                                     spans.PROMPT_TOKENS: len(req.prompt_token_ids),
+                                     spans.MAX_TOKENS: req.sampling.max_tokens,
+                                     spans.TEMPERATURE: req.sampling.temperature})
             client_remaining = context.time_remaining()
             timeout = self._settings.request_timeout_s
             if client_remaining is not None:
                 timeout = min(timeout, client_remaining)
             scope = asyncio.timeout(timeout)
+            last: OutputChunk | None = None
             try:
                 async with scope:
                     chunks = self._coordinator.generate(req, arrival, arrival + timeout)
@@ -53,6 +94,8 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
                     async with contextlib.aclosing(chunks):
                         async for chunk in chunks:
                             await context.write(_to_proto(chunk, req))
+                            last = chunk
+                self._finished(last, span)
             except TimeoutError:
                 if not scope.expired():
                     raise
@@ -61,6 +104,27 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
                     f"{self._settings.request_timeout_s:g}, or the client's deadline when sooner)") from None
         finally:
             self.num_inflight -= 1
+            self._metrics.num_requests_running.dec()
+
+    def _finished(self, last: OutputChunk | None, span: trace.Span) -> None:
+        """Record the finished request: root span attributes, metrics, one log line."""
+        assert last is not None and last.usage is not None and last.timings is not None  # the coordinator's contract
+        u, t = last.usage, last.timings
+        reason = _finish_reason_name(last.finish_reason)
+        self._metrics.request_finished(reason, u.prompt_tokens, u.completion_tokens, t.time_to_first_token,
+                                       t.e2e_seconds, t.queue_seconds)
+        if span.is_recording():
+            span.set_attributes({
+                spans.COMPLETION_TOKENS: u.completion_tokens, spans.CACHED_TOKENS: u.cached_tokens,
+                spans.FINISH_REASONS: [reason], spans.TTFT_S: t.time_to_first_token, spans.QUEUE_S: t.queue_seconds,
+                spans.E2E_S: t.e2e_seconds, spans.PREFILL_NODE: t.prefill_node, spans.DECODE_NODE: t.decode_node,
+                spans.KV_BYTES: t.kv_transfer_bytes, spans.KV_SECONDS: t.kv_transfer_seconds,
+            })
+            spans.set_ok(span)
+        log_event(log, logging.INFO, "request finished", finish_reason=reason, prompt_tokens=u.prompt_tokens,
+                  completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+                  ttft_s=round(t.time_to_first_token, 6), e2e_s=round(t.e2e_seconds, 6),
+                  prefill_node=t.prefill_node, decode_node=t.decode_node)
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generate_pb2.TokenizeResponse:
@@ -106,3 +170,9 @@ def _to_proto(chunk: OutputChunk, req: GatewayRequest) -> generate_pb2.GenerateR
             kv_transfer_seconds=t.kv_transfer_seconds, kv_transfer_bytes=t.kv_transfer_bytes,
             prefill_node=t.prefill_node, decode_node=t.decode_node))
     return msg
+
+
+def _finish_reason_name(reason: int | None) -> str:
+    """``FINISH_REASON_LENGTH`` -> ``length``: the label value and span attribute."""
+    return common_pb2.FinishReason.Name(reason or common_pb2.FINISH_REASON_UNSPECIFIED).removeprefix(
+        "FINISH_REASON_").lower()

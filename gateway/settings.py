@@ -42,6 +42,7 @@ class GatewaySettings:
     affinity_load_slack: int = 4  # keep a prefix on its node unless that node has this many more requests
     shutdown_grace_s: float = 10.0  # in-flight streams get this long to finish on SIGTERM
     dtype: str = "auto"  # what ModelInfo reports; auto = config.json's torch_dtype
+    metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
 
     def __post_init__(self) -> None:
         # Environment variables arrive as strings; the dataclass is frozen, hence object.__setattr__.
@@ -55,8 +56,9 @@ class GatewaySettings:
             raise ValueError(f"prefill_targets: at least one prefill node is required ({env_name('prefill_targets')})")
         if not self.decode_targets:
             raise ValueError(f"decode_targets: at least one decode node is required ({env_name('decode_targets')})")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         for name in ("max_inflight", "block_size", "affinity_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

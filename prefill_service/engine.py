@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -9,6 +10,7 @@ from common.engine.engine_core import EngineCore
 
 if TYPE_CHECKING:
     from common.config.engine_config import CacheConfig, SchedulerConfig
+    from common.engine.request import RequestOutput
     from common.engine.scheduler import SchedulerOutput
     from common.model.llama import LlamaForCausalLM
 
@@ -29,6 +31,17 @@ class TransferPlan:
     next_block: int = 0  # index of the first block not pushed yet
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkTiming:
+    """One prefill chunk of a traced request: the engine step that computed it (wall-clock ns, for spans)."""
+
+    start_ns: int  # the step began (scheduling included)
+    end_ns: int  # the step's forward finished: the chunk's KV is in the cache
+    start_token: int
+    num_tokens: int
+    step_tokens: int  # tokens of every request batched in that step
+
+
 class PrefillEngine(EngineCore):
     """A prefill-only engine: requests end with their first token and keep their blocks until released."""
 
@@ -36,15 +49,27 @@ class PrefillEngine(EngineCore):
                  scheduler: SchedulerConfig | None = None) -> None:
         super().__init__(model, cache, scheduler, prefill_only=True)
         self.plans: dict[str, TransferPlan] = {}
+        # Traced requests only: the servicer owns each list and reads it once the first token is out.
+        self.chunk_timings: dict[str, list[ChunkTiming]] = {}
+        self._step_start_ns = 0
 
-    def attach(self, request_id: str, plan: TransferPlan) -> None:
+    def attach(self, request_id: str, plan: TransferPlan, chunk_timings: list[ChunkTiming] | None = None) -> None:
+        """Send the request's KV along ``plan``; append its chunks' timings to ``chunk_timings`` if given."""
         self.plans[request_id] = plan
+        if chunk_timings is not None:
+            self.chunk_timings[request_id] = chunk_timings
+
+    def step(self) -> list[RequestOutput]:
+        self._step_start_ns = time.time_ns()
+        return super().step()
 
     def on_kv_written(self, scheduled: SchedulerOutput) -> None:
         """Push every block this step completed. The prompt's last, partial block goes once the prompt is done.
 
         A block is pushed only once it can no longer change, so the transfer never races later writes.
         """
+        if self.chunk_timings:
+            self._record_chunks(scheduled)
         bs = self.kv.block_size
         for chunk in scheduled.chunks:
             plan = self.plans.get(chunk.request.request_id)
@@ -57,11 +82,21 @@ class PrefillEngine(EngineCore):
                 plan.target.push(chunk.block_ids[first:done], plan.dst_block_ids[first:done])
                 plan.next_block = done
 
+    def _record_chunks(self, scheduled: SchedulerOutput) -> None:
+        now = time.time_ns()
+        step_tokens = scheduled.num_tokens
+        for chunk in scheduled.chunks:
+            timings = self.chunk_timings.get(chunk.request.request_id)
+            if timings is not None:
+                timings.append(ChunkTiming(self._step_start_ns, now, chunk.start, chunk.num_tokens, step_tokens))
+
     def release(self, request_id: str) -> None:
         """The transfer finished or was abandoned: free the request's blocks (they stay prefix-cached)."""
         self.plans.pop(request_id, None)
+        self.chunk_timings.pop(request_id, None)
         self.scheduler.release(request_id)
 
     def abort(self, request_id: str) -> bool:
         self.plans.pop(request_id, None)
+        self.chunk_timings.pop(request_id, None)
         return super().abort(request_id)

@@ -13,6 +13,7 @@ from common.engine.model_runner import kv_cache_spec
 from common.engine.node_setup import engine_configs, load_node_model
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
+from common.telemetry.metrics import PrefillMetrics, serve_metrics, snapshot_of
 from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import make_layout, model_fingerprint
 from kv_transfer.sender import KVSender
@@ -30,17 +31,29 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings) -> Ru
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
     node_id = node.node_id or f"prefill-{node.port}"
     sender = KVSender(engine.engine.runner.kv_cache, layout, node_id, group_timeout_s=node.kv_timeout_s)
-    servicer = PrefillServicer(engine, sender, node_id, transfer_timeout_s=node.kv_timeout_s)
-    running = await start_server(
-        [lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s)],
-        [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
-        node.host, node.port,
-        interceptors=[StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})],
-    )
+    status = StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})
+    metrics = PrefillMetrics(node_id)
+    core = engine.engine
+    # Read on scrape from the HTTP thread: O(1) reads of lengths and counters, atomic under the GIL.
+    metrics.add_engine(lambda: snapshot_of(core.stats()))
+    servicer = PrefillServicer(engine, sender, node_id, node.kv_timeout_s, metrics, status.status_for)
+    metrics_server = serve_metrics(metrics, node.host, node.metrics_port) if node.metrics_port else None
+    try:
+        running = await start_server(
+            [lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s)],
+            [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
+            node.host, node.port, interceptors=[status],
+        )
+    except BaseException:
+        if metrics_server is not None:
+            metrics_server.close()
+        raise
 
     async def shutdown() -> None:
         await sender.close()
         engine.shutdown()
+        if metrics_server is not None:
+            await metrics_server.stop()
 
     running.add_shutdown_hook(shutdown)
     log.info("prefill node %s serving on %s", node_id, running.address)

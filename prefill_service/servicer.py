@@ -1,4 +1,10 @@
-"""The prefill node's gRPC servicer: thin and async over the prefill engine and the KV sender."""
+"""The prefill node's gRPC servicer: thin and async over the prefill engine and the KV sender.
+
+Telemetry at this edge: the ``prefill`` span (a child of the gateway's, through the gRPC metadata) with
+``prefill.queue``, one ``prefill.chunk`` per chunk (timed on the engine thread, made into spans here) and
+``kv_transfer.send``, whose context travels to the decode node in the KV control messages; plus the
+node's TTFT, queue, prefill-time and transfer metrics.
+"""
 
 from __future__ import annotations
 
@@ -6,89 +12,181 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import grpc
+from opentelemetry import trace
+
 from common.errors import InvalidRequestError
 from common.protocol import logprob_to_proto, sampling_from_proto, stats_to_proto
+from common.serving.status import StatusInterceptor
+from common.telemetry import spans
+from common.telemetry.logs import request_scope
+from common.telemetry.metrics import PrefillMetrics
+from common.telemetry.propagation import context_headers
+from common.telemetry.tracing import get_tracer
 from kv_transfer.errors import TransferFailed
-from prefill_service.engine import PrefillEngine, TransferPlan
+from prefill_service.engine import ChunkTiming, PrefillEngine, TransferPlan
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 if TYPE_CHECKING:
-    import grpc
-
     from common.engine.async_engine import AsyncEngine
-    from kv_transfer.sender import KVSender, TransferHandle
+    from common.engine.request import Request
+    from common.sampling.params import SamplingParams
+    from kv_transfer.sender import KVSender, TransferHandle, TransferStats
 
 log = logging.getLogger(__name__)
+_tracer = get_tracer(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: AsyncEngine, sender: KVSender, node_id: str, transfer_timeout_s: float) -> None:
+    def __init__(self, engine: AsyncEngine, sender: KVSender, node_id: str, transfer_timeout_s: float,
+                 metrics: PrefillMetrics | None = None, status_for: spans.StatusFor | None = None) -> None:
         assert isinstance(engine.engine, PrefillEngine)
         self.engine = engine
         self.core: PrefillEngine = engine.engine
         self.sender = sender
         self.node_id = node_id
         self.transfer_timeout_s = transfer_timeout_s
+        self.metrics = metrics or PrefillMetrics(node_id)
+        self._status_for = status_for or StatusInterceptor().status_for
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
+        with (_tracer.start_as_current_span(spans.PREFILL, kind=spans.SERVER, record_exception=False,
+                                            set_status_on_exception=False) as span,
+              request_scope(request.request_id)):
+            try:
+                reply = await self._prefill(request, context, span)
+            except BaseException as exc:
+                spans.record_failure(span, exc, self._status_for, log, "prefill failed")
+                raise
+            spans.set_ok(span)
+            return reply
+
+    async def _prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
+                       span: trace.Span) -> prefill_pb2.PrefillResponse:
         arrival = time.monotonic()
+        arrival_ns = time.time_ns()
         params = sampling_from_proto(request.sampling)
         prompt = list(request.prompt_token_ids)
         dest = request.destination
         bs = self.core.kv.block_size
+        traced = span.is_recording()
+        if traced:
+            span.set_attributes({spans.REQUEST_ID: request.request_id, spans.NODE: self.node_id,
+                                 spans.PROMPT_TOKENS: len(prompt), spans.TRANSFER_ID: dest.transfer_id,
+                                 spans.KV_PEER: dest.node_id, spans.DEST_CACHED_TOKENS: dest.num_cached_tokens})
         if len(dest.block_ids) * bs < len(prompt):
             raise InvalidRequestError("destination.block_ids", f"{len(dest.block_ids)} blocks of {bs} cannot hold "
                                       f"{len(prompt)} prompt tokens")
         if dest.num_cached_tokens >= len(prompt):
             raise InvalidRequestError("destination.num_cached_tokens", f"must be < the prompt's {len(prompt)} tokens")
         rid = request.request_id
-        handle = await self.sender.open(dest.transfer_id, dest, _trace_context(context))
+        # The send span's context rides in the KV control messages: the decode node's receive span hangs off it.
+        send_span = _tracer.start_span(spans.KV_SEND, kind=spans.PRODUCER,
+                                       attributes={spans.TRANSFER_ID: dest.transfer_id, spans.KV_PEER: dest.node_id})
+        trace_context = context_headers(send_span) if send_span.is_recording() else _trace_context(context)
+        chunk_timings: list[ChunkTiming] | None = [] if traced else None
+        try:
+            handle = await self.sender.open(dest.transfer_id, dest, trace_context)
+            reply, started, plan = await self._run(rid, prompt, params, request, handle, arrival, chunk_timings)
+            num_blocks = max(plan.next_block - plan.skip_blocks, 0)
+            stats = await self._transfer(handle, rid, reply, num_blocks, send_span)
+        except BaseException as exc:
+            spans.set_error(send_span, exc, spans.failure_code(exc, self._status_for))
+            raise
+        finally:
+            send_span.end()
+        reply.transfer_bytes, reply.transfer_seconds = stats.bytes, stats.seconds
+        if traced:
+            self._record_spans(span, reply, started, arrival_ns, chunk_timings or [])
+        return reply
+
+    async def _run(self, rid: str, prompt: list[int], params: SamplingParams, request: prefill_pb2.PrefillRequest,
+                   handle: TransferHandle, arrival: float, chunk_timings: list[ChunkTiming] | None,
+                   ) -> tuple[prefill_pb2.PrefillResponse, Request | None, TransferPlan]:
+        """Prefill the prompt (the engine pushes KV as chunks finish) and sample the first token."""
+        dest = request.destination
+        bs = self.core.kv.block_size
         stream = self.engine.open_stream(rid)
-        finished = False
         try:
             plan = TransferPlan(handle, list(dest.block_ids), dest.num_cached_tokens // bs)
             eos = tuple(request.eos_token_ids)
 
             def admit() -> None:
                 self.core.add_request(rid, prompt, params, eos)
-                self.core.attach(rid, plan)
+                self.core.attach(rid, plan, chunk_timings)
 
             await self.engine.call(admit)
             outputs = [out async for out in self.engine.stream(rid, stream)]
-            started = self.core.scheduler.retained.get(rid)
-            first = outputs[-1]
-            token = first.new_token_ids[0]
-            logprob = None
-            if first.logprobs:
-                lp, top = first.logprobs[0]
-                logprob = logprob_to_proto(token, lp, top)
-            handle.complete(token, logprob, first.num_cached_tokens)
+        except BaseException as exc:
+            await _drain(handle, f"prefill failed: {exc!r}", self.transfer_timeout_s)
+            self.engine.close_stream(rid)
+            self.engine.submit(lambda: self.core.abort(rid))
+            raise
+        first_token_time = time.monotonic()
+        started = self.core.scheduler.retained.get(rid)
+        first = outputs[-1]
+        token = first.new_token_ids[0]
+        logprob = None
+        if first.logprobs:
+            lp, top = first.logprobs[0]
+            logprob = logprob_to_proto(token, lp, top)
+        compute_start = started.first_scheduled_time if started and started.first_scheduled_time else arrival
+        m = self.metrics
+        m.time_to_first_token.observe(first_token_time - arrival)
+        m.request_queue_time.observe(max(0.0, compute_start - arrival))
+        m.request_prefill_time.observe(first_token_time - compute_start)
+        reply = prefill_pb2.PrefillResponse(
+            first_token=token, first_logprob=logprob, num_cached_tokens=first.num_cached_tokens,
+            queue_seconds=max(0.0, compute_start - arrival), compute_seconds=first_token_time - compute_start,
+        )
+        return reply, started, plan
+
+    async def _transfer(self, handle: TransferHandle, rid: str, reply: prefill_pb2.PrefillResponse,
+                        num_blocks: int, send_span: trace.Span) -> TransferStats:
+        """Tell the decode node the first token and wait until every send ended; then free the blocks."""
+        finished = False
+        try:
+            first_logprob = reply.first_logprob if reply.HasField("first_logprob") else None
+            handle.complete(reply.first_token, first_logprob, reply.num_cached_tokens)
             stats = await handle.wait(self.transfer_timeout_s)
             finished = True
         except BaseException as exc:
+            if isinstance(exc, TransferFailed):
+                self.metrics.kv_transfer_failures.inc()
             await _drain(handle, f"prefill failed: {exc!r}", self.transfer_timeout_s)
             raise
         finally:
             self.engine.close_stream(rid)
             # No send is in flight any more: the blocks can go (they stay in the prefix cache).
             self.engine.submit(lambda: self.core.release(rid) if finished else self.core.abort(rid))
-        compute_start = started.first_scheduled_time if started and started.first_scheduled_time else arrival
-        return prefill_pb2.PrefillResponse(
-            first_token=token,
-            first_logprob=logprob,
-            num_cached_tokens=first.num_cached_tokens,
-            transfer_bytes=stats.bytes,
-            transfer_seconds=stats.seconds,
-            queue_seconds=max(0.0, compute_start - arrival),
-            compute_seconds=time.monotonic() - compute_start,
-        )
+        self.metrics.transfer_done(stats.bytes, stats.seconds)
+        if send_span.is_recording():
+            send_span.set_attributes(spans.transfer_attributes(stats.bytes, stats.seconds, num_blocks))
+            send_span.set_attribute(spans.KV_CHUNKS, stats.num_chunks)
+        return stats
+
+    def _record_spans(self, span: trace.Span, reply: prefill_pb2.PrefillResponse, started: Request | None,
+                      arrival_ns: int, chunk_timings: list[ChunkTiming]) -> None:
+        """Attributes of the prefill span, and its queue and chunk children from the recorded timings."""
+        span.set_attributes({spans.CACHED_TOKENS: reply.num_cached_tokens, spans.QUEUE_S: reply.queue_seconds,
+                             spans.COMPUTE_S: reply.compute_seconds,
+                             spans.PREEMPTIONS: started.num_preemptions if started else 0})
+        parent = trace.set_span_in_context(span)
+        queue_end = chunk_timings[0].start_ns if chunk_timings else arrival_ns + int(reply.queue_seconds * 1e9)
+        spans.record_span(_tracer, spans.PREFILL_QUEUE, arrival_ns, queue_end, parent=parent)
+        for i, t in enumerate(chunk_timings):
+            spans.record_span(_tracer, spans.PREFILL_CHUNK, t.start_ns, t.end_ns, parent=parent, attributes={
+                spans.CHUNK_INDEX: i, spans.CHUNK_START: t.start_token, spans.CHUNK_TOKENS: t.num_tokens,
+                spans.STEP_TOKENS: t.step_tokens})
 
     async def Stats(
         self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.NodeStats:
-        return stats_to_proto(await self.engine.call(self.core.stats), self.node_id, "prefill")
+        # Read without queueing behind the engine: a long step must not make the node look down to the
+        # gateway's poller. Counters read mid-step may be one step stale, which routing tolerates.
+        return stats_to_proto(self.core.stats(), self.node_id, "prefill")
 
 
 async def _drain(handle: TransferHandle, reason: str, timeout_s: float) -> None:

@@ -15,11 +15,15 @@ fi
 
 # CUDA machines get the default (CUDA) torch wheel and the GPU extra; everything else the CPU build,
 # pinned by a constraints file on EVERY pip call (see requirements/constraints-cpu.txt).
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    FLAVOUR=cuda; CONSTRAINTS=()
-else
-    FLAVOUR=cpu; CONSTRAINTS=(-c requirements/constraints-cpu.txt)
-fi
+# TORCH_FLAVOUR=cpu|cuda overrides the detection (a GPU image is built where no GPU is visible).
+case "${TORCH_FLAVOUR:-auto}" in
+    cuda) FLAVOUR=cuda ;;
+    cpu) FLAVOUR=cpu ;;
+    auto)
+        if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then FLAVOUR=cuda; else FLAVOUR=cpu; fi ;;
+    *) echo "TORCH_FLAVOUR must be auto, cpu or cuda, not '$TORCH_FLAVOUR'" >&2; exit 1 ;;
+esac
+if [[ $FLAVOUR == cuda ]]; then CONSTRAINTS=(); else CONSTRAINTS=(-c requirements/constraints-cpu.txt); fi
 
 want="$FLAVOUR $TORCH_VERSION $(cat requirements/dev.lock requirements/constraints-cpu.txt pyproject.toml "$0" | sha256sum | cut -c1-16)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then

@@ -7,12 +7,16 @@ a flag that is given wins over the environment, which wins over the default.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.config.settings import ModelSettings, NodeSettings, env_name, load_settings
+
+if TYPE_CHECKING:
+    from common.telemetry.settings import TelemetrySettings
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -97,6 +101,8 @@ def add_settings_flags(p: argparse.ArgumentParser, cls: type, title: str, skip: 
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         help_text = f"[{env_name(f.name)}]"
+        if flag in p._option_string_actions:  # a field two settings classes share: one flag fills both
+            continue
         if hint is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif hint in (int, float):
@@ -112,9 +118,10 @@ def _pick(args: argparse.Namespace, cls: type) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
+    from common.telemetry.settings import TelemetrySettings
+    from common.telemetry.tracing import shutdown_tracing
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    telemetry = load_settings(TelemetrySettings, _pick(args, TelemetrySettings))
     if args.role == "gateway":
         from common.model.model_store import resolve_model
         from gateway.server import run_gateway
@@ -126,20 +133,73 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if overrides.get("model_dir") is None:
             settings = _model_settings(args)
             overrides["model_dir"] = str(resolve_model(settings.model, settings.home, progress=False))
-        run_gateway(load_settings(GatewaySettings, overrides))
+        gateway = load_settings(GatewaySettings, overrides)
+        _start_telemetry(telemetry, "gateway", "gateway")
+        try:
+            run_gateway(gateway)
+        finally:
+            shutdown_tracing()  # after the graceful stop (SIGTERM included): export what is queued
         return 0
     node = load_settings(NodeSettings, _pick(args, NodeSettings))
-    if args.role == "prefill":
-        from prefill_service.server import run_prefill
+    _start_telemetry(telemetry, args.role, node.node_id or args.role)
+    try:
+        if args.role == "prefill":
+            from prefill_service.server import run_prefill
 
-        run_prefill(_model_settings(args), node)
-    else:
-        from common.engine.node_setup import speculative_config
-        from decode_service.server import run_decode
+            run_prefill(_model_settings(args), node)
+        elif args.role == "colocated":
+            from common.engine.node_setup import speculative_config
+            from tandem_cli.colocated_server import run_colocated
 
-        spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers)
-        run_decode(_model_settings(args), node, spec)
+            spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers)
+            run_colocated(_model_settings(args), node, _colocated_public_settings(args), spec)
+        else:
+            from common.engine.node_setup import speculative_config
+            from decode_service.server import run_decode
+
+            spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers)
+            run_decode(_model_settings(args), node, spec)
+    finally:
+        shutdown_tracing()
     return 0
+
+
+def _start_telemetry(telemetry: TelemetrySettings, role: str, node_id: str) -> None:
+    """Structured logs and (when the OTEL_* variables or --trace-console ask) tracing, before any server starts."""
+    from common.telemetry.logs import configure_logging
+    from common.telemetry.tracing import setup_tracing
+
+    configure_logging(telemetry, service=node_id)
+    setup_tracing(role, node_id, telemetry)
+
+
+def _colocated_public_settings(args: argparse.Namespace) -> Any:
+    """The public side of ``serve colocated``: the process is its own (only) prefill and decode node."""
+    import dataclasses
+
+    from common.model.model_store import resolve_model
+    from gateway.settings import GatewaySettings
+
+    overrides = _pick(args, GatewaySettings)
+    settings = _model_settings(args)
+    overrides["model_dir"] = str(resolve_model(settings.model, settings.home, progress=False))  # the engine's model
+    overrides["prefill_targets"] = overrides["decode_targets"] = "colocated:0"  # replaced below
+    public = load_settings(GatewaySettings, overrides)
+    return dataclasses.replace(public, prefill_targets=(public.address,), decode_targets=(public.address,))
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from tandem_cli.launcher import check_health
+
+    status = check_health(args.target, args.timeout, args.service)
+    print(f"{args.target}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from benchmarks.bench_serve import run
+
+    return run(args)
 
 
 def _model_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -163,14 +223,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     from tandem_cli.launcher import Launcher, Topology
 
     topology = Topology(num_prefill=args.prefill_nodes, num_decode=args.decode_nodes, gateway_port=args.port,
-                        model_args=_model_args(args), decode_args=_decode_args(args))
-    launcher = Launcher(topology, log_dir=Path(args.log_dir) if args.log_dir else None)
+                        model_args=_model_args(args), decode_args=_decode_args(args),
+                        metrics_base_port=args.metrics_base_port)
+    # Services log JSON lines; in a terminal (no --log-dir) the key=value form reads better.
+    env = {} if args.log_dir or "TANDEM_LOG_FORMAT" in os.environ else {"TANDEM_LOG_FORMAT": "text"}
+    launcher = Launcher(topology, log_dir=Path(args.log_dir) if args.log_dir else None, env=env)
     print(f"starting {args.prefill_nodes} prefill + {args.decode_nodes} decode nodes and the gateway...",
           file=sys.stderr)
     with launcher:
         print(f"Tandem is up: gateway on {launcher.gateway.target} (Ctrl-C stops everything)", file=sys.stderr)
         for spec in launcher.specs:
-            print(f"  {spec.name:10s} {spec.target}  cpus={list(spec.cpus) or 'any'}", file=sys.stderr)
+            metrics = f"  metrics=http://127.0.0.1:{spec.metrics_port}/metrics" if spec.metrics_port else ""
+            print(f"  {spec.name:10s} {spec.target}  cpus={list(spec.cpus) or 'any'}{metrics}", file=sys.stderr)
         if args.demo:
             return _demo(launcher.gateway.target)
         try:
@@ -226,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
+    from common.telemetry.settings import TelemetrySettings
     from gateway.settings import GatewaySettings
 
     serve = sub.add_parser("serve", help="run one service")
@@ -236,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_settings_flags(p, NodeSettings, "node (flags override TANDEM_* environment variables)")
         if role == "decode":
             _add_speculative_flags(p)
+        add_settings_flags(p, TelemetrySettings, _TELEMETRY_FLAGS)
         p.set_defaults(func=cmd_serve)
     gw = serve_sub.add_parser("gateway", help="the public gRPC gateway (no torch)")
     _add_model_flags(gw)
@@ -243,7 +309,35 @@ def build_parser() -> argparse.ArgumentParser:
                        skip=("prefill_targets", "decode_targets", "dtype"))
     gw.add_argument("--prefill", help="comma-separated host:port of the prefill nodes [TANDEM_PREFILL_TARGETS]")
     gw.add_argument("--decode", help="comma-separated host:port of the decode nodes [TANDEM_DECODE_TARGETS]")
+    add_settings_flags(gw, TelemetrySettings, _TELEMETRY_FLAGS)
     gw.set_defaults(func=cmd_serve)
+    colo = serve_sub.add_parser("colocated", help="the public API over one engine that prefills and decodes "
+                                "(small deployments; the benchmark's baseline)")
+    _add_model_flags(colo)
+    add_settings_flags(colo, GatewaySettings, "public API (flags override TANDEM_* environment variables)",
+                       skip=("model_dir", "prefill_targets", "decode_targets", "dtype", "kv_timeout_s",
+                             "stats_interval_s", "block_size", "affinity_capacity", "affinity_load_slack"))
+    add_settings_flags(colo, NodeSettings, "engine (flags override TANDEM_* environment variables)",
+                       skip=("kv_store_port", "advertise_host", "kv_timeout_s", "grace_s"))
+    _add_speculative_flags(colo)
+    add_settings_flags(colo, TelemetrySettings, _TELEMETRY_FLAGS)
+    colo.set_defaults(func=cmd_serve)
+
+    health = sub.add_parser("health", help="gRPC health check of a service: exit 0 when it is SERVING, else 1")
+    health.add_argument("--target", required=True, help="host:port of the service")
+    health.add_argument("--service", default="", help="service name to ask about (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    health.set_defaults(func=cmd_health)
+
+    from benchmarks import bench_serve
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    serve_bench = bench_sub.add_parser("serve", help="load test over gRPC: disaggregated vs colocated",
+                                       description=bench_serve.__doc__,
+                                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_serve.add_arguments(serve_bench)
+    serve_bench.set_defaults(func=cmd_bench_serve)
 
     up = sub.add_parser("up", help="start gateway + prefill + decode nodes as local processes")
     up.add_argument("--prefill-nodes", type=int, default=1)
@@ -251,10 +345,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="the gateway's port")
     up.add_argument("--log-dir", help="write each service's log here (default: this terminal)")
     up.add_argument("--demo", action="store_true", help="stream a few generations through the gateway, then stop")
+    up.add_argument("--metrics-base-port", type=int, default=None,
+                    help="serve /metrics: the gateway on this port, then each prefill and decode node on the next ones")
     _add_model_flags(up)
     _add_speculative_flags(up)
     up.set_defaults(func=cmd_up)
     return parser
+
+
+_TELEMETRY_FLAGS = ("telemetry: traces export when OTEL_EXPORTER_OTLP_ENDPOINT is set (and the other OTEL_* "
+                    "variables); /metrics with --metrics-port")
 
 
 def _add_speculative_flags(p: argparse.ArgumentParser) -> None:

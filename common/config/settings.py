@@ -51,6 +51,9 @@ class NodeSettings:
     port: int = 0  # 0: pick a free port (printed at start-up)
     node_id: str = ""  # "" -> "<role>-<port>"
     kv_store_port: int = 0  # decode: the TCPStore KV pair groups rendezvous on (0: pick one)
+    # decode: the host prefill nodes dial for KV (the reservation's kv_endpoint); "" = host. Set it when
+    # host is a wildcard (0.0.0.0 in a container): the wildcard is no address another machine can dial.
+    advertise_host: str = ""
     num_blocks: int = 0  # 0: derive from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
     block_size: int = 16

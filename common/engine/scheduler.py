@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.config.engine_config import SpeculativeMethod
 from common.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 
 if TYPE_CHECKING:
@@ -89,6 +90,50 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclass(frozen=True)
+class DraftEconomics:
+    """What adaptive k assumes about a proposer's drafts."""
+
+    # One more draft in a step, relative to a plain decode step at small batch.
+    cost: float
+    # P(draft j + 1 accepted | drafts 1..j were). None: as likely as the first draft (independent drafts).
+    continuation: float | None
+
+
+# An n-gram draft only adds a query row to the verification forward, which at small batch is bound by
+# reading the weights: ~3% of a step per row (SmolLM2 on CPU, 1..17 rows). Its drafts come in runs: a
+# proposal whose first token is right is usually a span being copied, and each next draft is then accepted
+# 75-95% of the time (SmolLM2's chat outputs in benchmarks/bench_speculative.py). An early-layer draft
+# runs L target layers and the LM head once more per draft (a third of a step or more), and its drafts
+# are roughly independent.
+DRAFT_ECONOMICS: dict[SpeculativeMethod, DraftEconomics] = {
+    SpeculativeMethod.NGRAM: DraftEconomics(cost=0.03, continuation=0.9),
+    SpeculativeMethod.DRAFT_LAYERS: DraftEconomics(cost=0.3, continuation=None),
+}
+# While speculation is paused for a request, its acceptance estimate drifts back toward the prior at this
+# rate per step, so the request is probed again after a while (a text can turn repetitive later).
+_PAUSED_RECOVERY = 0.1
+_ACCEPTANCE_PRIOR = 0.6
+
+
+def adaptive_num_drafts(request: Request, max_drafts: int, economics: DraftEconomics) -> int:
+    """How many of ``max_drafts`` are worth proposing for ``request``.
+
+    ``request.spec_acceptance`` estimates a, the chance that the first draft is accepted; drafts 1..j
+    are then all accepted with chance a * h**(j - 1) (h: ``economics.continuation``, or a itself). Draft j
+    pays while that exceeds its cost c: k = 1 + floor(log(c / a) / log(h)). When not even one draft pays
+    (a <= c) speculation pauses (0) and the estimate recovers a little (``_PAUSED_RECOVERY``).
+    """
+    a, cost = request.spec_acceptance, economics.cost
+    if a <= cost:
+        request.spec_acceptance = a + _PAUSED_RECOVERY * (_ACCEPTANCE_PRIOR - a)
+        return 0
+    h = economics.continuation if economics.continuation is not None else a
+    if h >= 1.0:
+        return max_drafts
+    return min(max_drafts, 1 + int(math.log(cost / a) / math.log(h)))
 
 
 class Scheduler:
@@ -278,9 +323,7 @@ class Scheduler:
             return 0
         k = p.num_speculative_tokens if p.num_speculative_tokens is not None else spec.num_speculative_tokens
         if spec.adaptive:
-            # With per-token acceptance a, a run of accepted drafts is a/(1-a) long on average: draft a bit more.
-            a = min(request.spec_acceptance, 0.95)
-            k = min(k, max(1, math.ceil(a / (1 - a)) + 1))
+            k = adaptive_num_drafts(request, k, DRAFT_ECONOMICS[spec.method])
         # No drafts past the end: the last token is the target's own.
         remaining = min(p.max_tokens - len(request.output_token_ids), self.max_model_len - request.num_tokens) - 1
         return max(0, min(k, remaining, budget))
@@ -290,7 +333,9 @@ class Scheduler:
             return
         request.num_draft_tokens += drafts
         request.num_accepted_tokens += accepted
-        request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * (accepted / drafts)
+        # The estimate is of the first draft's acceptance (see adaptive_num_drafts). accepted / drafts would
+        # also count the drafts after a rejection, never judged, as failures, and shrink k when it was generous.
+        request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * (1.0 if accepted else 0.0)
         self.num_spec_steps += 1
         self.num_draft_tokens += drafts
         self.num_accepted_tokens += accepted

@@ -4,4 +4,6 @@
 - ``status``: ``StatusInterceptor``, the one interceptor per service that maps exceptions to statuses.
 - ``server``: ``start_server`` (health + reflection + graceful stop), signal handling, ``wait_for_health``.
 - ``channel``: ``open_channel`` with reconnect/keepalive defaults for calls between services.
+
+Trace-context interceptors live in ``common.telemetry.propagation``; ``start_server`` installs the server one.
 """

@@ -26,8 +26,9 @@ def format_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-def open_channel(target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+def open_channel(target: str, options: Sequence[tuple[str, Any]] = (),
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
     """An insecure ``grpc.aio`` channel to ``target`` (host:port) with Tandem's defaults (overridable)."""
     merged = dict(CHANNEL_OPTIONS)
     merged.update(options)
-    return grpc.aio.insecure_channel(target, options=list(merged.items()))
+    return grpc.aio.insecure_channel(target, options=list(merged.items()), interceptors=list(interceptors) or None)

@@ -9,6 +9,7 @@ hooks run (close channels, stop engine loops, flush exporters).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.serving.channel import format_address, open_channel
 from common.serving.status import StatusInterceptor
+from common.telemetry.propagation import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +105,13 @@ async def start_server(
     ``servicer_adders`` are the generated ``add_XServicer_to_server`` functions bound to their servicer
     (e.g. ``functools.partial(add_TandemServicer_to_server, servicer)``); ``service_names`` are the full
     names (``tandem.v1.Tandem``) reported by health and reflection. ``interceptors`` default to one
-    ``StatusInterceptor()``; the first interceptor is the outermost. ``port`` 0 picks a free port.
+    ``StatusInterceptor()``; the first interceptor is the outermost. When this process traces, the trace
+    context interceptor goes before them all (the caller's context is current in every handler).
+    ``port`` 0 picks a free port.
     """
     if interceptors is None:
         interceptors = [StatusInterceptor()]
+    interceptors = [*server_interceptors(), *interceptors]
     merged_options = dict(SERVER_OPTIONS)
     merged_options.update(options)
     server = grpc.aio.server(interceptors=list(interceptors), options=list(merged_options.items()))
@@ -151,9 +156,22 @@ def install_signal_handlers(running: RunningServer, grace_s: float) -> None:
 
 
 async def serve_until_signal(running: RunningServer, grace_s: float) -> None:
-    """Install the signal handlers and return once the server has stopped."""
+    """Install the signal handlers, freeze the start-up heap, and return once the server has stopped."""
     install_signal_handlers(running, grace_s)
+    freeze_startup_heap()
     await running.wait_for_termination()
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (model, tokenizer, modules) out of the garbage collector's reach.
+
+    They live as long as the process, yet each full collection walked them all (about 200 ms measured with
+    a model, a tokenizer and three services in one process), and the objects serving churns through (protobuf
+    messages, spans waiting in the export queue) set one off every few seconds under load. Collect first so
+    no start-up garbage is kept.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 async def wait_for_health(target: str, timeout_s: float, service: str = "") -> None:

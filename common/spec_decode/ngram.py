@@ -16,23 +16,38 @@ class NgramProposer:
     The longest suffix of length ``max_n`` down to ``min_n`` that occurred earlier in the sequence wins;
     among its earlier occurrences the most recent one is used. The proposal is a point mass: verify it
     with ``draft_probs=None``.
+
+    Two options trade the literal definition for acceptance (both off by default):
+
+    - ``drafts_per_matched_token``: a match of ``n`` tokens proposes at most ``n * drafts_per_matched_token``
+      tokens. A 1-token match is a weak guess (its first draft is accepted ~20-30% of the time on chat
+      outputs) while a long one is usually a copy in progress, so long matches get long drafts and short
+      ones short drafts instead of one length for both.
+    - ``continue_past_end``: when the copied span reaches the end of the sequence (the match is a
+      repetition of the latest tokens), keep copying from the proposal itself, i.e. continue the period,
+      instead of proposing fewer tokens.
     """
 
     min_n: int = 1
     max_n: int = 4
+    drafts_per_matched_token: int | None = None
+    continue_past_end: bool = False
 
     def __post_init__(self) -> None:
         if self.min_n < 1:
             raise ValueError(f"min_n must be >= 1, got {self.min_n}")
         if self.max_n < self.min_n:
             raise ValueError(f"max_n must be >= min_n={self.min_n}, got {self.max_n}")
+        if self.drafts_per_matched_token is not None and self.drafts_per_matched_token < 1:
+            raise ValueError(f"drafts_per_matched_token must be >= 1 (or None), got {self.drafts_per_matched_token}")
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest matching suffix.
 
         ``token_ids`` is the whole sequence so far (prompt + output). Returns ``[]`` when no suffix of
         length >= ``min_n`` occurred before, or when ``k == 0``. Fewer than ``k`` tokens come back when the
-        match is close to the end of the sequence.
+        match is close to the end of the sequence (unless ``continue_past_end``) or short (with
+        ``drafts_per_matched_token``).
         """
         assert k >= 0, k
         length = len(token_ids)
@@ -59,6 +74,14 @@ class NgramProposer:
                 best_n, best_r = n, r
         if best_n < self.min_n:
             return []
+        if self.drafts_per_matched_token is not None:
+            k = min(k, best_n * self.drafts_per_matched_token)
         # The match ends at token_ids[length - 1 - best_r]; propose what followed it (r >= 1, so >= 1 token).
         start = length - best_r
-        return list(token_ids[start : start + k])
+        proposal = list(token_ids[start : start + k])
+        if self.continue_past_end:
+            # The copy source runs on into the proposal: token i of it is (token_ids + proposal)[start + i],
+            # so a match best_r tokens back repeats with period best_r.
+            while len(proposal) < k:
+                proposal.append(proposal[len(proposal) - best_r])
+        return proposal

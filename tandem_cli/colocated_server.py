@@ -1,0 +1,175 @@
+"""``tandem serve colocated``: the public ``tandem.v1.Tandem`` API over a colocated engine, in one process.
+
+Prefill and decode share one engine (continuous batching with chunked prefill mixed into decode steps,
+``common.engine``), so no KV moves between processes. It serves small deployments, and it is the baseline
+of ``tandem bench serve``: clients see exactly the gateway's API, because the gateway's servicer,
+validation and output processing (detokenization, stop strings, coalescing) are reused as they are; only
+where the tokens come from differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
+
+from common.engine.async_engine import AsyncEngine
+from common.engine.request import Request, RequestOutput
+from common.protocol import finish_reason_to_proto, logprob_to_proto
+from common.serving.server import RunningServer, serve_until_signal, start_server
+from common.serving.status import StatusInterceptor
+from common.telemetry.metrics import GatewayMetrics, serve_metrics
+from gateway.coordinator import Coordinator
+from gateway.model import ServedModel
+from gateway.output import OutputChunk, OutputProcessor, Timings, Usage
+from gateway.servicer import SERVICE_NAME, TandemServicer
+from tandem.v1 import common_pb2, generate_pb2_grpc
+
+if TYPE_CHECKING:
+    from common.config.engine_config import SpeculativeConfig
+    from common.config.settings import ModelSettings, NodeSettings
+    from common.engine.engine_core import EngineCore
+    from gateway.request import GatewayRequest
+    from gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+
+class ColocatedCoordinator(Coordinator):
+    """The gateway ``Coordinator``'s contract (``generate`` yields output chunks, the first at once, the last
+    with finish reason, usage and timings) fulfilled by a colocated engine in this process.
+
+    It subclasses ``Coordinator`` only to plug into ``TandemServicer`` unchanged; none of the node
+    machinery (router, node pool, KV reservations) exists here, hence no ``super().__init__``.
+    """
+
+    def __init__(self, model: ServedModel, engine: AsyncEngine, node_id: str) -> None:
+        self._model = model
+        self._engine = engine
+        self._core: EngineCore = engine.engine
+        self._node_id = node_id
+        # Engine-side ids stay unique even when two clients send the same request_id.
+        self._ids = itertools.count()
+
+    async def generate(self, req: GatewayRequest, arrival: float, deadline: float,
+                       ) -> AsyncGenerator[OutputChunk, None]:
+        """Yield ``req``'s output chunks; a client that goes away (or a stop string) aborts the request."""
+        engine, core = self._engine, self._core
+        engine_id = f"{req.request_id}#{next(self._ids)}"
+        prompt = list(req.prompt_token_ids)
+        request = Request(engine_id, prompt, req.sampling, self._model.eos_token_ids)
+
+        def add() -> None:  # on the engine thread: caller mistakes raise InvalidRequestError to the client
+            core.validate(prompt, req.sampling)
+            core.scheduler.add_request(request)
+
+        queue = engine.open_stream(engine_id)
+        finished = False  # the engine finished the request: nothing to abort
+        try:
+            await engine.call(add)
+            out = OutputProcessor(self._model.tokenizer, prompt, req.stop, req.include_stop_string)
+            first_token_time: float | None = None
+            cached = 0
+            chunk = OutputChunk()
+            while not out.finished:
+                chunk = OutputChunk()
+                items = [await queue.get()]
+                while not queue.empty():  # coalesce whatever the engine produced while we wrote
+                    items.append(queue.get_nowait())
+                for item in items:
+                    if isinstance(item, Exception):
+                        raise item
+                    finished = item.finished
+                    cached = item.num_cached_tokens or cached
+                    out.add(chunk, item.new_token_ids, _logprobs(item),
+                            finish_reason_to_proto(item.finish_reason) or None)
+                    if out.finished:
+                        break
+                if first_token_time is None:
+                    first_token_time = time.monotonic()
+                    if not out.finished:
+                        yield chunk  # at once, even when its text is held back: this is the time to first token
+                elif not out.finished and _visible(chunk, req):
+                    yield chunk
+            scheduled = request.first_scheduled_time or arrival
+            chunk.usage = Usage(prompt_tokens=len(prompt), completion_tokens=out.num_tokens, cached_tokens=cached)
+            chunk.timings = Timings(
+                queue_seconds=max(scheduled - arrival, 0.0),
+                time_to_first_token=(first_token_time or time.monotonic()) - arrival,
+                e2e_seconds=time.monotonic() - arrival,
+                kv_transfer_seconds=0.0, kv_transfer_bytes=0,  # nothing moves: prefill and decode share the cache
+                prefill_node=self._node_id, decode_node=self._node_id,
+            )
+            yield chunk
+        finally:
+            engine.close_stream(engine_id)
+            if not finished:  # cancelled, timed out, or a stop string ended it early
+                engine.submit(lambda: core.abort(engine_id))
+
+
+def _visible(chunk: OutputChunk, req: GatewayRequest) -> bool:
+    """Whether the client would see anything in ``chunk`` (text may be held back for a stop string)."""
+    return bool((chunk.text and not req.skip_text) or (chunk.token_ids and req.include_token_ids) or chunk.logprobs)
+
+
+def _logprobs(out: RequestOutput) -> list[common_pb2.TokenLogprob]:
+    if not out.logprobs:
+        return []
+    return [logprob_to_proto(t, lp, top) for t, (lp, top) in zip(out.new_token_ids, out.logprobs, strict=True)]
+
+
+async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, settings: GatewaySettings,
+                          speculative: SpeculativeConfig | None = None) -> RunningServer:
+    """Load the model, start the engine thread and serve ``tandem.v1.Tandem`` on ``settings.address``.
+
+    ``node`` sizes the engine (KV cache, batch limits); ``settings`` is the public side (address, limits).
+    """
+    from common.engine.engine_core import ColocatedEngine
+    from common.engine.node_setup import engine_configs, load_node_model
+
+    loaded = load_node_model(model_settings)
+    cache, scheduler = engine_configs(node)
+    core = ColocatedEngine(loaded.model, cache, scheduler, speculative=speculative)
+    engine = AsyncEngine(core, name="colocated-engine")
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    max_model_len = min(settings.max_model_len or core.max_model_len, core.max_model_len)
+    model = ServedModel.load(loaded.model_dir, settings.served_model_name, max_model_len, dtype)
+    node_id = node.node_id or f"colocated-{settings.port}"
+    status, metrics = StatusInterceptor(), GatewayMetrics()  # the public API's metrics, as on the gateway
+    servicer = TandemServicer(model, ColocatedCoordinator(model, engine, node_id), settings, metrics,
+                              status.status_for)
+    metrics_server = None
+    try:
+        if settings.metrics_port:
+            metrics_server = serve_metrics(metrics, settings.host, settings.metrics_port)
+        running = await start_server([lambda s: generate_pb2_grpc.add_TandemServicer_to_server(servicer, s)],
+                                     [SERVICE_NAME], settings.host, settings.port, interceptors=[status])
+    except BaseException:
+        engine.shutdown()
+        if metrics_server is not None:
+            metrics_server.close()
+        raise
+
+    async def shutdown() -> None:
+        engine.shutdown()
+        if metrics_server is not None:
+            await metrics_server.stop()
+
+    running.add_shutdown_hook(shutdown)
+    log.info("colocated server %s (%s, %s) on %s", node_id, model.name, dtype, running.address)
+    return running
+
+
+def run_colocated(model_settings: ModelSettings, node: NodeSettings, settings: GatewaySettings,
+                  speculative: SpeculativeConfig | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then drain in-flight streams for ``shutdown_grace_s`` and exit."""
+
+    async def main() -> None:
+        running = await serve_colocated(model_settings, node, settings, speculative)
+        print(f"colocated server listening on {running.address}", flush=True)
+        await serve_until_signal(running, settings.shutdown_grace_s)
+
+    asyncio.run(main())

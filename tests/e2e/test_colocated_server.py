@@ -1,0 +1,122 @@
+"""`tandem serve colocated` as a real process: the gateway's public API over one engine (the benchmark's
+baseline), its health check, and the benchmark's client driving it (no timing assertions)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from benchmarks.bench_serve import drive, summarize
+from benchmarks.serve_workload import Workload
+from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from tandem_cli.launcher import ColocatedTopology, Launcher
+from tests.e2e.test_disaggregated import generate, prompts, reference, request
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(tiny_served_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    topology = ColocatedTopology(replicas=1, free_ports=True,
+                                 model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
+                                 node_args=("--num-blocks", "256", "--shutdown-grace-s", "1"))
+    env = {"TANDEM_HOME": os.environ["TANDEM_HOME"]} if os.environ.get("TANDEM_HOME") else None
+    with Launcher(topology, log_dir=tmp_path_factory.mktemp("logs"), env=env) as launcher:
+        yield launcher
+
+
+def target(launcher: Launcher) -> str:
+    (spec,) = launcher.specs
+    return spec.target
+
+
+def test_streams_equal_the_colocated_engine_and_report_usage(server: Launcher, tiny_served_model_dir: Path) -> None:
+    ps = prompts(6, seed=11)
+    expected = reference(tiny_served_model_dir, ps, 9)
+    with ThreadPoolExecutor(6) as pool:  # concurrent streams share the engine's batches
+        results = list(pool.map(lambda p: generate(target(server), request(p, 9)), ps))
+    assert [tokens for tokens, _ in results] == expected
+    for p, (_, last) in zip(ps, results, strict=True):
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert last.usage.prompt_tokens == len(p) and last.usage.completion_tokens == 9
+        assert last.timings.prefill_node == last.timings.decode_node == "colocated-0"
+        assert last.timings.kv_transfer_bytes == 0  # nothing moves between processes
+
+
+def test_model_info_tokenize_and_stop_strings(server: Launcher) -> None:
+    with grpc.insecure_channel(target(server)) as channel:
+        stub = generate_pb2_grpc.TandemStub(channel)
+        info = stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=30)
+        assert info.dtype == "float32" and info.num_prefill_nodes == info.num_decode_nodes == 1
+        assert list(stub.Tokenize(generate_pb2.TokenizeRequest(text="hello"), timeout=30).token_ids)
+
+        prompt = prompts(1, seed=21)[0]  # ordinary ids: the tiny model answers with words, not special tokens
+
+        def text(stop: list[str]) -> tuple[str, generate_pb2.GenerateResponse]:
+            replies = list(stub.Generate(generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt), stop=stop,
+                sampling=common_pb2.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)), timeout=30))
+            return "".join(r.text for r in replies), replies[-1]
+
+        full, _ = text([])
+        stop = full[len(full) // 2:][:2]
+        assert len(stop) == 2
+        cut, last = text([stop])
+        assert cut == full[:full.index(stop)]  # up to the first occurrence, the stop string excluded
+        assert last.finish_reason == common_pb2.FINISH_REASON_STOP and last.stop_string == stop
+
+
+@pytest.mark.parametrize(("mutate", "field"), [
+    (lambda r: r.token_ids.ids.extend([5] * 1100), "token_ids"),
+    (lambda r: setattr(r.sampling, "top_p", 1.5), "top_p"),
+    (lambda r: setattr(r, "model", "no-such-model"), "model"),
+])
+def test_bad_input_is_invalid_argument(server: Launcher, mutate: object, field: str) -> None:
+    bad = request([10, 11, 12], 4)
+    mutate(bad)  # type: ignore[operator]
+    with pytest.raises(grpc.RpcError) as info:
+        generate(target(server), bad)
+    assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+    assert field in (info.value.details() or "")
+
+
+def test_cancel_mid_stream_then_keeps_serving(server: Launcher) -> None:
+    with grpc.insecure_channel(target(server)) as channel:
+        call = generate_pb2_grpc.TandemStub(channel).Generate(request(prompts(1, seed=3)[0], 400), timeout=60)
+        for seen, _ in enumerate(call, 1):
+            if seen == 3:
+                call.cancel()
+                break
+    tokens, _ = generate(target(server), request([10, 11, 12], 4))
+    assert len(tokens) == 4
+
+
+def test_health_command_exit_codes(server: Launcher) -> None:
+    def health(address: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tandem_cli", "health", "--target", address, "--timeout", "5"],
+                              capture_output=True, text=True, timeout=60)
+
+    ok = health(target(server))
+    assert ok.returncode == 0 and "SERVING" in ok.stdout
+    down = health("127.0.0.1:1")
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stdout
+
+
+def test_benchmark_client_drives_the_server(server: Launcher) -> None:
+    workload = Workload(num_requests=8, prompt_len=(8, 64), output_len=(2, 6), seed=4)
+    requests = workload.requests(vocab_size=49152)
+    records, duration = asyncio.run(drive([target(server)], requests, workload.arrival_offsets(50.0), None, 60.0))
+    summary = summarize("colocated", "here", records, duration)
+    assert (summary.completed, summary.failed, summary.wrong_length) == (8, 0, 0)
+    assert summary.output_tokens == sum(r.output_len for r in requests)
+    assert summary.ttft_s is not None and summary.itl_s is not None
+    closed, _ = asyncio.run(drive([target(server)], requests, None, concurrency=3, timeout_s=60.0))
+    assert [r.num_tokens for r in closed] == [r.output_len for r in requests]

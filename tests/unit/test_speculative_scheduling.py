@@ -1,0 +1,93 @@
+"""Adaptive k with exact expectations: slots per step from the acceptance estimate, pausing and probing again."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config.engine_config import SchedulerConfig, SpeculativeConfig, SpeculativeMethod
+from common.engine.request import Request
+from common.engine.scheduler import DraftEconomics, Scheduler, SchedulerOutput, StepResult, adaptive_num_drafts
+from common.kv.kv_cache_manager import KVCacheManager
+from common.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+
+def make(method: SpeculativeMethod, k: int = 16) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=None, watermark=0.0)
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k)
+    return Scheduler(config, KVCacheManager(64, 4), max_model_len=256, speculative=spec)
+
+
+def verify_step(s: Scheduler, accepted: int) -> int:
+    """Schedule one step; the runner proposes a draft per slot and ``accepted`` of them pass. Returns the slots."""
+    out: SchedulerOutput = s.schedule()
+    (chunk,) = out.chunks
+    drafts = chunk.num_draft_slots
+    tokens = [7] * (min(accepted, drafts) + 1)
+    s.update(out, StepResult([tokens], [None], [drafts], [min(accepted, drafts)]))
+    s.kv.check_integrity()
+    return drafts
+
+
+def decoding(s: Scheduler) -> Request:
+    request = Request("a", list(range(10)), GREEDY)
+    s.add_request(request)
+    out = s.schedule()  # the prompt: no draft slots while prefilling
+    assert [c.num_draft_slots for c in out.chunks] == [0]
+    s.update(out, StepResult([[7]], [None], [0], [0]))
+    return request
+
+
+NGRAM = DraftEconomics(cost=0.03, continuation=0.9)
+DRAFT = DraftEconomics(cost=0.3, continuation=None)
+
+
+@pytest.mark.parametrize(("a", "economics", "max_drafts", "expected"), [
+    (0.6, DRAFT, 16, 2),  # independent drafts: 0.6**2 = 0.36 > 0.3 > 0.6**3
+    (0.9, DRAFT, 16, 11),  # 0.9**11 = 0.31
+    (0.31, DRAFT, 16, 1),
+    (0.6, NGRAM, 64, 29),  # runs: 0.6 * 0.9**28 = 0.031 > 0.03 > 0.6 * 0.9**29
+    (0.6, NGRAM, 16, 16),  # never more than asked for
+    (0.1, NGRAM, 64, 12),
+    (0.05, NGRAM, 64, 5),
+    (1.0, DRAFT, 16, 16),  # nothing rejected yet
+])
+def test_adaptive_num_drafts_pays_while_acceptance_beats_cost(a: float, economics: DraftEconomics,
+                                                              max_drafts: int, expected: int) -> None:
+    request = Request("a", [1], GREEDY, spec_acceptance=a)
+    assert adaptive_num_drafts(request, max_drafts, economics) == expected
+    assert request.spec_acceptance == a
+
+
+def test_adaptive_num_drafts_pauses_below_cost_and_recovers() -> None:
+    request = Request("a", [1], GREEDY, spec_acceptance=0.02)
+    assert adaptive_num_drafts(request, 16, NGRAM) == 0
+    assert request.spec_acceptance == pytest.approx(0.02 + 0.1 * (0.6 - 0.02))
+    assert adaptive_num_drafts(request, 16, NGRAM) == 10  # 0.078 > 0.03: probe again
+
+
+def test_ngram_slots_follow_first_draft_acceptance() -> None:
+    s = make(SpeculativeMethod.NGRAM, k=16)
+    request = decoding(s)
+    assert verify_step(s, accepted=2) == 16  # prior 0.6: runs make all 16 worth it
+    assert request.spec_acceptance == pytest.approx(0.7 * 0.6 + 0.3)  # the first draft was accepted
+    for _ in range(4):
+        verify_step(s, accepted=0)
+    # 0.72 * 0.7**4 = 0.173: 0.173 * 0.9**16 = 0.032 > 0.03
+    assert request.spec_acceptance == pytest.approx(0.72 * 0.7**4)
+    assert verify_step(s, accepted=0) == 16
+    # every rejection cuts the estimate by 0.7: fewer drafts, then a pause below the cost
+    assert [verify_step(s, accepted=0) for _ in range(5)] == [14, 10, 7, 4, 0]
+    assert s.num_accepted_tokens == 2
+
+
+def test_draft_layers_pause_when_drafts_do_not_pay_and_probe_again() -> None:
+    s = make(SpeculativeMethod.DRAFT_LAYERS, k=4)
+    request = decoding(s)
+    slots = [verify_step(s, accepted=0) for _ in range(12)]
+    # 0.6 -> 0.42 -> 0.294: at or below the draft cost 0.3 speculation pauses, then a probe every few steps
+    assert slots[:3] == [2, 1, 0]
+    assert 0 in slots and slots.count(1) >= 2  # paused, then probed again
+    assert s.num_draft_tokens == sum(slots) and s.num_accepted_tokens == 0
+    assert request.spec_acceptance < 0.3
