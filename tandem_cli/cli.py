@@ -220,6 +220,12 @@ def _decode_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    import signal
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the services as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, on_term)
     from tandem_cli.launcher import Launcher, Topology
 
     topology = Topology(num_prefill=args.prefill_nodes, num_decode=args.decode_nodes, gateway_port=args.port,

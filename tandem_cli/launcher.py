@@ -131,6 +131,19 @@ def split_cores(cpus: tuple[int, ...], k: int, n: int) -> tuple[int, ...]:
     return (cpus[k % len(cpus)],)
 
 
+def _child_setup(cpus: set[int]) -> None:
+    """In the child before exec: pin its cores, and die with the launcher (no orphans if it is killed)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except OSError:  # not Linux/glibc: the launcher's own stop() still ends the children
+        pass
+
+
 def _free_ports(n: int) -> list[int]:
     socks = []
     for _ in range(n):
@@ -177,7 +190,7 @@ class Launcher:
             cpus = set(spec.cpus)
             self.procs[spec.name] = subprocess.Popen(
                 argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                preexec_fn=(lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None,
+                preexec_fn=lambda cpus=cpus: _child_setup(cpus),
                 start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
             )
 
