@@ -10,11 +10,12 @@ front and runs its continuous-batching scheduler under a few token budgets; the 
 ``AutoModelForCausalLM.generate`` in static batches of 16 (equal-length prompts: no padding). Each
 system gets a small warm-up first. Compile time of the opt-in ``torch.compile`` row is reported
 apart from its throughput: ``dense`` compiles the norms and MLPs of every layer, ``forward`` the whole
-model forward (the attention backend loops over sequences in Python and reads host-side metadata, so
-expect graph breaks and a recompile per step there).
+model forward (impractical today: the attention backend loops over sequences in Python and reads
+host-side metadata, so it graph-breaks and recompiles step after step).
 
 Slow baselines run only as many batches as ``--hf-budget-s`` allows (at least one); all batches have
-the same shape, so the rate of those batches stands for the rest, and the table says so.
+the same shape, so the rate of those batches stands for the rest, and the table says so. Each row also
+reports the process's CPU time: on a shared machine, wall time alone hides how much of it we got.
 """
 
 from __future__ import annotations
@@ -209,9 +210,8 @@ def run_tandem(model_dir: Path, dtype: str, workload: Workload, setting: EngineS
 
     timer = StepTimer(engine, workload.num_prompts)
     started: set[str] = set()
-    tokens = 0
+    tokens = tokens_at_first = 0
     first_tokens_s: float | None = None
-    tokens_at_first = 0
     start, cpu_start = time.perf_counter(), time.process_time()
     for i, prompt in enumerate(workload.prompts(vocab)):
         engine.add_request(str(i), prompt, greedy)
@@ -248,8 +248,7 @@ def run_hf(model_dir: Path, dtype: str, workload: Workload, batch_size: int = 16
     with torch.inference_mode():
         model.generate(batches[0][:2], attention_mask=torch.ones_like(batches[0][:2]),
                        **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-        tokens = 0
-        done = 0
+        tokens = done = 0
         start, cpu_start = time.perf_counter(), time.process_time()
         for batch in batches:
             out = model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
@@ -265,13 +264,12 @@ def run_hf(model_dir: Path, dtype: str, workload: Workload, batch_size: int = 16
 
 
 def machine_description(threads: int) -> list[str]:
-    cpu = platform.processor() or "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
     import transformers
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.is_file() else []
+    cpu = names[0] if names else platform.processor() or "unknown"
 
     return [f"CPU: {cpu}, {len(os.sched_getaffinity(0))} usable cores ({os.cpu_count()} online)",
             f"torch {torch.__version__} ({threads} thread{'s' if threads != 1 else ''}), "
@@ -293,11 +291,6 @@ def oversubscription_warning(threads: int) -> str:
 
 def load_average() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def progress(result: Result) -> None:
-    print(f"done: {result.system} {result.dtype} {result.setting}: {result.tokens_per_s:.1f} tok/s",
-          file=sys.stderr, flush=True)
 
 
 def print_table(results: list[Result], headline: dict[str, Result]) -> None:
@@ -341,7 +334,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="HF stops after the batch that passes this many seconds")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--compile", nargs="?", const="dense", default=None, choices=[s.value for s in CompileScope],
-                        help="add a torch.compile row per dtype: dense (norms + MLPs) or forward (whole model)")
+                        help="add a torch.compile row per dtype: dense (norms + MLPs, default) or forward "
+                             "(whole model; takes far too long today)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 prompts -> 32 tokens")
     args = parser.parse_args(argv)
     if args.quick:
@@ -369,37 +363,39 @@ def main(argv: list[str] | None = None) -> None:
           "output tokens); tok/s = output tokens / wall time incl. prefill.\n", flush=True)
 
     results: list[Result] = []
+
+    def add(result: Result) -> None:
+        results.append(result)
+        print(f"done: {result.system} {result.dtype} {result.setting}: {result.tokens_per_s:.1f} tok/s",
+              file=sys.stderr, flush=True)
+
     # The fastest Tandem run of each dtype: the headline, its decode profile and its setting.
     best: dict[str, tuple[Result, StepProfile, EngineSetting]] = {}
     for dtype in dtypes:
         for setting in settings:
             result, profile = run_tandem(model_dir, dtype, workload, setting)
-            results.append(result)
-            progress(result)
+            add(result)
             if dtype not in best or result.tokens_per_s > best[dtype][0].tokens_per_s:
                 best[dtype] = result, profile, setting
         if args.compile:
             setting = best[dtype][2]
             try:
-                results.append(run_tandem(model_dir, dtype, workload, setting, CompileScope(args.compile))[0])
+                add(run_tandem(model_dir, dtype, workload, setting, CompileScope(args.compile))[0])
             except Exception as exc:  # report any compiler failure as a row, not a crash
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
-                results.append(Result("Tandem + torch.compile", dtype, setting.label, 0, 0.0,
-                                      note=f"{args.compile}; compile: failed ({reason})"))
-            progress(results[-1])
+                add(Result("Tandem + torch.compile", dtype, setting.label, 0, 0.0,
+                           note=f"{args.compile}; compile: failed ({reason})"))
         if not args.skip_hf:
-            results.append(run_hf(model_dir, dtype, workload, args.hf_batch_size, args.hf_budget_s))
-            progress(results[-1])
+            add(run_hf(model_dir, dtype, workload, args.hf_batch_size, args.hf_budget_s))
 
     print_table(results, {dtype: entry[0] for dtype, entry in best.items()})
     print("\nReference (not measured in this run), same workload on this machine:\n")
     for system, dtype, rate in REFERENCE_TOKENS_PER_S:
         print(f"- {system}, {dtype}: ~{rate:.0f} tok/s")
     print(f"\nLoad average at the end (1/5/15 min): {load_average()}. 'cores busy' = process CPU time / wall "
-          f"time; well below the thread count ({torch.get_num_threads()}) means other work took the cores "
-          "during that row. "
-          "'tok/CPU-s' = output tokens per CPU second of the process: with --threads 1 it estimates the rate "
-          "on an idle core; with more threads it counts spin-waiting too.")
+          f"time; well below the thread count ({torch.get_num_threads()}) means other work took the cores during "
+          "that row. 'tok/CPU-s' = output tokens per CPU second: with --threads 1 it estimates the rate on an idle "
+          "core; with more threads it counts spin-waiting too.")
     profiled = "bfloat16" if "bfloat16" in best else next(iter(best), None)
     if profiled is not None:
         print_profile(*best[profiled][:2])

@@ -153,8 +153,8 @@ class ModelRunner:
         layers = min(self.speculative.draft_layers, self.model.config.num_layers)
         active = list(slots)
         step_probs: dict[int, list[torch.Tensor]] = {i: [] for i in slots}
-        # The chunk's own token (the request's last), which need not be an output token: a re-admitted or
-        # prefix-cached request can be one prompt token short of its end.
+        # The chunk's own token (the request's last), which need not be an output token: when a prefill chunk
+        # stops one token short of the prompt's end, that last prompt token is scheduled as a decode.
         last = {i: chunks[i].request.token_slice(chunks[i].start, chunks[i].start + 1)[0] for i in slots}
         for j in range(max(chunks[i].num_draft_slots for i in slots)):
             active = [i for i in active if chunks[i].num_draft_slots > j]
