@@ -59,7 +59,22 @@ class TorchAttentionBackend(AttentionBackend):
                 query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
                 scale, self.decode_chunk_bytes, self.workspace,
             )
-        return paged_extend_attention(query, key_cache, value_cache, meta, scale)
+        # A mixed step (prefill chunks beside decodes, or speculative verification beside plain decodes):
+        # the one-token rows take the vectorised decode path, only real chunks loop per sequence.
+        decode_rows = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
+        if len(decode_rows) < 2:
+            return paged_extend_attention(query, key_cache, value_cache, meta, scale)
+        out = paged_extend_attention(query, key_cache, value_cache, meta, scale, skip=frozenset(decode_rows))
+        starts = [0]
+        for q in meta.query_lens_cpu:
+            starts.append(starts[-1] + q)
+        seqs = torch.tensor(decode_rows, device=query.device)
+        rows = torch.tensor([starts[i] for i in decode_rows], device=query.device)
+        out[rows] = paged_decode_attention(
+            query[rows], key_cache, value_cache, meta.block_tables[seqs], meta.seq_lens[seqs],
+            tuple(meta.seq_lens_cpu[i] for i in decode_rows), scale, self.decode_chunk_bytes, self.workspace,
+        )
+        return out
 
 
 def prefill_attention(
@@ -209,11 +224,13 @@ def paged_extend_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    skip: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """Several new tokens per sequence over cached context + themselves, causal aligned to the end.
 
     query: [num_tokens, num_heads, head_dim]. The new tokens' K/V must already be in the cache.
     Query token i of a sequence sits at position context_len + i and sees positions <= that.
+    Sequences in ``skip`` are left unwritten in the output (the caller computes them another way).
     """
     assert meta.block_tables is not None
     block_size = key_cache.shape[1]
@@ -221,7 +238,7 @@ def paged_extend_attention(
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
         stop = start + q_len
-        if q_len:
+        if q_len and i not in skip:
             k, v = _gather_sequence(key_cache, value_cache, meta.block_tables[i], seq_len, block_size)
             context_len = seq_len - q_len
             rows = torch.arange(q_len, device=query.device)[:, None] + context_len
