@@ -65,11 +65,8 @@ class TorchAttentionBackend(AttentionBackend):
         if len(decode_rows) < 2:
             return paged_extend_attention(query, key_cache, value_cache, meta, scale)
         out = paged_extend_attention(query, key_cache, value_cache, meta, scale, skip=frozenset(decode_rows))
-        starts = [0]
-        for q in meta.query_lens_cpu:
-            starts.append(starts[-1] + q)
         seqs = torch.tensor(decode_rows, device=query.device)
-        rows = torch.tensor([starts[i] for i in decode_rows], device=query.device)
+        rows = meta.query_start_loc[seqs].long()  # a one-token sequence's only row is its start
         out[rows] = paged_decode_attention(
             query[rows], key_cache, value_cache, meta.block_tables[seqs], meta.seq_lens[seqs],
             tuple(meta.seq_lens_cpu[i] for i in decode_rows), scale, self.decode_chunk_bytes, self.workspace,
