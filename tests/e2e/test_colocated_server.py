@@ -14,8 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.bench_serve import drive, summarize
-from benchmarks.serve_workload import Workload
+from benchmarks.serve_client import drive
+from benchmarks.serve_stats import summarize
+from benchmarks.workloads import MixedWorkload
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tandem_cli.launcher import ColocatedTopology, Launcher
 from tests.e2e.test_disaggregated import generate, prompts, reference, request
@@ -111,12 +112,15 @@ def test_health_command_exit_codes(server: Launcher) -> None:
 
 
 def test_benchmark_client_drives_the_server(server: Launcher) -> None:
-    workload = Workload(num_requests=8, prompt_len=(8, 64), output_len=(2, 6), seed=4)
-    requests = workload.requests(vocab_size=49152)
-    records, duration = asyncio.run(drive([target(server)], requests, workload.arrival_offsets(50.0), None, 60.0))
+    # The mixed workload shrunk to the tiny model: long prompts arriving while short requests decode.
+    workload = MixedWorkload(num_requests=8, short_prompt_len=(8, 64), short_output_len=(2, 6),
+                             long_prompt_len=(128, 256), long_output_len=(2, 4), seed=4)
+    requests = workload.requests(vocab_size=49152, rate=50.0)
+    records, duration = asyncio.run(drive([target(server)], requests, None, 60.0))
     summary = summarize("colocated", "here", records, duration)
     assert (summary.completed, summary.failed, summary.wrong_length) == (8, 0, 0)
     assert summary.output_tokens == sum(r.output_len for r in requests)
     assert summary.ttft_s is not None and summary.itl_s is not None
-    closed, _ = asyncio.run(drive([target(server)], requests, None, concurrency=3, timeout_s=60.0))
+    assert {kind: k.completed for kind, k in summary.by_kind.items()} == {"short": 7, "long": 1}
+    closed, _ = asyncio.run(drive([target(server)], requests, concurrency=3, timeout_s=60.0))
     assert [r.num_tokens for r in closed] == [r.output_len for r in requests]

@@ -9,6 +9,7 @@ its CPU interpreter here (see conftest.py), so its shapes stay small.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from common.attention import triton_kernels
 from common.attention.backend import AttentionBackend, get_backend
+from common.attention.cpu_kernels import paged_decode_kernel
 from common.attention.metadata import AttentionMetadata
 from common.attention.torch_backend import TorchAttentionBackend, reference_paged_attention
 from common.kv.kv_cache import KVCache, KVCacheSpec, write_kv
@@ -178,16 +180,49 @@ def test_reference_matches_dense(kind: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gqa", sorted(HEADS))
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_torch_backend(kind: str, dtype: torch.dtype, gqa: int, block_size: int) -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "torch"])
+def test_torch_backend(kind: str, dtype: torch.dtype, gqa: int, block_size: int, compiled: bool) -> None:
+    """Decode steps go through the compiled CPU kernel (cpu_decode.cpp) or the pure-PyTorch path."""
     batch = make_batch(*BATCHES[kind], gqa=gqa, block_size=block_size, dtype=dtype)
-    check_backend(TorchAttentionBackend(), batch, dtype)
+    check_backend(TorchAttentionBackend(compiled_decode=compiled), batch, dtype)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="no C++ compiler or ninja")
+def test_compiled_decode_kernel_builds_here() -> None:
+    """Where a compiler exists the kernel must build, or the 'kernel' tests above silently test the torch path."""
+    assert paged_decode_kernel() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_decode_kernel_against_reference(dtype: torch.dtype) -> None:
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("the compiled CPU kernel does not build here")
+    batch = make_batch(*BATCHES["decode"], gqa=3, block_size=16, dtype=dtype)
+    key_cache, value_cache = batch.kv_cache
+    write_kv(key_cache, value_cache, batch.key, batch.value, batch.meta.slot_mapping)
+    out = kernel.paged_decode(batch.query.contiguous(), key_cache, value_cache, batch.meta.block_tables,
+                              batch.meta.seq_lens.long(), batch.query.shape[-1] ** -0.5)
+    want = reference_paged_attention(batch.query, key_cache, value_cache, batch.meta, batch.query.shape[-1] ** -0.5)
+    torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_compiled_decode_kernel_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    assert paged_decode_kernel() is None
+
+
+def test_torch_backend_fp16_decode_takes_the_torch_path() -> None:
+    """The kernel serves fp32 and bf16; fp16 on CPU still decodes correctly (through PyTorch)."""
+    batch = make_batch(*BATCHES["decode"], gqa=3, block_size=16, dtype=torch.float16)
+    check_backend(TorchAttentionBackend(), batch, torch.float16)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 40_000])
 def test_torch_decode_chunks(chunk_bytes: int) -> None:
     """One sequence per chunk, and chunks of a few padded sequences, give the same answer."""
     batch = make_batch(*BATCHES["decode"], gqa=4, block_size=16)
-    check_backend(TorchAttentionBackend(decode_chunk_bytes=chunk_bytes), batch, torch.float32)
+    check_backend(TorchAttentionBackend(decode_chunk_bytes=chunk_bytes, compiled_decode=False), batch, torch.float32)
 
 
 @pytest.mark.parametrize("name", ["torch", pytest.param("triton", marks=needs_triton)])

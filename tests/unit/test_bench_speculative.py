@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_speculative import BenchConfig, StepProfiler, generate, make_engine
+from benchmarks.bench_speculative import BenchConfig, generate, make_engine
+from benchmarks.spec_profile import StepProfiler
 from common.config.engine_config import SpeculativeMethod
 from common.model.loader import load_model
 from common.sampling.params import SamplingParams

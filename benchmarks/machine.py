@@ -1,0 +1,39 @@
+"""The machine a benchmark ran on, described in its report: CPU, cores, library versions, load."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def machine_description(threads: int) -> list[str]:
+    import transformers
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.is_file() else []
+    cpu = names[0] if names else platform.processor() or "unknown"
+
+    return [f"CPU: {cpu}, {len(os.sched_getaffinity(0))} usable cores ({os.cpu_count()} online)",
+            f"torch {torch.__version__} ({threads} thread{'s' if threads != 1 else ''}), "
+            f"transformers {transformers.__version__}, Python {platform.python_version()}",
+            f"native bf16 (AVX512-BF16): {torch.cpu._is_avx512_bf16_supported()}",
+            f"load average at start (1/5/15 min): {load_average()}{oversubscription_warning(threads)}"]
+
+
+def oversubscription_warning(threads: int) -> str:
+    # OpenMP threads wait for each other at every op: when one is descheduled, all stall, so on a busy
+    # machine more threads than idle cores can be several times slower than one thread.
+    busy = os.getloadavg()[0]
+    cores = len(os.sched_getaffinity(0))
+    if threads <= 1 or busy + threads <= cores + 0.5:
+        return ""
+    return (f" — **warning**: load {busy:.1f} on {cores} cores; {threads} threads will stall each other "
+            "(compare --threads 1)")
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())

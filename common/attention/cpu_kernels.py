@@ -1,0 +1,55 @@
+"""Compiled CPU kernels (``cpu_decode.cpp``), built on first use with torch's C++ extension loader.
+
+The build needs a C++ compiler and ninja; it takes about a minute once, then loads from torch's
+extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; concurrent builds by
+several processes wait on torch's file lock). Where the build is impossible the torch backend keeps its
+pure-PyTorch path: ``paged_decode_kernel()`` returns None and says why once in the log.
+``TANDEM_CPU_KERNELS=0`` turns the compiled path off (the benchmark's baseline, or to rule it out).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("TANDEM_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def paged_decode_kernel() -> ModuleType | None:
+    """The extension module exposing ``paged_decode(query, key_cache, value_cache, block_tables, seq_lens,
+    scale)``, or None when disabled or not buildable here (decided once per process)."""
+    if not kernels_enabled():
+        return None
+    with _lock:
+        if "decode" not in _state:
+            _state["decode"] = _build()
+        return _state["decode"]
+
+
+def _build() -> ModuleType | None:
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        # -fopenmp: at::parallel_for is inline OpenMP; the library it needs (libgomp.so.1) is the one torch
+        # already loaded, so kernel and torch share one thread pool. -march=native: built where it runs.
+        flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+        module = load_inline(
+            name="tandem_cpu_decode_v5", cpp_sources=[_SOURCE.read_text()], functions=["paged_decode"],
+            extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build: the torch path serves instead
+        log.warning("compiled CPU decode attention unavailable (%s: %s); using the PyTorch path",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    return module
