@@ -30,11 +30,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from benchmarks.machine import load_average, machine_description
+from common.attention.torch_backend import TorchAttentionBackend
 from common.config.engine_config import CacheConfig, SchedulerConfig
 from common.engine.engine_core import ColocatedEngine
 from common.model.layers import RMSNorm, SwiGLUMLP
@@ -43,7 +44,7 @@ from common.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from common.engine.scheduler import SchedulerOutput
-    from common.model.llama import LlamaForCausalLM
+    from common.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 BLOCK_SIZE = 16
 
@@ -181,10 +182,16 @@ class StepTimer:
 
 
 def run_tandem(model_dir: Path, dtype: str, workload: Workload, setting: EngineSetting,
-               compile_scope: CompileScope | None = None) -> tuple[Result, StepProfile]:
-    """Serve the workload with the colocated engine; returns its row and the decode-step profile."""
+               compile_scope: CompileScope | None = None, compiled_decode: bool = True) -> tuple[Result, StepProfile]:
+    """Serve the workload with the colocated engine; returns its row and the decode-step profile.
+    ``compiled_decode=False`` decodes through the torch backend's PyTorch path instead of the CPU kernel."""
     model = load_model(model_dir, dtype=dtype)
     note = ""
+    if not compiled_decode:
+        backend = cast("LlamaDecoderLayer", model.layers[0]).self_attn.backend  # one instance for all layers
+        assert isinstance(backend, TorchAttentionBackend), "the PyTorch-path row needs the torch backend"
+        backend.compiled_decode = False
+        note = "decode attention: PyTorch path (TANDEM_CPU_KERNELS=0)"
     if compile_scope is not None:
         compile_model(model, compile_scope)
     # The whole workload fits in the cache (no preemption), sized to it rather than the 2 GB default.
@@ -227,7 +234,8 @@ def run_tandem(model_dir: Path, dtype: str, workload: Workload, setting: EngineS
     assert tokens == workload.total_output_tokens, f"{tokens} output tokens, expected {workload.total_output_tokens}"
     if engine.scheduler.num_preemptions:
         note = f"{note}; {engine.scheduler.num_preemptions} preemptions".lstrip("; ")
-    system = "Tandem" if compile_scope is None else "Tandem + torch.compile"
+    system = ("Tandem + torch.compile" if compile_scope is not None
+              else "Tandem" if compiled_decode else "Tandem (PyTorch decode path)")
     result = Result(system, dtype, setting.label, tokens, seconds, cpu_seconds, first_tokens_s, tokens_at_first, note)
     return result, timer.profile
 
@@ -319,6 +327,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="add a torch.compile row per dtype: dense (norms + MLPs, default) or forward "
                              "(whole model; takes far too long today)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 prompts -> 32 tokens")
+    parser.add_argument("--pytorch-decode", action="store_true",
+                        help="add a row decoding through the PyTorch path instead of the compiled CPU kernel")
     parser.add_argument("--json", dest="json_path", help="also write the rows and profiles here as JSON")
     args = parser.parse_args(argv)
     if args.quick:
@@ -360,6 +370,8 @@ def main(argv: list[str] | None = None) -> None:
             add(result)
             if dtype not in best or result.tokens_per_s > best[dtype][0].tokens_per_s:
                 best[dtype] = result, profile, setting
+        if args.pytorch_decode:
+            add(run_tandem(model_dir, dtype, workload, best[dtype][2], compiled_decode=False)[0])
         if args.compile:
             setting = best[dtype][2]
             try:

@@ -36,15 +36,17 @@ def offline_throughput(rows: list[dict[str, Any]], roofline_batch: float | None,
     rows = [r for r in rows if r.get("tokens_per_s")]
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(8, 3.4))
     labels = [f"{r['system']}\n{r['dtype']}" for r in rows]
     ax.barh(labels, [r["tokens_per_s"] for r in rows], color=[_colour(r["system"]) for r in rows])
     for i, r in enumerate(rows):
         ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:.0f}", va="center", fontsize=8)
+    ax.invert_yaxis()
     if roofline_batch:
         ax.axvline(roofline_batch, linestyle="--", color="black", linewidth=1)
-        ax.text(roofline_batch, len(rows) - 0.5, " roofline\n (batch 64, decode only)", fontsize=7, va="top")
-    ax.invert_yaxis()
+        ax.text(roofline_batch, len(rows) - 0.6, "compute roofline,\nbatched decode ", fontsize=7, ha="right",
+                va="bottom")
+        ax.set_xlim(0, roofline_batch * 1.05)
     ax.set_xlabel("output tokens/s (higher is better)")
     ax.set_title("Offline throughput, same prompts", fontsize=10)
     return _save(fig, path)

