@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+SECTION_TIMEOUT_S = 1800.0  # a section that hangs is killed and reported as failed; the suite goes on
 # The offline workload (benchmarks.bench_offline.Workload): prompts x prompt tokens -> new tokens. The peers
 # get exactly the same prompts (same seed).
 OFFLINE_FULL = (64, 128, 128)
@@ -185,22 +186,29 @@ def run_section(section: Section, cfg: SuiteConfig, on_line: Callable[[str], Non
     result.command = shlex.join(_portable(command, {str(cfg.model_dir): cfg.model_name, str(cfg.out_dir): "RUN_DIR"}))
     log_path = cfg.out_dir / "logs" / f"{section.name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path = cfg.out_dir / f"{section.name}.json"
+    json_path.unlink(missing_ok=True)  # a reused --out directory must not pass off an old result as new
     started = time.perf_counter()
+    deadline = started + SECTION_TIMEOUT_S
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     with (cfg.out_dir / f"{section.name}.md").open("w") as md, log_path.open("w") as log:
         proc = subprocess.Popen(command, stdout=md, stderr=log, cwd=REPO, env=env)
         with log_path.open() as tail:
             while proc.poll() is None:
+                if time.perf_counter() > deadline:
+                    proc.kill()
+                    proc.wait()
+                    break
                 time.sleep(0.5)
                 lines = [line.strip() for line in tail.readlines() if line.strip()]
                 if lines:
                     on_line(lines[-1])
     result.seconds = time.perf_counter() - started
-    json_path = cfg.out_dir / f"{section.name}.json"
     if proc.returncode != 0 or not json_path.is_file():
         result.status = "failed"
         last = log_path.read_text(errors="replace").strip().splitlines()[-6:]
-        result.note = f"exit status {proc.returncode}; " + " / ".join(last)[-600:]
+        why = f"killed after {SECTION_TIMEOUT_S:.0f} s" if result.seconds > SECTION_TIMEOUT_S else "exit status"
+        result.note = f"{why} {proc.returncode}; " + " / ".join(last)[-600:]
     else:
         result.json_file = json_path.name
     return result
