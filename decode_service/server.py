@@ -11,7 +11,7 @@ from common.config.engine_config import SpeculativeConfig
 from common.config.settings import ModelSettings, NodeSettings
 from common.engine.async_engine import AsyncEngine
 from common.engine.model_runner import kv_cache_spec
-from common.engine.node_setup import engine_configs, load_node_model
+from common.engine.node_setup import engine_configs, load_node_model, prepare_decode_attention
 from common.serving.channel import format_address
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
@@ -32,6 +32,7 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
     cache, scheduler = engine_configs(node)
     core = DecodeEngine(loaded.model, cache, scheduler, speculative=speculative)
     engine = AsyncEngine(core, name="decode-engine")
+    await prepare_decode_attention(model_settings, engine)
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
     node_id = node.node_id or f"decode-{node.port}"
     receiver = KVReceiver(core.runner.kv_cache, layout, node_id, host=node.host, store_port=node.kv_store_port,

@@ -128,12 +128,13 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
     ``node`` sizes the engine (KV cache, batch limits); ``settings`` is the public side (address, limits).
     """
     from common.engine.engine_core import ColocatedEngine
-    from common.engine.node_setup import engine_configs, load_node_model
+    from common.engine.node_setup import engine_configs, load_node_model, prepare_decode_attention
 
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node)
     core = ColocatedEngine(loaded.model, cache, scheduler, speculative=speculative)
     engine = AsyncEngine(core, name="colocated-engine")
+    await prepare_decode_attention(model_settings, engine)
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     max_model_len = min(settings.max_model_len or core.max_model_len, core.max_model_len)
     model = ServedModel.load(loaded.model_dir, settings.served_model_name, max_model_len, dtype)

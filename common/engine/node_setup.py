@@ -11,6 +11,7 @@ from common.config.engine_config import CacheConfig, SchedulerConfig, Speculativ
 
 if TYPE_CHECKING:
     from common.config.settings import ModelSettings, NodeSettings
+    from common.engine.async_engine import AsyncEngine
     from common.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,19 @@ def load_node_model(settings: ModelSettings) -> LoadedModel:
     dtype = next(model.parameters()).dtype
     log.info("loaded %s (%s, %s, %d threads)", model_dir.name, dtype, settings.device, torch.get_num_threads())
     return LoadedModel(model, model_dir, model_dir.name)
+
+
+async def prepare_decode_attention(settings: ModelSettings, engine: AsyncEngine) -> None:
+    """Build (first start on a machine, ~20 s) or load the CPU decode kernel on the engine thread, where it
+    runs, before the node serves: not inside the first request's decode step."""
+    import torch
+
+    if settings.attention_backend != "torch" or torch.device(settings.device).type != "cpu":
+        return
+    from common.attention.cpu_kernels import paged_decode_kernel
+
+    kernel = await engine.call(paged_decode_kernel)
+    log.info("CPU decode attention: %s", "compiled kernel" if kernel is not None else "PyTorch path")
 
 
 def engine_configs(node: NodeSettings) -> tuple[CacheConfig, SchedulerConfig]:
