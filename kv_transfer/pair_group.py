@@ -128,12 +128,17 @@ class PairGroup:
             self._closed = True
             self._ops.put(None)
 
+    @property
+    def running(self) -> bool:
+        """True while a pair thread is alive (still moving data, or dropping the group after close)."""
+        return any(thread.is_alive() for thread in self._threads)
+
     def join(self, timeout_s: float) -> bool:
         """Wait (blocking) for both threads to exit; False if one is still busy after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(deadline - time.monotonic(), 0))
-        return not any(thread.is_alive() for thread in self._threads)
+        return not self.running
 
     # ------------------------------------------------------------------ pair threads
 

@@ -112,6 +112,9 @@ class KVReceiver:
         # Why recently failed transfers ended, so a chunk that arrives late is refused with the real reason.
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._pairs: set[ReceiverPair] = set()
+        # Lost pairs whose threads may still be dropping their group. close() waits for them as well: a
+        # process that finalizes while a thread is inside the group's destructor aborts ("terminate called").
+        self._retiring: set[ReceiverPair] = set()
         self._epochs = itertools.count()
         self._closed = False
         # TCPStore's own server listens on every interface; listening on a socket we bound ourselves keeps it
@@ -210,9 +213,9 @@ class KVReceiver:
         """Fail every transfer, drop every pair, stop the store."""
         with self._lock:
             self._closed = True
-            pairs = list(self._pairs)
+            pairs = list(self._pairs | self._retiring)
         for pair in pairs:
-            pair.shut(f"decode node {self.node_id} is shutting down")
+            pair.shut(f"decode node {self.node_id} is shutting down")  # idempotent: lost pairs are shut already
         for pair in pairs:
             await asyncio.to_thread(pair.group.join, self.group_timeout_s + 5)
         with self._lock:
@@ -355,6 +358,7 @@ class KVReceiver:
     def _on_pair_lost(self, pair: ReceiverPair, reason: str) -> None:
         with self._lock:
             self._pairs.discard(pair)
+            self._retiring = {p for p in self._retiring if p.group.running} | {pair}
             for transfer in self._transfers.values():
                 if transfer.pair is pair:
                     self._fail(transfer, f"connection to prefill node {pair.sender_id} lost: {reason}", False)

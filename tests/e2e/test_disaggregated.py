@@ -186,3 +186,16 @@ def test_node_failures(tiny_served_model_dir: Path, tmp_path: Path) -> None:
             tokens, last = generate(gateway, request(p, 4))
             assert len(tokens) == 4 and last.timings.decode_node == "decode-1"
         wait_all_blocks_free(launcher)
+
+
+def test_graceful_stop_exits_cleanly_after_kv_transfers(tiny_served_model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM after transfers: every process exits 0. A decode node used to abort at exit ("terminate called
+    without an active exception") when a lost pair's thread was still dropping its gloo group."""
+    with deployment(tiny_served_model_dir, tmp_path, prefill=1, decode=1) as launcher:
+        for ids in prompts(3, seed=5):
+            tokens, _ = generate(launcher.gateway.target, request(ids, max_tokens=4))
+            assert len(tokens) == 4
+    codes = {name: proc.returncode for name, proc in launcher.procs.items()}
+    assert codes == dict.fromkeys(codes, 0), codes
+    for log_file in tmp_path.glob("*.log"):
+        assert "terminate called" not in log_file.read_text(errors="replace"), log_file.name
