@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from common.engine.async_engine import AsyncEngine
     from common.engine.request import Request, RequestOutput
     from common.kv.kv_cache_manager import Allocation
-    from kv_transfer.receiver import KVReceiver, TransferResult
+    from kv_transfer.receiver import KVReceiver
+    from kv_transfer.receiver_transfer import TransferResult
 
 log = logging.getLogger(__name__)
 _tracer = get_tracer(__name__)

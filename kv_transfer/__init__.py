@@ -7,7 +7,8 @@ made on demand on a TCPStore the decode node hosts.
 
 from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import PROTOCOL_VERSION, layout_mismatch, make_layout, model_fingerprint
-from kv_transfer.receiver import KVReceiver, TransferResult
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.receiver_transfer import TransferResult
 from kv_transfer.sender import KVSender, TransferHandle, TransferStats
 
 __all__ = [

@@ -9,7 +9,7 @@ as a marker, so by the time it is processed every chunk announced before it has 
 Lifetimes: a transfer ends in exactly one of success or failure, and it is reported (``wait`` resolves) only
 once no recv into its blocks is in flight. A refused chunk (unknown transfer, foreign block, transfer already
 failed) is still received, into a scratch tensor, so the pair stays in step; the sender is told with
-TransferAbort. Locking: ``KVReceiver._lock`` guards every ``_Transfer``; it is taken on the event loop, the
+TransferAbort. Locking: ``KVReceiver._lock`` guards every ``ExpectedTransfer``; it is taken on the event loop, the
 pair threads and the decode engine's thread (``expect``), and never held across a blocking call.
 """
 
@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kv_transfer.block_runs import BlockRun
@@ -31,7 +30,8 @@ from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import PROTOCOL_VERSION, layout_mismatch
 from kv_transfer.pair_group import WILDCARD_HOSTS, DataOp, PairGroupConfig
 from kv_transfer.receiver_pair import ChunkRecv, ReceiverPair
-from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from kv_transfer.receiver_transfer import ExpectedTransfer, TransferResult
+from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 if TYPE_CHECKING:
     import grpc
@@ -41,48 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KVMessage = kv_transfer_pb2.KVMessage
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    """What a finished transfer brought: the prefill's first token and what moved."""
-
-    first_token: int
-    first_logprob: common_pb2.TokenLogprob | None
-    prefill_cached_tokens: int
-    bytes: int  # KV bytes that landed in this node's blocks
-    seconds: float  # first chunk announced -> everything landed (0 when nothing had to move)
-    trace_context: dict[str, str]
-
-
-@dataclass(eq=False)
-class _Transfer:
-    """One expected transfer. Every field is guarded by ``KVReceiver._lock``."""
-
-    transfer_id: str
-    allowed: frozenset[int]  # reserved blocks past the cached prefix: the only ones a chunk may write
-    expected_at: float
-    pair: ReceiverPair | None = None  # bound by its first message: only that connection may feed it
-    num_chunks: int = 0  # announced
-    num_landed: int = 0
-    bytes: int = 0
-    inflight: int = 0  # chunk recvs into our blocks in flight right now
-    first_chunk_at: float | None = None
-    complete_seen: bool = False  # TransferComplete read from the stream (not yet necessarily landed)
-    complete: kv_transfer_pb2.TransferComplete | None = None  # set once it landed
-    error: str | None = None
-    resolved: bool = False  # outcome final and nothing in flight: wait() may report
-    resolved_at: float = 0.0
-    waiters: list[asyncio.Future[None]] = field(default_factory=list)
-    trace_context: dict[str, str] = field(default_factory=dict)
-
-    def add_waiter(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-        fut = loop.create_future()
-        if self.resolved:
-            fut.set_result(None)
-        else:
-            self.waiters.append(fut)
-        return fut
 
 
 class KVReceiver:
@@ -108,7 +66,7 @@ class KVReceiver:
         self.host = host
         self.group_timeout_s = group_timeout_s
         self._lock = threading.Lock()
-        self._transfers: dict[str, _Transfer] = {}
+        self._transfers: dict[str, ExpectedTransfer] = {}
         # Why recently failed transfers ended, so a chunk that arrives late is refused with the real reason.
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._pairs: set[ReceiverPair] = set()
@@ -152,7 +110,7 @@ class KVReceiver:
             raise ValueError(f"block_ids {bad} outside 0..{self.kv_cache.num_blocks - 1}")
         # A partially cached block is still written (the prefill's KV for its cached slots is identical).
         num_cached_blocks = num_cached_tokens // self.kv_cache.spec.block_size
-        transfer = _Transfer(transfer_id, frozenset(block_ids[num_cached_blocks:]), time.perf_counter())
+        transfer = ExpectedTransfer(transfer_id, frozenset(block_ids[num_cached_blocks:]), time.perf_counter())
         with self._lock:
             if self._closed:
                 raise TransferFailed(transfer_id, "receiver closed")
@@ -226,14 +184,14 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ transfer state (under self._lock)
 
-    def _forget(self, transfer: _Transfer) -> None:
+    def _forget(self, transfer: ExpectedTransfer) -> None:
         del self._transfers[transfer.transfer_id]
         if transfer.error is not None:
             self._ended[transfer.transfer_id] = transfer.error
             if len(self._ended) > 1024:
                 self._ended.popitem(last=False)
 
-    def _fail(self, transfer: _Transfer, reason: str, notify_sender: bool) -> None:
+    def _fail(self, transfer: ExpectedTransfer, reason: str, notify_sender: bool) -> None:
         if transfer.resolved or transfer.error is not None:
             return
         transfer.error = reason
@@ -241,7 +199,7 @@ class KVReceiver:
             transfer.pair.post_abort(transfer.transfer_id, reason, transfer.trace_context)
         self._maybe_resolve(transfer)
 
-    def _maybe_resolve(self, transfer: _Transfer) -> None:
+    def _maybe_resolve(self, transfer: ExpectedTransfer) -> None:
         if transfer.resolved or transfer.inflight:
             return
         if transfer.error is None and transfer.complete is None:
@@ -252,12 +210,12 @@ class KVReceiver:
             fut.get_loop().call_soon_threadsafe(_set_done, fut)
         transfer.waiters.clear()
 
-    async def _give_up(self, transfer: _Transfer, reason: str) -> None:
+    async def _give_up(self, transfer: ExpectedTransfer, reason: str) -> None:
         with self._lock:
             self._fail(transfer, reason, notify_sender=True)
         await self._drain(transfer)
 
-    async def _drain(self, transfer: _Transfer) -> None:
+    async def _drain(self, transfer: ExpectedTransfer) -> None:
         """Return once the (failed or finished) transfer has no recv in flight."""
         with self._lock:
             fut = transfer.add_waiter(asyncio.get_running_loop())
@@ -309,7 +267,7 @@ class KVReceiver:
                                      chunk.seq, runs).as_op())
 
     def _chunk_refusal(
-        self, transfer_id: str, transfer: _Transfer | None, pair: ReceiverPair, runs: list[BlockRun]
+        self, transfer_id: str, transfer: ExpectedTransfer | None, pair: ReceiverPair, runs: list[BlockRun]
     ) -> str | None:
         if transfer is None:
             ended = self._ended.get(transfer_id)

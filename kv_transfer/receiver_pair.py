@@ -20,7 +20,8 @@ from tandem.v1 import kv_transfer_pb2
 if TYPE_CHECKING:
     import torch
 
-    from kv_transfer.receiver import KVReceiver, _Transfer
+    from kv_transfer.receiver import KVReceiver
+    from kv_transfer.receiver_transfer import ExpectedTransfer
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class ChunkRecv:
 
     receiver: KVReceiver
     pair: ReceiverPair
-    transfer: _Transfer | None  # None: refused, received into scratch only to keep the pair in step
+    transfer: ExpectedTransfer | None  # None: refused, received into scratch only to keep the pair in step
     transfer_id: str
     seq: int
     runs: list[BlockRun]

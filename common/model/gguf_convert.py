@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
+
+from common.model.gguf_tokenizer import build_tokenizer, special_tokens_map, tokenizer_config
 
 # Bump whenever the output of the conversion changes, so cached directories are rebuilt.
 CONVERTER_VERSION = 1
@@ -69,35 +69,7 @@ _GLOBAL_TENSOR_NAMES = {
 # Hidden directories beside out_dir: `.{name}.tmp-*` is being built, `.{name}.old-*` is being deleted.
 _SIBLING_ROLES = ("tmp", "old")
 
-# GGUF token types (llama.cpp `llama_token_type`).
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-
-def _digits_then_bytelevel() -> pre_tokenizers.PreTokenizer:
-    # llama.cpp's "smollm"/"starcoder" pre-tokenizers split every digit on its own before the GPT-2 regex.
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-        ]
-    )
-
-
-def _bytelevel_only() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-
-
-# `tokenizer.ggml.pre` -> the equivalent HF pre-tokenizer. Only names whose splitting rules are known
-# to match llama.cpp exactly are listed; anything else fails loudly instead of tokenizing differently.
-_PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
-    "smollm": _digits_then_bytelevel,
-    "starcoder": _digits_then_bytelevel,
-    "gpt-2": _bytelevel_only,
-}
-
-
-class _GGUFMetadata:
+class GGUFMetadata:
     """Typed access to a GGUF file's key/value metadata, with errors that name the missing key."""
 
     def __init__(self, reader: GGUFReader, path: Path) -> None:
@@ -125,10 +97,10 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
     reader = GGUFReader(gguf_path)
-    meta = _GGUFMetadata(reader, gguf_path)
+    meta = GGUFMetadata(reader, gguf_path)
 
     config = _build_config(meta, reader)
-    tokenizer = _build_tokenizer(meta)
+    tokenizer = build_tokenizer(meta)
     if tokenizer.get_vocab_size(with_added_tokens=True) != config["vocab_size"]:
         raise ValueError(
             f"{gguf_path}: tokenizer has {tokenizer.get_vocab_size()} tokens "
@@ -149,16 +121,16 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
         os.chmod(weights_path, (tmp_dir / "config.json").stat().st_mode & 0o777)
         tokenizer.save(str(tmp_dir / "tokenizer.json"))
         _write_json(tmp_dir / "generation_config.json", _generation_config(config))
-        special_tokens = _special_tokens(meta)
+        special_tokens = special_tokens_map(meta)
         _write_json(tmp_dir / "special_tokens_map.json", special_tokens)
-        _write_json(tmp_dir / "tokenizer_config.json", _tokenizer_config(meta, config, special_tokens))
+        _write_json(tmp_dir / "tokenizer_config.json", tokenizer_config(meta, config, special_tokens))
         _replace_dir(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
 
 
-def _build_config(meta: _GGUFMetadata, reader: GGUFReader) -> dict[str, Any]:
+def _build_config(meta: GGUFMetadata, reader: GGUFReader) -> dict[str, Any]:
     arch = meta.require("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -296,76 +268,6 @@ def _convert_tensors(reader: GGUFReader, config: dict[str, Any], progress: bool)
     if missing:
         raise ValueError(f"GGUF file lacks {len(missing)} tensors, e.g. {missing[:3]}")
     return tensors
-
-
-def _build_tokenizer(meta: _GGUFMetadata) -> Tokenizer:
-    tokenizer_model = meta.require("tokenizer.ggml.model")
-    if tokenizer_model != "gpt2":
-        raise ValueError(
-            f"unsupported GGUF tokenizer model {tokenizer_model!r}; only 'gpt2' (byte-level BPE)"
-        )
-    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
-    if pre not in _PRE_TOKENIZERS:
-        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {sorted(_PRE_TOKENIZERS)}")
-
-    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    token_types: list[int] = meta.get("tokenizer.ggml.token_type", [])
-    # Merges are stored as "left right"; byte-level BPE symbols never contain a plain space.
-    merges = [tuple(merge.split(" ", 1)) for merge in meta.require("tokenizer.ggml.merges")]
-    vocab = {token: token_id for token_id, token in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ValueError("GGUF vocabulary contains duplicate tokens")
-
-    tokenizer = Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            fuse_unk=False,
-            byte_fallback=False,
-        )
-    )
-    tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, <|endoftext|>, ...) must match whole and never be split by BPE;
-    # they are special so that decode(skip_special_tokens=True) drops them.
-    tokenizer.add_tokens(
-        [
-            AddedToken(tokens[i], special=token_type == _TOKEN_TYPE_CONTROL, normalized=False)
-            for i, token_type in enumerate(token_types)
-            if token_type in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
-        ]
-    )
-    return tokenizer
-
-
-def _special_tokens(meta: _GGUFMetadata) -> dict[str, str]:
-    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    roles = {"bos_token": "bos", "eos_token": "eos", "pad_token": "padding", "unk_token": "unknown"}
-    special: dict[str, str] = {}
-    for role, key in roles.items():
-        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if token_id is not None:
-            special[role] = tokens[int(token_id)]
-    return special
-
-
-def _tokenizer_config(
-    meta: _GGUFMetadata, config: dict[str, Any], special_tokens: dict[str, str]
-) -> dict[str, Any]:
-    tokenizer_config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": config["max_position_embeddings"],
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        # Byte-level BPE decodes exactly; the legacy clean-up would turn " ." into "." and break round trips.
-        "clean_up_tokenization_spaces": False,
-        **special_tokens,
-    }
-    chat_template = meta.get("tokenizer.chat_template")
-    if chat_template is not None:
-        tokenizer_config["chat_template"] = chat_template
-    return tokenizer_config
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
