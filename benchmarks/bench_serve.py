@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.machine import cpu_name
 from benchmarks.serve_client import RequestRecord, drive
 from benchmarks.serve_stats import Summary, kind_table, markdown_table, summarize, system_json
 from benchmarks.workloads import WORKLOADS, ServingWorkload, Workload
@@ -215,7 +216,7 @@ def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Name
         f"{load}",
         "",
         f"Workload {workload.name} (seed {workload.seed}): {workload.describe()}; random token ids, greedy, "
-        "EOS ignored. Machine: " + _machine(),
+        f"EOS ignored. Machine: {cpu_name()}, {os.cpu_count()} cores.",
         "",
         markdown_table(summaries),
         "",
@@ -226,16 +227,6 @@ def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Name
     for s in summaries:
         lines += [f"- {s.system} errors: {e}" for e in s.errors]
     return "\n".join(lines)
-
-
-def _machine() -> str:
-    model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} cores."
 
 
 def _resolve_dtype(name: str, device: str) -> str:

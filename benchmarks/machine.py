@@ -6,18 +6,22 @@ import os
 import platform
 from pathlib import Path
 
-import torch
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows elsewhere."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
 
 
 def machine_description(threads: int) -> list[str]:
+    import torch  # on use: `tandem` builds its parser from modules that import this one
     import transformers
 
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-             if line.startswith("model name")] if cpuinfo.is_file() else []
-    cpu = names[0] if names else platform.processor() or "unknown"
-
-    return [f"CPU: {cpu}, {len(os.sched_getaffinity(0))} usable cores ({os.cpu_count()} online)",
+    return [f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} usable cores ({os.cpu_count()} online)",
             f"torch {torch.__version__} ({threads} thread{'s' if threads != 1 else ''}), "
             f"transformers {transformers.__version__}, Python {platform.python_version()}",
             f"native bf16 (AVX512-BF16): {torch.cpu._is_avx512_bf16_supported()}",

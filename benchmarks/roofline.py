@@ -23,12 +23,13 @@ import argparse
 import enum
 import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from benchmarks.machine import cpu_name
 
 if TYPE_CHECKING:
     from common.config.model_config import ModelConfig
@@ -148,15 +149,6 @@ def read_llc_bytes(path: Path = LLC_SIZE_PATH) -> int | None:
         return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
     except ValueError:
         return None
-
-
-def cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.config.settings import ModelSettings, NodeSettings, env_name, load_settings
+from tandem_cli.bench_commands import add_bench_parser
 
 if TYPE_CHECKING:
     from common.telemetry.settings import TelemetrySettings
@@ -197,30 +197,6 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from benchmarks.bench_serve import run
-
-    return run(args)
-
-
-def cmd_bench_run(args: argparse.Namespace) -> int:
-    from benchmarks.suite import run
-
-    args.command_line = shlex.join(["tandem", *sys.argv[1:]])
-    try:
-        return run(args)
-    except ValueError as exc:
-        print(f"tandem bench run: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def cmd_bench_report(args: argparse.Namespace) -> int:
-    from benchmarks.report import write_report
-
-    print(write_report(Path(args.run_dir), Path(args.output) if args.output else None))
-    return 0
-
-
 def _model_args(args: argparse.Namespace) -> tuple[str, ...]:
     """Model flags forwarded from ``tandem up`` to every process."""
     out: list[str] = []
@@ -354,24 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     health.set_defaults(func=cmd_health)
 
-    from benchmarks import bench_serve, report, suite
-
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    serve_bench = bench_sub.add_parser("serve", help="load test over gRPC: disaggregated vs colocated",
-                                       description=bench_serve.__doc__,
-                                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_serve.add_arguments(serve_bench)
-    serve_bench.set_defaults(func=cmd_bench_serve)
-    run_bench = bench_sub.add_parser("run", help="the whole suite (and installed peers) -> report.md + plots",
-                                     description=suite.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    suite.add_arguments(run_bench)
-    run_bench.set_defaults(func=cmd_bench_run)
-    report_bench = bench_sub.add_parser("report", help="rebuild a run's report.md and plots from its JSON",
-                                        description=report.__doc__,
-                                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    report.add_arguments(report_bench)
-    report_bench.set_defaults(func=cmd_bench_report)
+    add_bench_parser(sub)
 
     up = sub.add_parser("up", help="start gateway + prefill + decode nodes as local processes")
     up.add_argument("--prefill-nodes", type=int, default=1)

@@ -31,6 +31,8 @@ def paged_decode_kernel() -> ModuleType | None:
     scale)``, or None when disabled or not buildable here (decided once per process)."""
     if not kernels_enabled():
         return None
+    if "decode" in _state:  # every decode layer asks: no lock once decided
+        return _state["decode"]
     with _lock:
         if "decode" not in _state:
             _state["decode"] = _build()

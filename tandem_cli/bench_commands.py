@@ -1,0 +1,49 @@
+"""`tandem bench serve | run | report`: the benchmark commands, each delegating to its module in benchmarks/."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from benchmarks.bench_serve import run
+
+    return run(args)
+
+
+def cmd_bench_run(args: argparse.Namespace) -> int:
+    from benchmarks.suite import run
+
+    args.command_line = shlex.join(["tandem", *sys.argv[1:]])
+    try:
+        return run(args)
+    except ValueError as exc:
+        print(f"tandem bench run: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    from benchmarks.report import write_report
+
+    print(write_report(Path(args.run_dir), Path(args.output) if args.output else None))
+    return 0
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Add ``bench`` and its subcommands to the ``tandem`` subparsers ``sub``."""
+    from benchmarks import bench_serve, report, suite
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, module, help_text, func in (
+            ("serve", bench_serve, "load test over gRPC: disaggregated vs colocated", cmd_bench_serve),
+            ("run", suite, "the whole suite (and installed peers) -> report.md + plots", cmd_bench_run),
+            ("report", report, "rebuild a run's report.md and plots from its JSON", cmd_bench_report)):
+        parser = bench_sub.add_parser(name, help=help_text, description=module.__doc__,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(parser)
+        parser.set_defaults(func=func)
