@@ -43,7 +43,7 @@ from common.model.loader import load_model, resolve_dtype
 from common.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from common.engine.scheduler import SchedulerOutput
+    from common.engine.scheduler_output import SchedulerOutput
     from common.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 BLOCK_SIZE = 16

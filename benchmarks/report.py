@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.suite import SectionResult, SuiteRun, load_run
+from benchmarks.manifest import SectionResult, SuiteRun, load_run
 
 
 def _load(run_dir: Path, section: SectionResult) -> dict[str, Any] | None:

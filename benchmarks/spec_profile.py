@@ -1,7 +1,7 @@
 """Where a speculative decode step's time goes: a profiler that wraps one engine's parts, and a pass using it.
 
 Used by ``benchmarks.bench_speculative`` (its profile section): the baseline and one configuration per
-proposer, over the same prompts, interleaved.
+proposer, over the same prompts, interleaved. The runs themselves come from ``benchmarks.spec_run``.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from benchmarks.spec_run import BenchConfig, generate, make_engine
 from common.engine.engine_core import ColocatedEngine
 from common.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from benchmarks.bench_speculative import BenchConfig
     from benchmarks.spec_prompts import BenchPrompt
     from common.model.llama import LlamaDecoderLayer, LlamaForCausalLM
     from common.tokenizer import Tokenizer
@@ -108,8 +108,6 @@ class StepProfiler:
 def profile(model: LlamaForCausalLM, tokenizer: Tokenizer, configs: list[BenchConfig], prompts: list[BenchPrompt],
             max_tokens: int) -> list[tuple[BenchConfig, StepProfiler, int]]:
     """One more pass over ``prompts`` with the step profiler on, interleaved: (config, profile, tokens)."""
-    from benchmarks.bench_speculative import generate, make_engine  # that module imports this one
-
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
     encoded = [tokenizer.encode_chat([{"role": "user", "content": p.content}]) for p in prompts]
     max_len = max(len(ids) for ids in encoded) + max_tokens + 32

@@ -20,15 +20,17 @@ the standard serving mix and the mixed workload (disaggregated vs colocated), th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.manifest import SectionResult, SuiteRun, write_run
+from benchmarks.report import write_report
 
 REPO = Path(__file__).resolve().parent.parent
 SECTION_TIMEOUT_S = 1800.0  # a section that hangs is killed and reported as failed; the suite goes on
@@ -66,31 +68,6 @@ class Section:
     # The command to run (a list of argv), or why it is skipped.
     command: Callable[[SuiteConfig], list[str] | Skip]
     estimate_s: tuple[float, float]  # (full, quick): seconds on a 2-core machine, for the progress bar
-
-
-@dataclass
-class SectionResult:
-    name: str
-    title: str
-    status: str  # ok | failed | skipped
-    seconds: float = 0.0
-    command: str = ""
-    note: str = ""
-    json_file: str | None = None
-
-
-@dataclass
-class SuiteRun:
-    """The manifest of one run (``suite.json``): what ran, how, and where its files are."""
-
-    model: str
-    dtype: str
-    threads: int
-    quick: bool
-    started: str
-    command: str
-    sections: list[SectionResult] = field(default_factory=list)
-    total_seconds: float = 0.0
 
 
 def _py(module: str, *args: str) -> list[str]:
@@ -244,16 +221,10 @@ def run_suite(cfg: SuiteConfig, sections: list[Section], command_line: str) -> S
             bar.write(f"{section.name}: {result.status} in {result.seconds:.0f} s"
                       + (f" ({result.note[:160]})" if result.note else ""))
             run.sections.append(result)
-            (cfg.out_dir / "suite.json").write_text(json.dumps(asdict(run), indent=2))
+            write_run(cfg.out_dir, run)
     run.total_seconds = time.perf_counter() - started
-    (cfg.out_dir / "suite.json").write_text(json.dumps(asdict(run), indent=2))
+    write_run(cfg.out_dir, run)
     return run
-
-
-def load_run(out_dir: Path) -> SuiteRun:
-    data = json.loads((out_dir / "suite.json").read_text())
-    sections = [SectionResult(**s) for s in data.pop("sections")]
-    return SuiteRun(**data, sections=sections)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -270,7 +241,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`tandem bench run`: run the chosen sections, then write the report; 0 when no section failed."""
-    from benchmarks.report import write_report
     from common.config.settings import ModelSettings, load_settings
     from common.model.loader import resolve_dtype
     from common.model.model_store import find_bundled_gguf, resolve_model

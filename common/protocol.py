@@ -20,7 +20,6 @@ _FINISH_TO_PROTO = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
-_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int = 16) -> SamplingParams:
@@ -65,10 +64,6 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def finish_reason_to_proto(reason: FinishReason | None) -> common_pb2.FinishReason:
     return _FINISH_TO_PROTO[reason]  # type: ignore[return-value]
-
-
-def finish_reason_from_proto(value: int) -> FinishReason | None:
-    return _FINISH_FROM_PROTO.get(value)  # type: ignore[call-overload]
 
 
 def logprob_to_proto(token_id: int, logprob: float, top: list[tuple[int, float]]) -> common_pb2.TokenLogprob:

@@ -10,13 +10,14 @@ import grpc
 from common.config.engine_config import SpeculativeConfig
 from common.config.settings import ModelSettings, NodeSettings
 from common.engine.async_engine import AsyncEngine
+from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
 from common.engine.node_setup import engine_configs, load_node_model, prepare_decode_attention
 from common.serving.channel import format_address
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
 from common.telemetry.metrics import DecodeMetrics, serve_metrics, snapshot_of
-from decode_service.engine import DecodeEngine
+from decode_service.kv_consumer import KVConsumer
 from decode_service.servicer import DecodeServicer
 from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import make_layout, model_fingerprint
@@ -30,7 +31,7 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
                        speculative: SpeculativeConfig | None = None) -> RunningServer:
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node)
-    core = DecodeEngine(loaded.model, cache, scheduler, speculative=speculative)
+    core = EngineCore(loaded.model, cache, scheduler, speculative=speculative, connector=KVConsumer())
     engine = AsyncEngine(core, name="decode-engine")
     await prepare_decode_attention(model_settings, engine)
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))

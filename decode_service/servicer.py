@@ -20,6 +20,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Link
 
+from common.engine.commands import AbortRequest, KVArrived, ReserveKV
 from common.protocol import finish_reason_to_proto, logprob_to_proto, sampling_from_proto, stats_to_proto
 from common.serving.errors import ResourceExhaustedError
 from common.serving.status import StatusInterceptor
@@ -28,14 +29,13 @@ from common.telemetry.logs import request_scope
 from common.telemetry.metrics import DecodeMetrics
 from common.telemetry.propagation import context_from_headers
 from common.telemetry.tracing import get_tracer
-from decode_service.engine import DecodeEngine
+from decode_service.kv_consumer import KVConsumer
 from kv_transfer.errors import TransferFailed
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 if TYPE_CHECKING:
     from common.engine.async_engine import AsyncEngine
-    from common.engine.request import Request, RequestOutput
-    from common.kv.kv_cache_manager import Allocation
+    from common.engine.request import RequestCounters, RequestOutput
     from kv_transfer.receiver import KVReceiver
     from kv_transfer.receiver_transfer import TransferResult
 
@@ -47,9 +47,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: AsyncEngine, receiver: KVReceiver, node_id: str, kv_endpoint: str,
                  kv_timeout_s: float, metrics: DecodeMetrics | None = None,
                  status_for: spans.StatusFor | None = None) -> None:
-        assert isinstance(engine.engine, DecodeEngine)
+        assert isinstance(engine.engine.connector, KVConsumer), "a decode node's engine has the KV consumer role"
         self.engine = engine
-        self.core: DecodeEngine = engine.engine
+        self.block_size = engine.engine.block_size
+        self._engine_stats = engine.engine.stats  # read without queueing (see Stats)
         self.receiver = receiver
         self.node_id = node_id
         self.kv_endpoint = kv_endpoint
@@ -86,23 +87,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             span.set_attributes({spans.REQUEST_ID: rid, spans.NODE: self.node_id, spans.PROMPT_TOKENS: len(prompt),
                                  spans.TRANSFER_ID: transfer_id})
         stream = self.engine.open_stream(rid)
-
-        def reserve() -> tuple[Allocation | None, Request | None]:
-            allocation = self.core.reserve(rid, prompt, params, eos)
-            return allocation, self.core.scheduler.reserved.get(rid)
-
         with _tracer.start_as_current_span(spans.DECODE_RESERVE) as reserve_span:
-            allocation, state = await self.engine.call(reserve)
-            if allocation is None:
+            try:
+                allocation = await self.engine.call(ReserveKV(rid, tuple(prompt), params, eos))
+            except BaseException:
                 self.engine.close_stream(rid)
-                free = self.core.kv.num_free_blocks
+                raise
+            if not allocation.ok:
+                self.engine.close_stream(rid)
                 raise ResourceExhaustedError(
-                    f"KV cache full on {self.node_id}: the prompt needs {self.core.kv.blocks_needed(len(prompt))} "
-                    f"blocks, {free} free")
+                    f"KV cache full on {self.node_id}: the prompt needs {allocation.blocks_needed} "
+                    f"blocks, {allocation.free_blocks} free")
             if reserve_span.is_recording():
                 reserve_span.set_attributes({spans.RESERVED_BLOCKS: len(allocation.block_ids),
                                              spans.CACHED_TOKENS: allocation.num_cached_tokens})
-        self.receiver.expect(transfer_id, allocation.block_ids, allocation.num_cached_tokens)
+        self.receiver.expect(transfer_id, list(allocation.block_ids), allocation.num_cached_tokens)
         try:
             yield decode_pb2.DecodeResponse(reservation=decode_pb2.Reservation(
                 transfer_id=transfer_id, block_ids=allocation.block_ids,
@@ -117,17 +116,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # Cancelled, timed out or the transfer failed: no recv may still write our blocks before we free them.
             await _abandon(self.receiver, transfer_id, repr(exc))
             self.engine.close_stream(rid)
-            await asyncio.shield(self.engine.call(lambda: self.core.abort(rid)))
+            await asyncio.shield(self.engine.call(AbortRequest(rid)))
             raise
         self.metrics.transfer_done(result.bytes, result.seconds)
         if span.is_recording():  # (wait_span has ended: it records no more)
-            num_blocks = len(allocation.block_ids) - allocation.num_cached_tokens // self.core.kv.block_size
+            num_blocks = len(allocation.block_ids) - allocation.num_cached_tokens // self.block_size
             _record_receive(result, num_blocks, transfer_id, wait_span)
 
         with _tracer.start_as_current_span(spans.DECODE_STREAM) as stream_span:
-            first = await self.engine.call(lambda: self.core.start_decoding(rid, result.first_token))
+            first = await self.engine.call(KVArrived(rid, result.first_token))
             num_steps, num_tokens, last = 0, 1, time.monotonic()
-            reason = first.finish_reason
+            reason, counters = first.finish_reason, first.counters
             try:
                 if first.finished:  # the prefill's token was the last one
                     self.engine.close_stream(rid)
@@ -140,12 +139,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         last = now
                         num_steps += 1
                         num_tokens += len(out.new_token_ids)
-                        reason = out.finish_reason
+                        reason, counters = out.finish_reason, out.counters
                         yield decode_pb2.DecodeResponse(delta=_delta(out))
             finally:
                 self.metrics.generation_tokens.inc(num_tokens)
                 if stream_span.is_recording():
-                    _stream_attributes(stream_span, state, num_steps, num_tokens)
+                    _stream_attributes(stream_span, counters, num_steps, num_tokens)
         finish = reason.value if reason is not None else "unknown"
         self.metrics.request_finished(finish, time.monotonic() - arrival)
         if span.is_recording():
@@ -157,7 +156,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> common_pb2.NodeStats:
         # Read without queueing behind the engine: a long step must not make the node look down to the
         # gateway's poller. Counters read mid-step may be one step stale, which routing tolerates.
-        return stats_to_proto(self.core.stats(), self.node_id, "decode")
+        return stats_to_proto(self._engine_stats(), self.node_id, "decode")
 
 
 def _record_receive(result: TransferResult, num_blocks: int, transfer_id: str, wait_span: trace.Span) -> None:
@@ -173,9 +172,8 @@ def _record_receive(result: TransferResult, num_blocks: int, transfer_id: str, w
                       links=[Link(wait_span.get_span_context())] if sender is not None else ())
 
 
-def _stream_attributes(span: trace.Span, state: Request | None, num_steps: int, num_tokens: int) -> None:
-    """Per-request engine counters; ``state`` is read once the request left the engine (or nearly: a
-    cancelled request may still be running, and a stale counter is all that can go wrong)."""
+def _stream_attributes(span: trace.Span, state: RequestCounters | None, num_steps: int, num_tokens: int) -> None:
+    """Per-request engine counters, from the request's last output (None: it did not finish, e.g. cancelled)."""
     span.set_attributes({spans.NUM_STEPS: num_steps, spans.COMPLETION_TOKENS: num_tokens})
     if state is None:
         return

@@ -13,6 +13,7 @@ a failure, the client's cancel, a deadline) cancels whichever leg is still runni
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable
@@ -28,10 +29,10 @@ from common.serving.errors import DeadlineExceededError, ServiceError, Unavailab
 from common.telemetry import spans
 from gateway.model import ServedModel
 from gateway.node_pool import NodePool
-from gateway.output import OutputChunk, OutputProcessor, Timings, Usage
+from gateway.output import Delta, OutputChunk, OutputProcessor, Timings, Usage, coalesced_chunks
 from gateway.request import GatewayRequest
 from gateway.router import NodeState, Router
-from tandem.v1 import common_pb2, decode_pb2, prefill_pb2
+from tandem.v1 import decode_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class _DecodeLeg:
 
 
 class Coordinator:
-    """Runs Generate requests over the nodes of one ``Router``; shared by all requests."""
+    """The disaggregated ``GenerateBackend``: runs Generate requests over the nodes of one ``Router``."""
 
     def __init__(self, model: ServedModel, router: Router, pool: NodePool, block_size: int,
                  kv_timeout_s: float) -> None:
@@ -70,10 +71,9 @@ class Coordinator:
 
     async def generate(self, req: GatewayRequest, arrival: float, deadline: float,
                        ) -> AsyncGenerator[OutputChunk, None]:
-        """Yield the request's output chunks; the last one carries finish reason, usage and timings.
+        """``GenerateBackend.generate`` over the nodes; the deadline is passed on to both of them.
 
-        ``arrival`` and ``deadline`` are ``time.monotonic()`` values; the deadline is passed on to both
-        nodes. Raises ``ServiceError`` subclasses when a node fails or none is reachable.
+        Raises ``ServiceError`` subclasses when a node fails or none is reachable.
         """
         block_hashes = hash_prompt_blocks(req.prompt_token_ids, self._block_size)
         decode = await self._reserve(req, deadline, num_prompt_blocks=len(req.prompt_token_ids) // self._block_size)
@@ -85,59 +85,48 @@ class Coordinator:
                                         spans.CACHED_TOKENS: r.num_cached_tokens})
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         reader = asyncio.create_task(_read_decode_stream(decode.call, queue), name=f"decode-{req.request_id}")
-        decode_done = False  # the decode node sent its finish reason: its call ends by itself
+        # out.source_finished: the decode node sent its finish reason, so its call ends by itself.
+        out = OutputProcessor(self._model.tokenizer, req.prompt_token_ids, req.stop, req.include_stop_string)
         try:
             prefill_node, reply, prefill_started = await self._prefill(req, decode, reader, block_hashes, deadline)
-            out = OutputProcessor(self._model.tokenizer, req.prompt_token_ids, req.stop, req.include_stop_string)
-            chunk = OutputChunk()
-            out.add(chunk, [reply.first_token], [reply.first_logprob] if reply.HasField("first_logprob") else [])
+            first = OutputChunk()
+            out.add(first, [reply.first_token], [reply.first_logprob] if reply.HasField("first_logprob") else [])
             first_token_time = time.monotonic()
             if span.is_recording():
                 span.add_event("first_token", {spans.PREFILL_NODE: prefill_node.node_id,
                                                spans.CACHED_TOKENS: reply.num_cached_tokens})
-            if not out.finished:
-                yield chunk  # at once, even when its text is held back: this is the time to first token
-            while not out.finished:
-                chunk = OutputChunk()
-                items = [await queue.get()]
-                while not queue.empty():  # coalesce whatever arrived while the previous message was written
-                    items.append(queue.get_nowait())
-                for item in items:
-                    delta = self._delta(item, decode)
-                    decode_done = delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                    out.add(chunk, delta.token_ids, delta.logprobs, delta.finish_reason or None)
-                    if out.finished:
-                        break
-                if not out.finished and _visible(chunk, req):
-                    yield chunk
-            if not decode_done:  # a stop string ended it: abort the rest on the decode node now
-                decode.call.cancel()
-            chunk.usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=out.num_tokens,
-                                cached_tokens=reply.num_cached_tokens)
-            chunk.timings = Timings(
-                queue_seconds=prefill_started - arrival + reply.queue_seconds,
-                time_to_first_token=first_token_time - arrival,
-                e2e_seconds=time.monotonic() - arrival,
-                kv_transfer_seconds=reply.transfer_seconds,
-                kv_transfer_bytes=reply.transfer_bytes,
-                prefill_node=prefill_node.node_id,
-                decode_node=decode.reservation.node_id or decode.node.node_id,
-            )
-            yield chunk
+            to_delta = functools.partial(self._delta, decode=decode)
+            async for chunk in coalesced_chunks(out, queue, to_delta, req, first):
+                if out.finished:
+                    if not out.source_finished:  # a stop string ended it: abort the rest on the decode node now
+                        decode.call.cancel()
+                    chunk.usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=out.num_tokens,
+                                        cached_tokens=reply.num_cached_tokens)
+                    chunk.timings = Timings(
+                        queue_seconds=prefill_started - arrival + reply.queue_seconds,
+                        time_to_first_token=first_token_time - arrival,
+                        e2e_seconds=time.monotonic() - arrival,
+                        kv_transfer_seconds=reply.transfer_seconds,
+                        kv_transfer_bytes=reply.transfer_bytes,
+                        prefill_node=prefill_node.node_id,
+                        decode_node=decode.reservation.node_id or decode.node.node_id,
+                    )
+                yield chunk
         finally:
             # Runs on success, failure, client cancel and deadline alike: nothing is left running.
-            if not decode_done:
+            if not out.source_finished:
                 reader.cancel()
                 decode.call.cancel()
             decode.node.end()
 
-    def _delta(self, item: _QueueItem, decode: _DecodeLeg) -> decode_pb2.TokenDelta:
+    def _delta(self, item: _QueueItem, decode: _DecodeLeg) -> Delta:
         if isinstance(item, grpc.aio.AioRpcError):
             raise self._node_error("decode", decode.node, item)
         if isinstance(item, _StreamEnd) or not item.HasField("delta"):
             what = "ended its stream" if isinstance(item, _StreamEnd) else "sent a second reservation"
             raise ServiceError(f"decode node {decode.node.target} {what} before a finish reason")
-        return item.delta
+        d = item.delta
+        return Delta(d.token_ids, d.logprobs, d.finish_reason or None)
 
     async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int) -> _DecodeLeg:
         """Open a decode stream and read its reservation; a node that cannot be reached is replaced once."""
@@ -241,11 +230,6 @@ class Coordinator:
         if code in _PASSED_ON:
             return ServiceError(f"{what}: {exc.details()}", code)
         return ServiceError(f"{what} failed: {code.name}: {exc.details()}")
-
-
-def _visible(chunk: OutputChunk, req: GatewayRequest) -> bool:
-    """Whether the client would see anything in ``chunk`` (text may be held back for a stop string)."""
-    return bool((chunk.text and not req.skip_text) or (chunk.token_ids and req.include_token_ids) or chunk.logprobs)
 
 
 async def _read_decode_stream(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue[_QueueItem],

@@ -1,4 +1,4 @@
-"""The public ``tandem.v1.Tandem`` service: admission, validation, deadline; the flow is the coordinator's.
+"""The public ``tandem.v1.Tandem`` service: admission, validation, deadline; the flow is the backend's.
 
 Observability hooks in at this edge: one root span (``generate``) and the request metrics per ``Generate``
 wrap its body (the last chunk carries usage and timings), plus one structured log line per request.
@@ -21,7 +21,7 @@ from common.telemetry import spans
 from common.telemetry.logs import log_event, request_scope
 from common.telemetry.metrics import GatewayMetrics
 from common.telemetry.tracing import get_tracer
-from gateway.coordinator import Coordinator
+from gateway.backend import GenerateBackend
 from gateway.model import ServedModel
 from gateway.output import OutputChunk
 from gateway.request import GatewayRequest, chat_token_ids
@@ -37,14 +37,15 @@ _tracer = get_tracer(__name__)
 class TandemServicer(generate_pb2_grpc.TandemServicer):
     """Generate, Tokenize, ModelInfo; errors are raised and mapped to statuses by the interceptor.
 
-    ``status_for`` is that interceptor's mapping, so that the root span and the failure counter carry
-    the status the client gets.
+    ``backend`` produces the tokens: the gateway's ``Coordinator`` over prefill and decode nodes, or the
+    colocated server's engine. ``status_for`` is the interceptor's mapping, so that the root span and the
+    failure counter carry the status the client gets.
     """
 
-    def __init__(self, model: ServedModel, coordinator: Coordinator, settings: GatewaySettings,
+    def __init__(self, model: ServedModel, backend: GenerateBackend, settings: GatewaySettings,
                  metrics: GatewayMetrics | None = None, status_for: spans.StatusFor | None = None) -> None:
         self._model = model
-        self._coordinator = coordinator
+        self._backend = backend
         self._settings = settings
         self._metrics = metrics or GatewayMetrics()
         self._status_for = status_for or StatusInterceptor().status_for
@@ -89,7 +90,7 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
             last: OutputChunk | None = None
             try:
                 async with scope:
-                    chunks = self._coordinator.generate(req, arrival, arrival + timeout)
+                    chunks = self._backend.generate(req, arrival, arrival + timeout)
                     # aclosing: a cancel or a timeout while we write still cancels both legs right away.
                     async with contextlib.aclosing(chunks):
                         async for chunk in chunks:
@@ -108,7 +109,7 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
 
     def _finished(self, last: OutputChunk | None, span: trace.Span) -> None:
         """Record the finished request: root span attributes, metrics, one log line."""
-        assert last is not None and last.usage is not None and last.timings is not None  # the coordinator's contract
+        assert last is not None and last.usage is not None and last.timings is not None  # the backend's contract
         u, t = last.usage, last.timings
         reason = _finish_reason_name(last.finish_reason)
         self._metrics.request_finished(reason, u.prompt_tokens, u.completion_tokens, t.time_to_first_token,

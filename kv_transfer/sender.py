@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -44,7 +43,10 @@ __all__ = ["KVSender", "TransferHandle", "TransferStats"]
 
 
 class SenderPair:
-    """The connection to one decode node: channel, Connect stream, pair group, writer and reader tasks."""
+    """The connection to one decode node: channel, Connect stream, pair group, writer and reader tasks.
+
+    It carries its handles (``transfer_handle.TransferCarrier``) and reports back through their pair-side methods.
+    """
 
     def __init__(self, sender: KVSender, endpoint: str, channel: grpc.aio.Channel,
                  call: grpc.aio.StreamStreamCall, receiver_id: str, epoch_prefix: str, timeout_s: float) -> None:
@@ -73,41 +75,40 @@ class SenderPair:
     def write_abort(self, handle: TransferHandle, reason: str) -> None:
         self._outbox.put_nowait((handle, reason))
 
+    def release(self, transfer_id: str) -> None:
+        """The transfer ended: its id may be opened again on this pair."""
+        self.handles.pop(transfer_id, None)
+
     async def _write_loop(self) -> None:
         try:
             while (entry := await self._outbox.get()) is not None:
                 handle, item = entry
                 if isinstance(item, str):  # abort: always written, the receiver may hold blocks for it
                     abort = kv_transfer_pb2.TransferAbort(transfer_id=handle.transfer_id, reason=item)
-                    await self.call.write(KVMessage(abort=abort, trace_context=handle._trace_context))
-                elif handle._error is not None:
+                    await self.call.write(KVMessage(abort=abort, trace_context=handle.trace_context))
+                elif handle.error is not None:
                     continue  # not announced yet, so never sent
                 elif isinstance(item, Chunk):
                     await self._announce(handle, item)
                 else:
-                    item.bytes = handle._bytes
-                    item.seconds = time.perf_counter() - handle._opened_at
-                    await self.call.write(KVMessage(complete=item, trace_context=handle._trace_context))
-                    handle._complete_sent = True
-                    handle._maybe_finish()
+                    handle.fill_totals(item)
+                    await self.call.write(KVMessage(complete=item, trace_context=handle.trace_context))
+                    handle.complete_written()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self.shut(f"control stream broke while writing: {_describe(exc)}")
 
     async def _announce(self, handle: TransferHandle, chunk: Chunk) -> None:
-        seq = handle._num_chunks
-        runs = [kv_transfer_pb2.BlockRun(src_start=r.src_start, dst_start=r.dst_start, num_blocks=r.num_blocks)
-                for r in chunk.runs]
-        msg = KVMessage(chunk=kv_transfer_pb2.KVChunk(transfer_id=handle.transfer_id, seq=seq, runs=runs),
-                        trace_context=handle._trace_context)
         # Announced: the receiver will post recvs for these runs, so the sends must happen. They are queued
         # before the message is written so the worker posts them while the message travels (sends only
         # complete against the matching recvs; if the write fails the stream is dead and the pair with it).
-        handle._num_chunks += 1
-        handle._num_sends += len(chunk.runs)
-        handle._bytes += sum(r.num_blocks for r in chunk.runs) * self.sender.bytes_per_block
-        handle._sends_pending += 1
+        num_bytes = sum(r.num_blocks for r in chunk.runs) * self.sender.bytes_per_block
+        seq = handle.announce(len(chunk.runs), num_bytes)
+        runs = [kv_transfer_pb2.BlockRun(src_start=r.src_start, dst_start=r.dst_start, num_blocks=r.num_blocks)
+                for r in chunk.runs]
+        msg = KVMessage(chunk=kv_transfer_pb2.KVChunk(transfer_id=handle.transfer_id, seq=seq, runs=runs),
+                        trace_context=handle.trace_context)
         self.group.submit(self._send_op(handle, chunk))
         await self.call.write(msg)
 
@@ -124,7 +125,7 @@ class SenderPair:
 
         def finish(error: str | None) -> None:
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(handle._on_sent, error)
+                loop.call_soon_threadsafe(handle.on_sent, error)
 
         return DataOp(send=True, tensors=tensors, finish=finish)
 
@@ -137,11 +138,11 @@ class SenderPair:
                 if kind == "chunk_ack":
                     handle = self.handles.get(msg.chunk_ack.transfer_id)
                     if handle is not None:
-                        handle._on_ack(msg.chunk_ack.seq)
+                        handle.on_ack(msg.chunk_ack.seq)
                 elif kind == "abort":
                     handle = self.handles.get(msg.abort.transfer_id)
                     if handle is not None:
-                        handle._fail(f"decode node {self.receiver_id} aborted: {msg.abort.reason}")
+                        handle.on_failure(f"decode node {self.receiver_id} aborted: {msg.abort.reason}")
                 else:
                     reason = f"unexpected {kind} message from decode node {self.receiver_id}"
                     break
@@ -159,7 +160,7 @@ class SenderPair:
         self.sender._forget(self)
         self.group.close(reason)
         for handle in list(self.handles.values()):
-            handle._fail(f"connection to decode node {self.receiver_id} lost: {reason}")
+            handle.on_failure(f"connection to decode node {self.receiver_id} lost: {reason}")
         current = asyncio.current_task()
         for task in self._tasks:
             if task is not current:

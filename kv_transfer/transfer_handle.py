@@ -1,8 +1,9 @@
 """One request's transfer on the prefill side: the handle the prefill engine pushes blocks into.
 
 ``push`` / ``complete`` / ``abort`` are called from the prefill engine's thread; they only hand work to the
-event loop (``call_soon_threadsafe``), where all of the handle's state lives. The pair's writer turns that
-work into control messages and data ops (see sender.py).
+event loop (``call_soon_threadsafe``), where all of the handle's state lives. The pair that carries the
+transfer (``sender.SenderPair``, seen here only as a ``TransferCarrier``) turns that work into control
+messages and data ops, and reports back through the handle's pair-side methods.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kv_transfer.block_runs import BlockRun, coalesce_runs
 from kv_transfer.errors import TransferFailed
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from kv_transfer.sender import SenderPair
+    from common.kv.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +42,50 @@ class TransferStats:
 
 @dataclass(frozen=True)
 class Chunk:
+    """Blocks pushed together: one KVChunk message, then one send per run."""
+
     runs: list[BlockRun]
     ready: torch.cuda.Event | None  # CUDA: recorded after the forward that wrote the blocks
+
+
+class TransferCarrier(Protocol):
+    """What a handle needs from the pair that carries its transfer (``sender.SenderPair``); event loop only."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def kv_cache(self) -> KVCache: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def timeout_s(self) -> float:
+        """The pair group's timeout: how long an announced send may take at most."""
+        ...
+
+    def enqueue(self, handle: TransferHandle, item: Chunk | kv_transfer_pb2.TransferComplete) -> None:
+        """Queue a chunk or the completion for the pair's writer, in order."""
+        ...
+
+    def write_abort(self, handle: TransferHandle, reason: str) -> None:
+        """Queue a TransferAbort for the pair's writer, in order."""
+        ...
+
+    def release(self, transfer_id: str) -> None:
+        """The transfer ended (its outcome is final, nothing of it in flight): forget it."""
+        ...
 
 
 class TransferHandle:
     """One request's transfer. ``push`` / ``complete`` / ``abort`` are thread-safe; ``wait`` runs on the loop."""
 
-    def __init__(self, pair: SenderPair, transfer_id: str, trace_context: dict[str, str]) -> None:
+    def __init__(self, pair: TransferCarrier, transfer_id: str, trace_context: dict[str, str]) -> None:
         self.transfer_id = transfer_id
+        self.trace_context = trace_context  # W3C context sent with every control message of the transfer
         self._pair = pair
         self._loop = pair.loop
-        self._trace_context = trace_context
         self._opened_at = time.perf_counter()
         # Caller-thread view, guarded by _lock: which calls are still allowed.
         self._lock = threading.Lock()
@@ -150,6 +183,50 @@ class TransferHandle:
         except TransferFailed:
             pass
 
+    # ------------------------------------------------------------------ pair side (event loop)
+
+    @property
+    def error(self) -> str | None:
+        """Why the transfer failed, None while it has not."""
+        return self._error
+
+    def announce(self, num_runs: int, num_bytes: int) -> int:
+        """The pair announces a chunk and queues its sends: count it; returns its seq."""
+        seq = self._num_chunks
+        self._num_chunks += 1
+        self._num_sends += num_runs
+        self._bytes += num_bytes
+        self._sends_pending += 1
+        return seq
+
+    def fill_totals(self, complete: kv_transfer_pb2.TransferComplete) -> None:
+        """Stamp TransferComplete, just before it is written, with the bytes and seconds so far."""
+        complete.bytes = self._bytes
+        complete.seconds = time.perf_counter() - self._opened_at
+
+    def complete_written(self) -> None:
+        """The pair wrote TransferComplete: the transfer finishes once every chunk is acked."""
+        self._complete_sent = True
+        self._maybe_finish()
+
+    def on_sent(self, error: str | None) -> None:
+        """A chunk's sends ended (``error``: they failed)."""
+        self._sends_pending -= 1
+        if error is not None:
+            self._fail(error)
+        self._maybe_finish()
+
+    def on_ack(self, seq: int) -> None:
+        """The receiver acked chunks 0..seq (acks are cumulative: chunks land in order)."""
+        self._num_acked = max(self._num_acked, seq + 1)
+        self._maybe_finish()
+
+    def on_failure(self, reason: str) -> None:
+        """The receiver aborted the transfer, or the pair was lost: the receiver needs no TransferAbort."""
+        self._fail(reason)
+
+    # ------------------------------------------------------------------ internals (event loop)
+
     def _post(self, fn: Callable[..., object], *args: object) -> None:
         with contextlib.suppress(RuntimeError):  # loop closed: the sender is gone
             self._loop.call_soon_threadsafe(fn, *args)
@@ -163,17 +240,6 @@ class TransferHandle:
             self._pair.write_abort(self, tell_receiver)
         self._maybe_finish()
 
-    def _on_sent(self, error: str | None) -> None:
-        self._sends_pending -= 1
-        if error is not None:
-            self._fail(error)
-        self._maybe_finish()
-
-    def _on_ack(self, seq: int) -> None:
-        # Cumulative: chunks land in order, so an ack for seq k covers chunks 0..k.
-        self._num_acked = max(self._num_acked, seq + 1)
-        self._maybe_finish()
-
     def _maybe_finish(self) -> None:
         if self._done.done() or self._sends_pending:
             return
@@ -184,7 +250,7 @@ class TransferHandle:
                                                 self._num_chunks, self._num_sends))
         else:
             return
-        self._pair.handles.pop(self.transfer_id, None)
+        self._pair.release(self.transfer_id)
 
 
 def _consume_exception(fut: asyncio.Future[TransferStats]) -> None:

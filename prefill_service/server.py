@@ -9,6 +9,7 @@ import grpc
 
 from common.config.settings import ModelSettings, NodeSettings
 from common.engine.async_engine import AsyncEngine
+from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
 from common.engine.node_setup import engine_configs, load_node_model
 from common.serving.server import RunningServer, serve_until_signal, start_server
@@ -17,7 +18,7 @@ from common.telemetry.metrics import PrefillMetrics, serve_metrics, snapshot_of
 from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import make_layout, model_fingerprint
 from kv_transfer.sender import KVSender
-from prefill_service.engine import PrefillEngine
+from prefill_service.kv_producer import KVProducer
 from prefill_service.servicer import PrefillServicer
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -27,13 +28,13 @@ log = logging.getLogger(__name__)
 async def serve_prefill(model_settings: ModelSettings, node: NodeSettings) -> RunningServer:
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node)
-    engine = AsyncEngine(PrefillEngine(loaded.model, cache, scheduler), name="prefill-engine")
+    core = EngineCore(loaded.model, cache, scheduler, connector=KVProducer(cache.block_size))
+    engine = AsyncEngine(core, name="prefill-engine")
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
     node_id = node.node_id or f"prefill-{node.port}"
-    sender = KVSender(engine.engine.runner.kv_cache, layout, node_id, group_timeout_s=node.kv_timeout_s)
+    sender = KVSender(core.runner.kv_cache, layout, node_id, group_timeout_s=node.kv_timeout_s)
     status = StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})
     metrics = PrefillMetrics(node_id)
-    core = engine.engine
     # Read on scrape from the HTTP thread: O(1) reads of lengths and counters, atomic under the GIL.
     metrics.add_engine(lambda: snapshot_of(core.stats()))
     servicer = PrefillServicer(engine, sender, node_id, node.kv_timeout_s, metrics, status.status_for)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 from opentelemetry import trace
 
+from common.engine.commands import AbortRequest, AddRequest, ChunkTiming, KVDestination, ReleaseKV
 from common.errors import InvalidRequestError
 from common.protocol import logprob_to_proto, sampling_from_proto, stats_to_proto
 from common.serving.status import StatusInterceptor
@@ -24,12 +25,12 @@ from common.telemetry.metrics import PrefillMetrics
 from common.telemetry.propagation import context_headers
 from common.telemetry.tracing import get_tracer
 from kv_transfer.errors import TransferFailed
-from prefill_service.engine import ChunkTiming, PrefillEngine, TransferPlan
+from prefill_service.kv_producer import KVProducer
 from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 if TYPE_CHECKING:
     from common.engine.async_engine import AsyncEngine
-    from common.engine.request import Request
+    from common.engine.request import RequestCounters
     from common.sampling.params import SamplingParams
     from kv_transfer.sender import KVSender, TransferHandle, TransferStats
 
@@ -40,9 +41,10 @@ _tracer = get_tracer(__name__)
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, engine: AsyncEngine, sender: KVSender, node_id: str, transfer_timeout_s: float,
                  metrics: PrefillMetrics | None = None, status_for: spans.StatusFor | None = None) -> None:
-        assert isinstance(engine.engine, PrefillEngine)
+        assert isinstance(engine.engine.connector, KVProducer), "a prefill node's engine has the KV producer role"
         self.engine = engine
-        self.core: PrefillEngine = engine.engine
+        self.block_size = engine.engine.block_size
+        self._engine_stats = engine.engine.stats  # read without queueing (see Stats)
         self.sender = sender
         self.node_id = node_id
         self.transfer_timeout_s = transfer_timeout_s
@@ -70,7 +72,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         params = sampling_from_proto(request.sampling)
         prompt = list(request.prompt_token_ids)
         dest = request.destination
-        bs = self.core.kv.block_size
+        bs = self.block_size
         traced = span.is_recording()
         if traced:
             span.set_attributes({spans.REQUEST_ID: request.request_id, spans.NODE: self.node_id,
@@ -89,8 +91,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         chunk_timings: list[ChunkTiming] | None = [] if traced else None
         try:
             handle = await self.sender.open(dest.transfer_id, dest, trace_context)
-            reply, started, plan = await self._run(rid, prompt, params, request, handle, arrival, chunk_timings)
-            num_blocks = max(plan.next_block - plan.skip_blocks, 0)
+            reply, counters = await self._run(rid, prompt, params, request, handle, arrival, chunk_timings)
+            # The first token is out, so every block of the prompt has been pushed but those cached there.
+            num_blocks = max(-(-len(prompt) // bs) - dest.num_cached_tokens // bs, 0)
             stats = await self._transfer(handle, rid, reply, num_blocks, send_span)
         except BaseException as exc:
             spans.set_error(send_span, exc, spans.failure_code(exc, self._status_for))
@@ -99,40 +102,34 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             send_span.end()
         reply.transfer_bytes, reply.transfer_seconds = stats.bytes, stats.seconds
         if traced:
-            self._record_spans(span, reply, started, arrival_ns, chunk_timings or [])
+            self._record_spans(span, reply, counters, arrival_ns, chunk_timings or [])
         return reply
 
     async def _run(self, rid: str, prompt: list[int], params: SamplingParams, request: prefill_pb2.PrefillRequest,
                    handle: TransferHandle, arrival: float, chunk_timings: list[ChunkTiming] | None,
-                   ) -> tuple[prefill_pb2.PrefillResponse, Request | None, TransferPlan]:
+                   ) -> tuple[prefill_pb2.PrefillResponse, RequestCounters | None]:
         """Prefill the prompt (the engine pushes KV as chunks finish) and sample the first token."""
         dest = request.destination
-        bs = self.core.kv.block_size
+        destination = KVDestination(handle, tuple(dest.block_ids), dest.num_cached_tokens // self.block_size)
         stream = self.engine.open_stream(rid)
         try:
-            plan = TransferPlan(handle, list(dest.block_ids), dest.num_cached_tokens // bs)
-            eos = tuple(request.eos_token_ids)
-
-            def admit() -> None:
-                self.core.add_request(rid, prompt, params, eos)
-                self.core.attach(rid, plan, chunk_timings)
-
-            await self.engine.call(admit)
+            await self.engine.call(AddRequest(rid, tuple(prompt), params, tuple(request.eos_token_ids),
+                                              destination, chunk_timings))
             outputs = [out async for out in self.engine.stream(rid, stream)]
         except BaseException as exc:
             await _drain(handle, f"prefill failed: {exc!r}", self.transfer_timeout_s)
             self.engine.close_stream(rid)
-            self.engine.submit(lambda: self.core.abort(rid))
+            self.engine.submit(AbortRequest(rid))
             raise
         first_token_time = time.monotonic()
-        started = self.core.scheduler.retained.get(rid)
         first = outputs[-1]
+        counters = first.counters
         token = first.new_token_ids[0]
         logprob = None
         if first.logprobs:
             lp, top = first.logprobs[0]
             logprob = logprob_to_proto(token, lp, top)
-        compute_start = started.first_scheduled_time if started and started.first_scheduled_time else arrival
+        compute_start = counters.first_scheduled_time if counters and counters.first_scheduled_time else arrival
         m = self.metrics
         m.time_to_first_token.observe(first_token_time - arrival)
         m.request_queue_time.observe(max(0.0, compute_start - arrival))
@@ -141,7 +138,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             first_token=token, first_logprob=logprob, num_cached_tokens=first.num_cached_tokens,
             queue_seconds=max(0.0, compute_start - arrival), compute_seconds=first_token_time - compute_start,
         )
-        return reply, started, plan
+        return reply, counters
 
     async def _transfer(self, handle: TransferHandle, rid: str, reply: prefill_pb2.PrefillResponse,
                         num_blocks: int, send_span: trace.Span) -> TransferStats:
@@ -160,19 +157,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         finally:
             self.engine.close_stream(rid)
             # No send is in flight any more: the blocks can go (they stay in the prefix cache).
-            self.engine.submit(lambda: self.core.release(rid) if finished else self.core.abort(rid))
+            self.engine.submit(ReleaseKV(rid) if finished else AbortRequest(rid))
         self.metrics.transfer_done(stats.bytes, stats.seconds)
         if send_span.is_recording():
             send_span.set_attributes(spans.transfer_attributes(stats.bytes, stats.seconds, num_blocks))
             send_span.set_attribute(spans.KV_CHUNKS, stats.num_chunks)
         return stats
 
-    def _record_spans(self, span: trace.Span, reply: prefill_pb2.PrefillResponse, started: Request | None,
+    def _record_spans(self, span: trace.Span, reply: prefill_pb2.PrefillResponse, counters: RequestCounters | None,
                       arrival_ns: int, chunk_timings: list[ChunkTiming]) -> None:
         """Attributes of the prefill span, and its queue and chunk children from the recorded timings."""
         span.set_attributes({spans.CACHED_TOKENS: reply.num_cached_tokens, spans.QUEUE_S: reply.queue_seconds,
                              spans.COMPUTE_S: reply.compute_seconds,
-                             spans.PREEMPTIONS: started.num_preemptions if started else 0})
+                             spans.PREEMPTIONS: counters.num_preemptions if counters else 0})
         parent = trace.set_span_in_context(span)
         queue_end = chunk_timings[0].start_ns if chunk_timings else arrival_ns + int(reply.queue_seconds * 1e9)
         spans.record_span(_tracer, spans.PREFILL_QUEUE, arrival_ns, queue_end, parent=parent)
@@ -186,7 +183,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     ) -> common_pb2.NodeStats:
         # Read without queueing behind the engine: a long step must not make the node look down to the
         # gateway's poller. Counters read mid-step may be one step stale, which routing tolerates.
-        return stats_to_proto(self.core.stats(), self.node_id, "prefill")
+        return stats_to_proto(self._engine_stats(), self.node_id, "prefill")
 
 
 async def _drain(handle: TransferHandle, reason: str, timeout_s: float) -> None:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.config.settings import ModelSettings, NodeSettings, env_name, load_settings
-from tandem_cli.bench_commands import add_bench_parser
 
 if TYPE_CHECKING:
     from common.telemetry.settings import TelemetrySettings
@@ -330,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     health.set_defaults(func=cmd_health)
 
-    add_bench_parser(sub)
+    add_plugin_commands(sub)
 
     up = sub.add_parser("up", help="start gateway + prefill + decode nodes as local processes")
     up.add_argument("--prefill-nodes", type=int, default=1)
@@ -355,6 +354,43 @@ def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", default="none", help="none | ngram | draft_layers")
     g.add_argument("--num-speculative-tokens", type=int, default=4)
     g.add_argument("--draft-layers", type=int, default=8)
+
+
+# Commands that live above the product and register themselves (`tandem bench` from benchmarks/, through
+# pyproject's `bench = "benchmarks.cli:add_parser"`); the product never imports them.
+COMMAND_ENTRY_POINTS = "tandem.commands"
+
+
+def add_plugin_commands(sub: Any) -> None:
+    """Let each ``tandem.commands`` entry point add its subcommand; one that cannot load, or a ``bench``
+    that nothing provides (the benchmarks are not installed), becomes a command that says so."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=COMMAND_ENTRY_POINTS):
+        if ep.name in sub.choices:
+            continue
+        try:
+            add_parser = ep.load()
+        except ImportError as exc:
+            _add_missing_command(sub, ep.name, f"{ep.value} cannot be imported: {exc}")
+            continue
+        add_parser(sub)
+    if "bench" not in sub.choices:
+        _add_missing_command(sub, "bench", f"no {COMMAND_ENTRY_POINTS!r} entry point named 'bench' is registered")
+
+
+def _add_missing_command(sub: Any, name: str, why: str) -> None:
+    hint = (" The benchmarks (benchmarks/) ship with Tandem's source checkout: install that with "
+            "`pip install -e .` or `make venv`." if name == "bench" else "")
+
+    def missing(args: argparse.Namespace) -> int:
+        print(f"tandem {name}: this command is not installed ({why}).{hint}", file=sys.stderr)
+        return 2
+
+    # Any arguments, options included (prefix_chars matches none), so every `tandem bench ...` gets the message.
+    p = sub.add_parser(name, help="(not installed)", add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs="*")
+    p.set_defaults(func=missing)
 
 
 def main(argv: list[str] | None = None) -> int:

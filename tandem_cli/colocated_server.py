@@ -14,105 +14,94 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.engine.async_engine import AsyncEngine
-from common.engine.request import Request, RequestOutput
+from common.engine.commands import AbortRequest, AddRequest
+from common.engine.request import RequestCounters, RequestOutput
 from common.protocol import finish_reason_to_proto, logprob_to_proto
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
 from common.telemetry.metrics import GatewayMetrics, serve_metrics
-from gateway.coordinator import Coordinator
 from gateway.model import ServedModel
-from gateway.output import OutputChunk, OutputProcessor, Timings, Usage
+from gateway.output import Delta, OutputChunk, OutputProcessor, Timings, Usage, coalesced_chunks
 from gateway.servicer import SERVICE_NAME, TandemServicer
 from tandem.v1 import common_pb2, generate_pb2_grpc
 
 if TYPE_CHECKING:
     from common.config.engine_config import SpeculativeConfig
     from common.config.settings import ModelSettings, NodeSettings
-    from common.engine.engine_core import EngineCore
     from gateway.request import GatewayRequest
     from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
 
-class ColocatedCoordinator(Coordinator):
-    """The gateway ``Coordinator``'s contract (``generate`` yields output chunks, the first at once, the last
-    with finish reason, usage and timings) fulfilled by a colocated engine in this process.
-
-    It subclasses ``Coordinator`` only to plug into ``TandemServicer`` unchanged; none of the node
-    machinery (router, node pool, KV reservations) exists here, hence no ``super().__init__``.
-    """
+class ColocatedCoordinator:
+    """The colocated ``GenerateBackend``: every request runs on one engine in this process, so none of the
+    gateway's node machinery (router, node pool, KV reservations) exists here."""
 
     def __init__(self, model: ServedModel, engine: AsyncEngine, node_id: str) -> None:
         self._model = model
         self._engine = engine
-        self._core: EngineCore = engine.engine
         self._node_id = node_id
         # Engine-side ids stay unique even when two clients send the same request_id.
         self._ids = itertools.count()
 
     async def generate(self, req: GatewayRequest, arrival: float, deadline: float,
                        ) -> AsyncGenerator[OutputChunk, None]:
-        """Yield ``req``'s output chunks; a client that goes away (or a stop string) aborts the request."""
-        engine, core = self._engine, self._core
+        """``GenerateBackend.generate`` on the engine; a client that goes away (or a stop string) aborts it.
+
+        The engine bounds no wait by ``deadline``: the servicer's timeout closes this generator instead.
+        """
+        engine = self._engine
         engine_id = f"{req.request_id}#{next(self._ids)}"
-        prompt = list(req.prompt_token_ids)
-        request = Request(engine_id, prompt, req.sampling, self._model.eos_token_ids)
-
-        def add() -> None:  # on the engine thread: caller mistakes raise InvalidRequestError to the client
-            core.validate(prompt, req.sampling)
-            core.scheduler.add_request(request)
-
+        prompt = req.prompt_token_ids
         queue = engine.open_stream(engine_id)
-        finished = False  # the engine finished the request: nothing to abort
+        # out.source_finished: the engine finished the request, nothing to abort.
+        out = OutputProcessor(self._model.tokenizer, prompt, req.stop, req.include_stop_string)
+        received = _Received()
         try:
-            await engine.call(add)
-            out = OutputProcessor(self._model.tokenizer, prompt, req.stop, req.include_stop_string)
+            # Caller mistakes (a prompt or max_tokens past the engine's limits) raise InvalidRequestError here.
+            await engine.call(AddRequest(engine_id, prompt, req.sampling, self._model.eos_token_ids))
             first_token_time: float | None = None
-            cached = 0
-            chunk = OutputChunk()
-            while not out.finished:
-                chunk = OutputChunk()
-                items = [await queue.get()]
-                while not queue.empty():  # coalesce whatever the engine produced while we wrote
-                    items.append(queue.get_nowait())
-                for item in items:
-                    if isinstance(item, Exception):
-                        raise item
-                    finished = item.finished
-                    cached = item.num_cached_tokens or cached
-                    out.add(chunk, item.new_token_ids, _logprobs(item),
-                            finish_reason_to_proto(item.finish_reason) or None)
-                    if out.finished:
-                        break
+            async for chunk in coalesced_chunks(out, queue, received.delta, req):
                 if first_token_time is None:
                     first_token_time = time.monotonic()
-                    if not out.finished:
-                        yield chunk  # at once, even when its text is held back: this is the time to first token
-                elif not out.finished and _visible(chunk, req):
-                    yield chunk
-            scheduled = request.first_scheduled_time or arrival
-            chunk.usage = Usage(prompt_tokens=len(prompt), completion_tokens=out.num_tokens, cached_tokens=cached)
-            chunk.timings = Timings(
-                queue_seconds=max(scheduled - arrival, 0.0),
-                time_to_first_token=(first_token_time or time.monotonic()) - arrival,
-                e2e_seconds=time.monotonic() - arrival,
-                kv_transfer_seconds=0.0, kv_transfer_bytes=0,  # nothing moves: prefill and decode share the cache
-                prefill_node=self._node_id, decode_node=self._node_id,
-            )
-            yield chunk
+                if out.finished:
+                    counters = received.counters
+                    scheduled = (counters.first_scheduled_time if counters else None) or arrival
+                    chunk.usage = Usage(prompt_tokens=len(prompt), completion_tokens=out.num_tokens,
+                                        cached_tokens=received.num_cached_tokens)
+                    chunk.timings = Timings(
+                        queue_seconds=max(scheduled - arrival, 0.0),
+                        time_to_first_token=first_token_time - arrival,
+                        e2e_seconds=time.monotonic() - arrival,
+                        # Nothing moves: prefill and decode share the cache.
+                        kv_transfer_seconds=0.0, kv_transfer_bytes=0,
+                        prefill_node=self._node_id, decode_node=self._node_id,
+                    )
+                yield chunk
         finally:
             engine.close_stream(engine_id)
-            if not finished:  # cancelled, timed out, or a stop string ended it early
-                engine.submit(lambda: core.abort(engine_id))
+            if not out.source_finished:  # cancelled, timed out, failed, or a stop string ended it early
+                engine.submit(AbortRequest(engine_id))
 
 
-def _visible(chunk: OutputChunk, req: GatewayRequest) -> bool:
-    """Whether the client would see anything in ``chunk`` (text may be held back for a stop string)."""
-    return bool((chunk.text and not req.skip_text) or (chunk.token_ids and req.include_token_ids) or chunk.logprobs)
+@dataclass
+class _Received:
+    """What a colocated request's engine outputs said besides their tokens (for its usage and timings)."""
+
+    num_cached_tokens: int = 0
+    counters: RequestCounters | None = None  # on the last output
+
+    def delta(self, item: RequestOutput | Exception) -> Delta:
+        if isinstance(item, Exception):  # the engine thread died
+            raise item
+        self.num_cached_tokens = item.num_cached_tokens or self.num_cached_tokens
+        self.counters = item.counters or self.counters
+        return Delta(item.new_token_ids, _logprobs(item), finish_reason_to_proto(item.finish_reason) or None)
 
 
 def _logprobs(out: RequestOutput) -> list[common_pb2.TokenLogprob]:

@@ -60,6 +60,34 @@ class SpeculativeMethod(enum.Enum):
 
 
 @dataclass(frozen=True)
+class DraftEconomics:
+    """What adaptive k assumes about a proposer's drafts (``common.engine.scheduler.adaptive_num_drafts``)."""
+
+    # One more draft in a step, relative to a plain decode step at small batch.
+    cost: float
+    # P(draft j + 1 accepted | drafts 1..j were). None: as likely as the first draft (independent drafts).
+    continuation: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.cost < 1.0:
+            raise ValueError(f"draft cost must be in (0, 1), got {self.cost}")
+        if self.continuation is not None and not 0.0 < self.continuation <= 1.0:
+            raise ValueError(f"draft continuation must be in (0, 1], got {self.continuation}")
+
+
+# Defaults, measured with SmolLM2 on a 2-core CPU (benchmarks/bench_speculative.py); override them with
+# SpeculativeConfig.economics for another model or machine. An n-gram draft only adds a query row to the
+# verification forward, which at small batch is bound by reading the weights: ~3% of a step per row. Its
+# drafts come in runs: a proposal whose first token is right is usually a span being copied, and each next
+# draft is then accepted 75-95% of the time. An early-layer draft runs L target layers and the LM head
+# once more per draft (a third of a step or more), and its drafts are roughly independent.
+DEFAULT_DRAFT_ECONOMICS: dict[SpeculativeMethod, DraftEconomics] = {
+    SpeculativeMethod.NGRAM: DraftEconomics(cost=0.03, continuation=0.9),
+    SpeculativeMethod.DRAFT_LAYERS: DraftEconomics(cost=0.3, continuation=None),
+}
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     method: SpeculativeMethod = SpeculativeMethod.NONE
     num_speculative_tokens: int = 4  # the most drafts per request per step (k)
@@ -69,6 +97,12 @@ class SpeculativeConfig:
     # Above this many decoding requests a step is compute-bound and speculation stops paying: switch it off.
     max_batch_size: int = 8
     adaptive: bool = True  # per-request k follows the observed acceptance rate
+    # What adaptive k assumes a draft costs and how drafts continue; None: DEFAULT_DRAFT_ECONOMICS[method].
+    economics: DraftEconomics | None = None
+    # An n-gram match of n tokens proposes at most this many drafts per matched token: on SmolLM2's chat
+    # outputs the first draft after a 1-token match is accepted ~25% of the time and the third ~10%, after a
+    # 4+-token match ~90% and ~50-85%, and a draft costs ~3% of a step to verify.
+    ngram_drafts_per_matched_token: int = 3
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_speculative_tokens <= 16:
@@ -79,7 +113,14 @@ class SpeculativeConfig:
             raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.ngram_drafts_per_matched_token < 1:
+            raise ValueError(f"ngram_drafts_per_matched_token must be >= 1, got {self.ngram_drafts_per_matched_token}")
 
     @property
     def enabled(self) -> bool:
         return self.method is not SpeculativeMethod.NONE
+
+    @property
+    def draft_economics(self) -> DraftEconomics:
+        assert self.enabled, "no drafts without a speculative method"
+        return self.economics or DEFAULT_DRAFT_ECONOMICS[self.method]

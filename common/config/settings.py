@@ -21,6 +21,9 @@ T = TypeVar("T")
 ENV_PREFIX = "TANDEM_"
 
 
+QUANTIZATION_METHODS = ("none", "auto", "int8", "int4", "fp8")
+
+
 def default_home() -> Path:
     return Path.home() / ".cache" / "tandem"
 
@@ -35,10 +38,22 @@ class ModelSettings:
     attention_backend: str = "torch"  # torch | triton | flash_attn
     home: Path = field(default_factory=default_home)  # Tandem's cache (converted models, ...)
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # Packed weights (common/quant/config.py): none | auto (a GGUF source keeps its own) | int8 | int4 | fp8
+    quantization: str = "none"
+    quantization_group_size: int = 32  # int4: weights per scale/zero group, 32 | 64 | 128
+    quantization_kernel: str = "auto"  # auto | tandem_cpu | torch | triton | scaled_mm | reference
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        # The names only (no torch import here: the gateway reads these settings); the hardware checks run
+        # when the model loads.
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"--quantization (TANDEM_QUANTIZATION) must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                             f"got {self.quantization!r}")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"--quantization-group-size (TANDEM_QUANTIZATION_GROUP_SIZE) must be 32, 64 or 128; "
+                             f"got {self.quantization_group_size}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

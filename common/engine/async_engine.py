@@ -1,8 +1,9 @@
 """Runs an engine in its own thread and talks to asyncio servicers through queues.
 
-The engine thread owns the engine outright: every mutation (add, abort, reserve, release...) is a
-command queued to it and applied between steps, so the scheduler and block pool need no locks. Outputs
-go back to per-request ``asyncio.Queue``s on the servicer's event loop.
+The engine thread owns the engine outright: every mutation (add, abort, reserve, release...) is a typed
+command (``common.engine.commands``) queued to it and applied between steps by ``EngineCore.handle``, so
+the scheduler and block pool need no locks. Outputs go back to per-request ``asyncio.Queue``s on the
+servicer's event loop.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from common.engine.request import FinishReason, RequestOutput
+from common.engine.commands import AbortRequest, EngineCommand
+from common.engine.request import RequestOutput
 
 if TYPE_CHECKING:
     from common.engine.engine_core import EngineCore
 
 T = TypeVar("T")
+_Reply = Callable[[object, "BaseException | None"], None]  # delivers a command's result or error
 log = logging.getLogger(__name__)
 
 # How long the idle engine thread sleeps waiting for a command before re-checking for shutdown.
@@ -35,31 +38,29 @@ class AsyncEngine:
 
     def __init__(self, engine: EngineCore, name: str = "engine") -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # A command and, when someone awaits its reply, how to deliver it; None wakes the thread to stop.
+        self._commands: queue.SimpleQueue[tuple[EngineCommand[Any], _Reply | None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self.step_hooks: list[Callable[[list[RequestOutput]], None]] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # ---- async API -------------------------------------------------------------------------------
 
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the engine thread between steps and return its result."""
+    async def call(self, command: EngineCommand[T]) -> T:
+        """Apply ``command`` on the engine thread between steps and return its reply (or raise its error)."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
-        def run() -> None:
-            try:
-                result = fn()
-            except Exception as exc:  # delivered to the awaiting coroutine
+        def reply(result: object, exc: BaseException | None) -> None:
+            if exc is not None:
                 loop.call_soon_threadsafe(_set_exception, future, exc)
             else:
-                loop.call_soon_threadsafe(_set_result, future, result)
+                loop.call_soon_threadsafe(_set_result, future, cast(T, result))
 
-        self._commands.put(run)
+        self._commands.put((command, reply))
         return await future
 
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | Exception]:
@@ -87,15 +88,15 @@ class AsyncEngine:
         finally:
             self.close_stream(request_id)
             if not finished:
-                self.submit(lambda: self.engine.abort(request_id))
+                self.submit(AbortRequest(request_id))
 
-    def submit(self, fn: Callable[[], Any]) -> None:
-        """Fire-and-forget a command on the engine thread (safe from any thread)."""
-        self._commands.put(fn)
+    def submit(self, command: EngineCommand[Any]) -> None:
+        """Fire-and-forget a command on the engine thread (safe from any thread); errors are logged."""
+        self._commands.put((command, None))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self._commands.put(lambda: None)
+        self._commands.put(None)
         self._thread.join(timeout_s)
 
     @property
@@ -113,10 +114,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    outputs = self.engine.step()
-                    self._deliver(outputs)
-                    for hook in self.step_hooks:
-                        hook(outputs)
+                    self._deliver(self.engine.step())
         except BaseException as exc:  # the thread must report, not vanish
             log.exception("engine thread crashed")
             self._error = exc
@@ -125,15 +123,28 @@ class AsyncEngine:
 
     def _drain_commands(self, block: bool) -> None:
         try:
-            cmd = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+            item = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
-            cmd()
+            if item is not None:
+                self._apply(*item)
             try:
-                cmd = self._commands.get_nowait()
+                item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply(self, command: EngineCommand[Any], reply: _Reply | None) -> None:
+        try:
+            result = self.engine.handle(command)
+        except Exception as exc:  # a caller's mistake (or a failed command): delivered, the engine goes on
+            if reply is None:
+                log.warning("engine command %s failed: %r", type(command).__name__, exc)
+            else:
+                reply(None, exc)
+            return
+        if reply is not None:
+            reply(result, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -144,10 +155,6 @@ class AsyncEngine:
         if entry is not None:
             loop, q = entry
             loop.call_soon_threadsafe(q.put_nowait, item)
-
-
-def aborted_output(request_id: str) -> RequestOutput:
-    return RequestOutput(request_id, [], True, FinishReason.ABORT)
 
 
 def _set_result(future: asyncio.Future[T], value: T) -> None:

@@ -1,19 +1,32 @@
-"""The engine loop shared by every role, and the colocated engine built on it.
+"""The engine loop every node runs, and the one place where engine commands are dispatched.
 
-``EngineCore.step`` is schedule -> run the model and sample -> post-process. The colocated engine (prefill
-and decode in one process, the offline API's engine and the benchmarks' baseline) is the core as is; the
-prefill and decode services subclass it with their KV-transfer hooks.
+``EngineCore.step`` is schedule -> run the model and sample -> post-process. The engine is the same for
+every role; a node's role is its ``KVConnector`` (``common.engine.kv_connector``): the colocated engine
+(prefill and decode in one process, the offline API's engine and the benchmarks' baseline) has the base
+connector, prefill nodes a KV producer, decode nodes a KV consumer.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from common.engine.commands import (
+    AbortRequest,
+    AddRequest,
+    EngineCommand,
+    KVArrived,
+    PrepareKernels,
+    ReleaseKV,
+    Reservation,
+    ReserveKV,
+)
+from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner, kv_cache_spec
 from common.engine.request import Request, RequestOutput
-from common.engine.scheduler import Scheduler, SchedulerOutput
+from common.engine.scheduler import Scheduler
 from common.errors import InvalidRequestError
 from common.kv.kv_cache_manager import KVCacheManager
 
@@ -21,26 +34,59 @@ if TYPE_CHECKING:
     from common.model.llama import LlamaForCausalLM
     from common.sampling.params import SamplingParams
 
+R = TypeVar("R")
+
 
 class EngineCore:
     """Continuous batching with chunked prefill mixed into decode steps, over one paged KV cache."""
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig | None = None,
-                 scheduler: SchedulerConfig | None = None, prefill_only: bool = False,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 scheduler: SchedulerConfig | None = None, speculative: SpeculativeConfig | None = None,
+                 connector: KVConnector | None = None) -> None:
         cache = cache or CacheConfig()
         scheduler = scheduler or SchedulerConfig()
         spec = kv_cache_spec(model, cache.block_size)
         element_size = next(model.parameters()).element_size()
         num_blocks = cache.resolve_num_blocks(spec.bytes_per_block(element_size))
         self.model_config = model.config
+        self.block_size = cache.block_size
         # A sequence must fit in the cache on its own, or it could only ever preempt itself.
         self.max_model_len = min(scheduler.max_model_len or model.config.max_position_embeddings,
                                  num_blocks * cache.block_size)
+        self.connector = connector or KVConnector()
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, prefill_only=prefill_only,
-                                   speculative=speculative)
+        self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, self.connector, speculative)
         self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative)
+
+    # ---- commands --------------------------------------------------------------------------------
+
+    def handle(self, command: EngineCommand[R]) -> R:
+        """Apply one command between steps (on the engine thread) and return its typed reply."""
+        return cast(R, self._dispatch(command))
+
+    def _dispatch(self, command: EngineCommand[Any]) -> object:
+        match command:
+            case AddRequest():
+                self.add_request(command.request_id, list(command.prompt_token_ids), command.params,
+                                 command.eos_token_ids)
+                if command.destination is not None:
+                    self.connector.attach(command.request_id, command.destination, command.chunk_timings)
+                return None
+            case AbortRequest():
+                return self.abort(command.request_id)
+            case ReserveKV():
+                return self.reserve(command)
+            case KVArrived():
+                return self.scheduler.kv_arrived(command.request_id, command.first_token)
+            case ReleaseKV():
+                self.connector.forget(command.request_id)
+                self.scheduler.free_held(command.request_id)
+                return None
+            case PrepareKernels():
+                from common.attention.cpu_kernels import paged_decode_kernel
+
+                return paged_decode_kernel() is not None
+        raise TypeError(f"unknown engine command {command!r}")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Caller mistakes become InvalidRequestError naming the field and the limit."""
@@ -62,23 +108,35 @@ class EngineCore:
         self.validate(prompt_token_ids, params)
         self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids)))
 
+    def reserve(self, command: ReserveKV) -> Reservation:
+        """Blocks for a prompt whose KV another node computes, reusing this node's prefix cache, or none."""
+        prompt = list(command.prompt_token_ids)
+        self.validate(prompt, command.params)
+        request = Request(command.request_id, prompt, command.params, tuple(command.eos_token_ids))
+        allocation = self.scheduler.admit_now(request)
+        needed, free = self.kv.blocks_needed(len(prompt)), self.kv.num_free_blocks
+        if allocation is None:
+            return Reservation((), 0, needed, free)
+        return Reservation(tuple(allocation.block_ids), allocation.num_cached_tokens, needed, free)
+
     def abort(self, request_id: str) -> bool:
         self.runner.forget(request_id)
+        self.connector.forget(request_id)
         return self.scheduler.abort(request_id) is not None
+
+    # ---- the loop --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run the model and sample -> append tokens and stop."""
+        start_ns = time.time_ns()
         scheduled = self.scheduler.schedule()
         sampled = self.runner.execute(scheduled) if not scheduled.is_empty else None
-        self.on_kv_written(scheduled)
+        self.connector.save_kv(scheduled, start_ns)
         outputs = self.scheduler.update(scheduled, sampled)
         for out in outputs:
             if out.finished:
                 self.runner.forget(out.request_id)
         return outputs
-
-    def on_kv_written(self, scheduled: SchedulerOutput) -> None:
-        """Called after each forward, once the scheduled chunks' KV is in the cache (a hook for KV transfer)."""
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -88,7 +146,7 @@ class EngineCore:
         return EngineStats(
             num_blocks=kv.pool.num_blocks, free_blocks=kv.num_free_blocks, used_blocks=kv.num_used_blocks,
             block_size=kv.block_size, num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.reserved),
+            num_waiting=self.scheduler.num_waiting,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
@@ -108,4 +166,4 @@ class EngineStats:
 
 
 class ColocatedEngine(EngineCore):
-    """Prefill and decode in one process (Sarathi-Serve style mixed batches)."""
+    """Prefill and decode in one process (Sarathi-Serve style mixed batches): the base connector."""

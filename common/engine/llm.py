@@ -53,14 +53,17 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, *, dtype: str | None = None,
                  device: str | None = None, attention_backend: str | None = None,
+                 quantization: str | None = None, quantization_group_size: int | None = None,
                  cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None) -> None:
         self.settings = load_settings(ModelSettings, {
             "model": None if model is None else str(model), "dtype": dtype, "device": device,
-            "attention_backend": attention_backend})
+            "attention_backend": attention_backend, "quantization": quantization,
+            "quantization_group_size": quantization_group_size})
         model_dir = resolve_model(self.settings.model, self.settings.home, progress=True)
         self.tokenizer = Tokenizer(model_dir)
-        self.model = load_model(model_dir, self.settings.dtype, self.settings.device,
-                                self.settings.attention_backend)
+        s = self.settings
+        self.model = load_model(model_dir, s.dtype, s.device, s.attention_backend, s.quantization,
+                                s.quantization_group_size, s.quantization_kernel)
         self.engine = ColocatedEngine(self.model, cache, scheduler)
         self._ids = itertools.count()
 

@@ -12,14 +12,13 @@ target's logits at every draft position are verified exactly (``common.spec_deco
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from common.attention.metadata import AttentionMetadata
 from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
-from common.engine.scheduler import StepResult
+from common.engine.scheduler_output import StepResult
 from common.kv.kv_cache import KVCache, KVCacheSpec
 from common.sampling.sampler import RequestSamplingState, Sampler, target_probs
 from common.spec_decode.ngram import NgramProposer
@@ -27,14 +26,9 @@ from common.spec_decode.rejection import verify
 
 if TYPE_CHECKING:
     from common.engine.request import Request
-    from common.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from common.engine.scheduler_output import ScheduledChunk, SchedulerOutput
     from common.model.llama import LlamaForCausalLM
 
-
-# An n-gram match of n tokens proposes at most 3n drafts: on chat outputs the first draft after a 1-token
-# match is accepted ~25% of the time and the third ~10%, after a 4+-token match ~90% and ~50-85%, and a
-# draft costs ~3% of a step to verify (benchmarks/bench_speculative.py).
-NGRAM_DRAFTS_PER_MATCHED_TOKEN = 3
 
 
 def kv_cache_spec(model: LlamaForCausalLM, block_size: int) -> KVCacheSpec:
@@ -56,7 +50,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.speculative = speculative or SpeculativeConfig()
         self.ngram = NgramProposer(self.speculative.ngram_min_n, self.speculative.ngram_max_n,
-                                   drafts_per_matched_token=NGRAM_DRAFTS_PER_MATCHED_TOKEN, continue_past_end=True)
+                                   drafts_per_matched_token=self.speculative.ngram_drafts_per_matched_token,
+                                   continue_past_end=True)
         self._sampling: dict[str, RequestSamplingState] = {}
         self.draft_seconds = 0.0  # time spent proposing (speculative decoding)
         self.forward_seconds = 0.0  # time in the target's forward + sampling / verification
@@ -79,8 +74,7 @@ class ModelRunner:
         return state
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput,
-                layer_hook: Callable[[int], None] | None = None) -> StepResult | None:
+    def execute(self, output: SchedulerOutput) -> StepResult | None:
         """Run the step's forward; return tokens for the chunks that reach their request's end."""
         if output.block_copies:
             self.kv_cache.copy_blocks(output.block_copies)
@@ -88,7 +82,7 @@ class ModelRunner:
         drafts, draft_probs = self._propose(output.chunks)
         self.draft_seconds += time.perf_counter() - start
         start = time.perf_counter()
-        hidden, meta = self.forward(output, layer_hook, drafts)
+        hidden, meta = self.forward(output, drafts)
         ends = meta.query_start_loc.tolist()[1:]
         sampling = [i for i, c in enumerate(output.chunks) if c.samples]
         if not sampling:
@@ -180,7 +174,7 @@ class ModelRunner:
         for i in slots:
             probs[i] = torch.stack(step_probs[i]) if step_probs[i] else None
 
-    def forward(self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None = None,
+    def forward(self, output: SchedulerOutput,
                 drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
         """The forward alone: hidden states ``[num_tokens, hidden]`` and the batch metadata."""
         input_ids: list[int] = []
@@ -204,6 +198,5 @@ class ModelRunner:
             torch.tensor(positions, device=self.device),
             meta,
             self.kv_cache,
-            layer_hook,
         )
         return hidden, meta

@@ -34,9 +34,10 @@ def load_node_model(settings: ModelSettings) -> LoadedModel:
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     model_dir = resolve_model(settings.model, settings.home, progress=False)
-    model = load_model(model_dir, settings.dtype, settings.device, settings.attention_backend)
-    dtype = next(model.parameters()).dtype
-    log.info("loaded %s (%s, %s, %d threads)", model_dir.name, dtype, settings.device, torch.get_num_threads())
+    model = load_model(model_dir, settings.dtype, settings.device, settings.attention_backend,
+                       settings.quantization, settings.quantization_group_size, settings.quantization_kernel)
+    log.info("loaded %s (%s, %s, quantization %s, %.0f MB of weights, %d threads)", model_dir.name, model.dtype,
+             settings.device, settings.quantization, model.weight_bytes / 1e6, torch.get_num_threads())
     return LoadedModel(model, model_dir, model_dir.name)
 
 
@@ -47,10 +48,10 @@ async def prepare_decode_attention(settings: ModelSettings, engine: AsyncEngine)
 
     if settings.attention_backend != "torch" or torch.device(settings.device).type != "cpu":
         return
-    from common.attention.cpu_kernels import paged_decode_kernel
+    from common.engine.commands import PrepareKernels
 
-    kernel = await engine.call(paged_decode_kernel)
-    log.info("CPU decode attention: %s", "compiled kernel" if kernel is not None else "PyTorch path")
+    compiled = await engine.call(PrepareKernels())
+    log.info("CPU decode attention: %s", "compiled kernel" if compiled else "PyTorch path")
 
 
 def engine_configs(node: NodeSettings) -> tuple[CacheConfig, SchedulerConfig]:

@@ -73,6 +73,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def counters(self) -> RequestCounters:
+        return RequestCounters(self.first_scheduled_time, self.num_preemptions, self.num_draft_tokens,
+                               self.num_accepted_tokens)
+
     def check_stop(self, max_model_len: int) -> FinishReason | None:
         """Why the request must stop after its latest token, if it must."""
         last = self.output_token_ids[-1]
@@ -88,6 +92,16 @@ class Request:
 
 
 @dataclass(frozen=True)
+class RequestCounters:
+    """A request's engine-side counters, as its servicer reports them in spans and metrics."""
+
+    first_scheduled_time: float | None  # time.monotonic() when it was first admitted for compute
+    num_preemptions: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one engine step produced for one request: new tokens, and the end if it ended."""
 
@@ -99,3 +113,4 @@ class RequestOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    counters: RequestCounters | None = None  # on the request's last output

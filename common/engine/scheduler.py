@@ -15,10 +15,12 @@ goes back to the front of the queue. We chose recompute over swap: swap needs a 
 and copies both ways, while recompute with prefix caching often costs nothing but a lookup. Preemptions
 are counted per request and in ``num_preemptions``.
 
-The same scheduler serves three roles: colocated (prefill and decode in one process), prefill-only
-(``prefill_only``: a request ends with its first token and keeps its blocks until ``release``, while KV
-transfer reads them), and decode (``reserve`` blocks for a remote prefill, then ``start_decoding`` once the
-KV has landed). A preempted decode-node request is simply recomputed locally.
+The scheduler knows no roles: a node's ``KVConnector`` (``common.engine.kv_connector``) says which
+prompt tokens get their KV from elsewhere (those requests wait in ``waiting_for_kv`` with their blocks
+allocated until ``kv_arrived``), whether a finished request's blocks are held for the connector (in
+``held``, until ``free_held``), and whether requests end at their first token. Colocated, prefill and
+decode nodes differ only in their connector. A preempted request whose KV came from elsewhere is simply
+recomputed locally.
 """
 
 from __future__ import annotations
@@ -26,92 +28,17 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.config.engine_config import SpeculativeMethod
+from common.engine.kv_connector import KVConnector
 from common.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from common.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StepResult
 
 if TYPE_CHECKING:
-    from common.config.engine_config import SchedulerConfig, SpeculativeConfig
+    from common.config.engine_config import DraftEconomics, SchedulerConfig, SpeculativeConfig
     from common.kv.kv_cache_manager import Allocation, BlockCopy, KVCacheManager
-    from common.sampling.sampler import SampleResult
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Compute tokens ``start .. start+num_tokens-1`` of ``request`` this step.
-
-    A decoding request may also get ``num_draft_slots`` KV slots after its token for speculative
-    decoding: the model runner fills them with up to that many proposed tokens and verifies them.
-    """
-
-    request: Request
-    start: int
-    num_tokens: int
-    block_ids: list[int]  # the request's whole block table
-    num_draft_slots: int = 0
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the request's last token, so the step samples the next one."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What the model runner produced for the chunks that sample, in chunk order."""
-
-    token_ids: list[list[int]]  # one token, or with speculation: the accepted drafts + 1
-    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
-    num_drafts: list[int]  # drafts verified per chunk (0 without speculation)
-    num_accepted: list[int]
-
-    @staticmethod
-    def from_samples(sampled: SampleResult) -> StepResult:
-        n = len(sampled.token_ids)
-        logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] = [
-            None if lp is None else [(lp, top or [])]
-            for lp, top in zip(sampled.logprobs, sampled.top_logprobs, strict=True)
-        ]
-        return StepResult([[t] for t in sampled.token_ids], logprobs, [0] * n, [0] * n)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]
-    preempted: list[str] = field(default_factory=list)
-    block_copies: list[BlockCopy] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens + c.num_draft_slots for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
-@dataclass(frozen=True)
-class DraftEconomics:
-    """What adaptive k assumes about a proposer's drafts."""
-
-    # One more draft in a step, relative to a plain decode step at small batch.
-    cost: float
-    # P(draft j + 1 accepted | drafts 1..j were). None: as likely as the first draft (independent drafts).
-    continuation: float | None
-
-
-# An n-gram draft only adds a query row to the verification forward, which at small batch is bound by
-# reading the weights: ~3% of a step per row (SmolLM2 on CPU, 1..17 rows). Its drafts come in runs: a
-# proposal whose first token is right is usually a span being copied, and each next draft is then accepted
-# 75-95% of the time (SmolLM2's chat outputs in benchmarks/bench_speculative.py). An early-layer draft
-# runs L target layers and the LM head once more per draft (a third of a step or more), and its drafts
-# are roughly independent.
-DRAFT_ECONOMICS: dict[SpeculativeMethod, DraftEconomics] = {
-    SpeculativeMethod.NGRAM: DraftEconomics(cost=0.03, continuation=0.9),
-    SpeculativeMethod.DRAFT_LAYERS: DraftEconomics(cost=0.3, continuation=None),
-}
 # While speculation is paused for a request, its acceptance estimate drifts back toward the prior at this
 # rate per step, so the request is probed again after a while (a text can turn repetitive later).
 _PAUSED_RECOVERY = 0.1
@@ -138,8 +65,9 @@ def adaptive_num_drafts(request: Request, max_drafts: int, economics: DraftEcono
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 prefill_only: bool = False, speculative: SpeculativeConfig | None = None) -> None:
+                 connector: KVConnector | None = None, speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.connector = connector or KVConnector()
         self.speculative = speculative if speculative is not None and speculative.enabled else None
         self._pending_copies: list[BlockCopy] = []
         self.num_spec_steps = 0  # request-steps that verified at least one draft
@@ -147,37 +75,43 @@ class Scheduler:
         self.num_accepted_tokens = 0
         self.kv = kv
         self.max_model_len = max_model_len
-        self.prefill_only = prefill_only
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.reserved: dict[str, Request] = {}  # decode role: KV being filled by a remote prefill
-        self.retained: dict[str, Request] = {}  # prefill role: finished, blocks held for KV transfer
+        self.waiting_for_kv: dict[str, Request] = {}  # blocks allocated, KV coming from another node
+        self.held: dict[str, Request] = {}  # finished, blocks held for the connector until free_held
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
 
     # ---- admission -------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request whose KV must be computed here (colocated and prefill roles)."""
-        assert request.num_tokens < self.max_model_len or self.prefill_only
+        """Queue a request; it is admitted in FCFS order as the budget and free blocks allow."""
+        assert request.num_tokens < self.max_model_len or self.connector.ends_at_first_token
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def reserve(self, request: Request) -> Allocation | None:
-        """Decode role: reserve blocks for a prompt that a remote prefill will fill. None: no room."""
-        if self.kv.blocks_needed(request.num_prompt_tokens) > self.kv.num_free_blocks - self._watermark_blocks:
+    def admit_now(self, request: Request) -> Allocation | None:
+        """Allocate ``request``'s blocks at once, ahead of the queue, or not at all (None: no room now).
+
+        For requests whose KV comes from another node: they wait for that KV, not for compute here, so
+        they never queue behind this node's compute. The watermark always holds: blocks stay free for
+        the requests already running.
+        """
+        needed = self.kv.blocks_needed(request.num_prompt_tokens)
+        if needed > self.kv.num_free_blocks - self._watermark_blocks:
             return None
         allocation = self.kv.allocate(request.request_id, request.prompt_token_ids)
         if allocation is None:
             return None
-        request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_tokens = allocation.num_cached_tokens
-        self.reserved[request.request_id] = request
+        request.num_computed_tokens = allocation.num_cached_tokens
+        if self._start(request) is RequestStatus.RUNNING:
+            self.running.append(request)
         return allocation
 
-    def start_decoding(self, request_id: str, first_token: int) -> RequestOutput:
-        """Decode role: the prompt's KV has landed and the prefill sampled ``first_token``."""
-        request = self.reserved.pop(request_id)
+    def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput:
+        """The KV of a request in ``waiting_for_kv`` has landed, and the remote prefill sampled ``first_token``."""
+        request = self.waiting_for_kv.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.commit(request_id, request.prompt_token_ids)
         request.output_token_ids.append(first_token)
@@ -187,9 +121,7 @@ class Scheduler:
         else:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-        return RequestOutput(request_id, [first_token], reason is not None, reason,
-                             num_prompt_tokens=request.num_prompt_tokens,
-                             num_cached_tokens=request.num_cached_tokens)
+        return _output(request, [first_token], reason)
 
     # ---- the step --------------------------------------------------------------------------------
 
@@ -218,6 +150,8 @@ class Scheduler:
             if not self._admit(request):
                 break  # FCFS: never let a later request overtake the head of the queue
             self.waiting.popleft()
+            if self._start(request) is RequestStatus.WAITING_FOR_KV:
+                continue
             n = self._chunk_size(request, budget)
             self.running.append(request)
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, n,
@@ -255,13 +189,10 @@ class Scheduler:
                 reason = request.check_stop(self.max_model_len)
                 if reason is not None:
                     break  # tokens after a stop are dropped, as if never generated
-            if reason is not None or self.prefill_only:
+            if reason is not None or self.connector.ends_at_first_token:
                 self._finish(request, reason)
-            outputs.append(RequestOutput(
-                request.request_id, new_tokens, request.is_finished, reason,
-                logprobs=None if logprobs is None else logprobs[: len(new_tokens)],
-                num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
-            ))
+            outputs.append(_output(request, new_tokens, reason,
+                                   None if logprobs is None else logprobs[: len(new_tokens)]))
         return outputs
 
     def _advance(self, request: Request, num_tokens: int, block_size: int) -> None:
@@ -275,7 +206,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a request wherever it is and free its blocks. Unknown or finished ids: None."""
-        request = self.reserved.pop(request_id, None) or self.retained.pop(request_id, None)
+        request = self.waiting_for_kv.pop(request_id, None) or self.held.pop(request_id, None)
         if request is None:
             request = next((r for r in self.running if r.request_id == request_id), None)
             if request is not None:
@@ -292,15 +223,15 @@ class Scheduler:
         request.finish_reason = FinishReason.ABORT
         return request
 
-    def release(self, request_id: str) -> None:
-        """Prefill role: KV transfer is done (or abandoned); free the retained blocks."""
-        request = self.retained.pop(request_id, None)
-        if request is not None:
+    def free_held(self, request_id: str) -> None:
+        """The connector is done with a finished request's blocks (e.g. KV transfer read them): free them."""
+        if self.held.pop(request_id, None) is not None:
             self.kv.free(request_id)
 
     @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.reserved)
+    def num_waiting(self) -> int:
+        """Requests not running yet: queued for compute, or waiting for their KV to arrive."""
+        return len(self.waiting) + len(self.waiting_for_kv)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -323,7 +254,7 @@ class Scheduler:
             return 0
         k = p.num_speculative_tokens if p.num_speculative_tokens is not None else spec.num_speculative_tokens
         if spec.adaptive:
-            k = adaptive_num_drafts(request, k, DRAFT_ECONOMICS[spec.method])
+            k = adaptive_num_drafts(request, k, spec.draft_economics)
         # No drafts past the end: the last token is the target's own.
         remaining = min(p.max_tokens - len(request.output_token_ids), self.max_model_len - request.num_tokens) - 1
         return max(0, min(k, remaining, budget))
@@ -382,15 +313,30 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
             request.num_cached_tokens = allocation.num_cached_tokens
         request.num_computed_tokens = allocation.num_cached_tokens
-        request.status = RequestStatus.RUNNING
         return True
+
+    def _start(self, request: Request) -> RequestStatus:
+        """An admitted request runs, or waits for the KV its connector says comes from elsewhere."""
+        if self.connector.get_num_new_matched_tokens(request, request.num_computed_tokens) > 0:
+            request.status = RequestStatus.WAITING_FOR_KV
+            self.waiting_for_kv[request.request_id] = request
+        else:
+            request.status = RequestStatus.RUNNING
+        return request.status
 
     def _finish(self, request: Request, reason: FinishReason | None) -> None:
         if request in self.running:
             self.running.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if self.prefill_only:
-            self.retained[request.request_id] = request
+        if self.connector.request_finished(request):
+            self.held[request.request_id] = request
         else:
             self.kv.free(request.request_id)
+
+
+def _output(request: Request, new_tokens: list[int], reason: FinishReason | None,
+            logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None) -> RequestOutput:
+    return RequestOutput(request.request_id, new_tokens, request.is_finished, reason, logprobs=logprobs,
+                         num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+                         counters=request.counters() if request.is_finished else None)

@@ -94,22 +94,6 @@ class KVCache:
         return self.data.numel() * self.data.element_size()
 
 
-def contiguous_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """Split a block list into runs of consecutive ids: (offset in list, first block id, length).
-
-    KV transfer sends one message per run, so a freshly allocated, mostly sequential table moves in
-    a few large sends instead of one per block.
-    """
-    runs: list[tuple[int, int, int]] = []
-    for i, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            offset, first, length = runs[-1]
-            runs[-1] = (offset, first, length + 1)
-        else:
-            runs.append((i, block, 1))
-    return runs
-
-
 def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,

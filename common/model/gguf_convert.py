@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
+from common.model.gguf_layout import GGUFMetadata, hf_tensor_name, rotary_row_order
 from common.model.gguf_tokenizer import build_tokenizer, special_tokens_map, tokenizer_config
 
 # Bump whenever the output of the conversion changes, so cached directories are rebuilt.
@@ -48,44 +49,8 @@ SUPPORTED_TENSOR_TYPES = frozenset(
     }
 )
 
-# llama.cpp per-layer tensor suffix -> Hugging Face Llama module path inside `model.layers.{i}`.
-_LAYER_TENSOR_NAMES = {
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_GLOBAL_TENSOR_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
 # Hidden directories beside out_dir: `.{name}.tmp-*` is being built, `.{name}.old-*` is being deleted.
 _SIBLING_ROLES = ("tmp", "old")
-
-class GGUFMetadata:
-    """Typed access to a GGUF file's key/value metadata, with errors that name the missing key."""
-
-    def __init__(self, reader: GGUFReader, path: Path) -> None:
-        self._reader = reader
-        self._path = path
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self._reader.get_field(key)
-        return default if field is None else field.contents()
-
-    def require(self, key: str) -> Any:
-        field = self._reader.get_field(key)
-        if field is None:
-            raise ValueError(f"{self._path}: GGUF metadata key {key!r} is missing")
-        return field.contents()
-
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
     """Convert a Llama-family GGUF file into a Hugging Face model directory at `out_dir`.
@@ -189,16 +154,6 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
     return {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
-def _hf_tensor_name(name: str, num_layers: int) -> str:
-    if name in _GLOBAL_TENSOR_NAMES:
-        return _GLOBAL_TENSOR_NAMES[name]
-    prefix, _, rest = name.partition(".")
-    layer, _, suffix = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and int(layer) < num_layers and suffix in _LAYER_TENSOR_NAMES:
-        return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[suffix]}"
-    raise ValueError(f"unsupported GGUF tensor {name!r} for a Llama model")
-
-
 def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape, as `LlamaForCausalLM` declares it ([out_features, in_features])."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
@@ -240,20 +195,15 @@ def _dequantize(tensor: ReaderTensor) -> np.ndarray:
 
 
 def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
-    # llama.cpp's converter reorders each head's q/k rows from HF's "rotate half" layout
-    # (x0..x_{d/2-1}, y0..y_{d/2-1}) to interleaved pairs (x0, y0, x1, y1, ...) for its RoPE kernel.
-    # w: [num_heads * head_dim, hidden] -> view [num_heads, head_dim/2, 2, hidden], swap back.
-    rows = w.shape[0]
-    return np.ascontiguousarray(
-        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
-    )
+    # w: [num_heads * head_dim, hidden], rows in llama.cpp's interleaved RoPE order -> Hugging Face's.
+    return np.ascontiguousarray(w[rotary_row_order(w.shape[0], num_heads)])
 
 
 def _convert_tensors(reader: GGUFReader, config: dict[str, Any], progress: bool) -> dict[str, np.ndarray]:
     expected = _expected_shapes(config)
     tensors: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc="Converting GGUF", unit="tensor", disable=not progress):
-        name = _hf_tensor_name(tensor.name, config["num_hidden_layers"])
+        name = hf_tensor_name(tensor.name, config["num_hidden_layers"])
         weights = _dequantize(tensor)
         if weights.shape != expected[name]:
             raise ValueError(

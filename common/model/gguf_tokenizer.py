@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 if TYPE_CHECKING:
-    from common.model.gguf_convert import GGUFMetadata
+    from common.model.gguf_layout import GGUFMetadata
 
 # GGUF token types (llama.cpp `llama_token_type`).
 _TOKEN_TYPE_CONTROL = 3

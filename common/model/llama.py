@@ -16,8 +16,6 @@ from torch import nn
 from common.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from common.attention.backend import AttentionBackend
     from common.attention.metadata import AttentionMetadata
     from common.config.model_config import ModelConfig
@@ -81,9 +79,21 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head: nn.Linear | None = (
+        # None: tied to the embedding. Any module mapping [n, hidden] -> [n, vocab] (a quantized linear
+        # layer replaces it, or takes the place of the tied embedding, when weights are packed).
+        self.lm_head: nn.Module | None = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype, which is also the KV cache's (packed weights have their own dtypes)."""
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the model holds, packed ones included (they are buffers)."""
+        return sum(t.nbytes for t in self.parameters()) + sum(t.nbytes for t in self.buffers())
 
     def forward(
         self,
@@ -91,24 +101,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache | None = None,
-        layer_hook: Callable[[int], None] | None = None,
         num_layers: int | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden].
 
-        ``layer_hook(i)`` runs right after layer ``i`` has written its K/V into ``kv_cache``: KV transfer
-        uses it to start sending a layer while the next ones compute. ``num_layers`` runs only the first
-        layers (then the final norm): the target's early layers as its own draft model.
+        ``num_layers`` runs only the first layers (then the final norm): the target's early layers as its
+        own draft model.
         """
         x = self.embed_tokens(input_ids)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for i, layer in enumerate(layers):
+        for layer in layers:
             x = layer(positions, x, meta, kv_cache)
-            if layer_hook is not None:
-                layer_hook(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, hidden] -> logits: [n, vocab] in fp32 (sampling wants full precision)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

@@ -22,6 +22,8 @@ from common.model.llama import LlamaForCausalLM
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from common.quant.config import QuantConfig
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -68,20 +70,47 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: torch.device | str = "cpu",
     attention_backend: str = "torch",
+    quantization: str | QuantConfig = "none",
+    quantization_group_size: int = 32,
+    quantization_kernel: str = "auto",
 ) -> LlamaForCausalLM:
-    """Load a Llama-family model ready for inference (eval mode, no grad needed)."""
+    """Load a Llama-family model ready for inference (eval mode, no grad needed).
+
+    ``quantization`` (``common.quant.config``) swaps the linear layers for packed ones after loading;
+    what this device or model cannot run is refused before any weight is read.
+    """
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype
     backend = get_backend(attention_backend)
+    quant = None
+    if quantization != "none":
+        from common.quant.config import QuantConfig
+        from common.quant.quantizer import check_quantization
+
+        quant = QuantConfig.parse(quantization, quantization_group_size)
+        check_quantization(quant, config, device)
     # Build on the meta device (no random init of ~all parameters), then allocate for real.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend)
     model = model.to_empty(device=device).to(torch_dtype)
     load_weights(model, iter_weights(model_dir))
+    if quant is not None and quant.enabled:
+        _quantize(model, model_dir, quant, quantization_kernel)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _quantize(model: LlamaForCausalLM, model_dir: Path, quant: QuantConfig, kernel: str) -> None:
+    from common.model.model_store import gguf_source
+    from common.quant.gguf_blocks import GGUFBlocks
+    from common.quant.quantizer import quantize_model
+
+    source = gguf_source(model_dir)
+    c = model.config
+    blocks = None if source is None else GGUFBlocks(source, c.num_layers, c.num_heads, c.num_kv_heads)
+    quantize_model(model, quant, blocks, kernel)
 
 
 def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -85,6 +85,22 @@ def resolve_model(name_or_path: str, cache_dir: Path, progress: bool = True) -> 
     raise ValueError(f"unknown model {name_or_path!r}; expected {accepted}")
 
 
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory was made from, while it is unchanged; else None.
+
+    The quantized loader reads the published blocks from it (the directory holds them dequantized).
+    """
+    marker = _read_marker(Path(model_dir))
+    if marker is None or not isinstance(marker.get("source"), str):
+        return None
+    source = Path(marker["source"])
+    try:
+        current = _marker_for(source)
+    except OSError:
+        return None
+    return source if current == marker else None
+
+
 def _marker_for(gguf_path: Path) -> dict[str, Any]:
     # Size + mtime rather than a hash: hashing 100 MB on every start would defeat the fast path, and a
     # reinstalled package gets a new mtime.

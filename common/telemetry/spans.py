@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import grpc
@@ -86,11 +85,6 @@ SPEC_ACCEPTANCE = "tandem.spec.acceptance_rate"
 SERVER = SpanKind.SERVER
 PRODUCER = SpanKind.PRODUCER
 CONSUMER = SpanKind.CONSUMER
-
-
-def epoch_ns(monotonic_s: float) -> int:
-    """A ``time.monotonic()`` reading as the wall-clock nanoseconds spans are stamped with."""
-    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
 def record_span(tracer: trace.Tracer, name: str, start_ns: int, end_ns: int,

@@ -76,13 +76,6 @@ def tracing_enabled() -> bool:
     return _provider is not None
 
 
-def flush_tracing(timeout_s: float = 5.0) -> bool:
-    """Export every finished span now; False if the exporter did not finish within ``timeout_s``."""
-    if _provider is None:
-        return True
-    return bool(_provider.force_flush(int(timeout_s * 1000)))
-
-
 def shutdown_tracing(timeout_s: float = 5.0) -> None:
     """Flush and stop the exporters (idempotent). Spans started afterwards are dropped."""
     global _provider

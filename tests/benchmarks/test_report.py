@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.manifest import SectionResult, SuiteRun
 from benchmarks.report import write_report
-from benchmarks.suite import SectionResult, SuiteRun
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -10,10 +10,11 @@ import torch
 
 from common.attention.metadata import AttentionMetadata
 from common.config.engine_config import CacheConfig, SchedulerConfig
-from common.engine.engine_core import ColocatedEngine
+from common.engine.engine_core import ColocatedEngine, EngineCore
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.sampling.params import SamplingParams
+from prefill_service.kv_producer import KVProducer
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +100,9 @@ def test_chunked_prefill_same_kv_and_first_token(tiny: LlamaForCausalLM, chunk: 
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3)
 
     def prefill(max_chunk: int | None) -> tuple[torch.Tensor, list[int], float]:
-        engine = ColocatedEngine(tiny, CacheConfig(num_blocks=8, block_size=16, enable_prefix_caching=False),
-                                 SchedulerConfig(max_num_batched_tokens=max_chunk or 256,
-                                                 max_prefill_chunk=max_chunk), prefill_only=True)
+        engine = EngineCore(tiny, CacheConfig(num_blocks=8, block_size=16, enable_prefix_caching=False),
+                            SchedulerConfig(max_num_batched_tokens=max_chunk or 256, max_prefill_chunk=max_chunk),
+                            connector=KVProducer(block_size=16))
         engine.add_request("p", prompt, params)
         outs = []
         while engine.has_unfinished():

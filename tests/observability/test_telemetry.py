@@ -311,28 +311,32 @@ class _Target:
 
 def test_prefill_engine_times_each_chunk(tiny_model_factory: Callable[..., Path]) -> None:
     from common.config.engine_config import CacheConfig, SchedulerConfig
+    from common.engine.commands import AddRequest, ChunkTiming, KVDestination, ReleaseKV
+    from common.engine.engine_core import EngineCore
     from common.model.loader import load_model
     from common.sampling.params import SamplingParams
-    from prefill_service.engine import ChunkTiming, PrefillEngine, TransferPlan
+    from prefill_service.kv_producer import KVProducer
 
     model = load_model(tiny_model_factory(), dtype="float32")
-    engine = PrefillEngine(model, CacheConfig(num_blocks=32), SchedulerConfig(max_prefill_chunk=16))
+    producer = KVProducer(block_size=16)
+    engine = EngineCore(model, CacheConfig(num_blocks=32), SchedulerConfig(max_prefill_chunk=16), connector=producer)
     timed: list[ChunkTiming] = []
     target = _Target()
-    engine.add_request("a", list(range(3, 43)), SamplingParams(max_tokens=1))
-    engine.attach("a", TransferPlan(target, list(range(100, 103)), 0), timed)
-    engine.add_request("b", list(range(3, 23)), SamplingParams(max_tokens=1))
-    engine.attach("b", TransferPlan(_Target(), list(range(200, 202)), 0))  # not traced: nothing recorded
+    params = SamplingParams(max_tokens=1)
+    engine.handle(AddRequest("a", tuple(range(3, 43)), params, (), KVDestination(target, (100, 101, 102), 0), timed))
+    # not traced: nothing recorded
+    engine.handle(AddRequest("b", tuple(range(3, 23)), params, (), KVDestination(_Target(), (200, 201), 0)))
     while engine.has_unfinished():
         engine.step()
     assert [(t.start_token, t.num_tokens) for t in timed] == [(0, 16), (16, 16), (32, 8)]
     assert all(t.start_ns <= t.end_ns for t in timed) and timed[0].end_ns <= timed[1].start_ns
     assert all(t.step_tokens >= t.num_tokens for t in timed)
-    assert set(engine.chunk_timings) == {"a"}
+    assert set(producer._chunk_timings) == {"a"}
     assert [b for push in target.pushed for b in push] == [100, 101, 102]
-    engine.release("a")
-    engine.release("b")
-    assert engine.chunk_timings == {}
+    assert engine.kv.num_used_blocks == 3 + 2  # held for the transfers until released
+    engine.handle(ReleaseKV("a"))
+    engine.handle(ReleaseKV("b"))
+    assert producer._chunk_timings == {} and engine.kv.num_used_blocks == 0
 
 
 # ---- process setup, layering, topology ------------------------------------------------------------

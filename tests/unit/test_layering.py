@@ -1,63 +1,85 @@
-"""Dependencies point one way: gateway -> common; services -> kv_transfer -> common (parsed with ast)."""
+"""Dependencies point one way, over the whole import graph (``tests/unit/import_graph.py``, parsed with ast).
+
+gateway -> common; prefill_service, decode_service -> kv_transfer -> common; tandem_cli above them all;
+benchmarks above the product. Each rule is checked on the *transitive* runtime closure: the gateway's whole
+import graph has no torch, whichever module the torch import would hide in. And no module imports itself
+through others.
+"""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("gateway", "prefill_service", "decode_service", "kv_transfer", "tandem_cli")
+from tests.unit.import_graph import ImportGraph, build, find_cycles
 
-
-def _imports(package: str) -> dict[Path, set[str]]:
-    found: dict[Path, set[str]] = {}
-    for path in (ROOT / package).rglob("*.py"):
-        names: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                names.update(alias.name.split(".")[0] for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names.add(node.module.split(".")[0])
-        found[path] = names
-    return found
+PRODUCT = ("common", "kv_transfer", "prefill_service", "decode_service", "gateway", "tandem_cli", "tandem")
+GPU_AND_MODEL_LIBS = {"torch", "triton", "flash_attn", "flashinfer", "transformers", "numpy", "safetensors"}
 
 
-def _violations(package: str, forbidden: set[str]) -> list[str]:
-    return [f"{path.relative_to(ROOT)} imports {sorted(names & forbidden)}"
-            for path, names in _imports(package).items() if names & forbidden]
+@pytest.fixture(scope="module")
+def graph() -> ImportGraph:
+    return build()
 
 
-def test_gateway_imports_no_torch() -> None:
-    forbidden = {"torch", "triton", "flash_attn", "transformers", "prefill_service", "decode_service",
-                 "kv_transfer"}
-    assert _violations("gateway", forbidden) == []
+def _reached(graph: ImportGraph, package: str, forbidden: tuple[str, ...]) -> list[str]:
+    reached = graph.closure(graph.in_package(package))
+    return sorted(m for m in reached if m.split(".")[0] in forbidden)
 
 
-def test_common_imports_no_service() -> None:
-    assert _violations("common", set(SERVICES)) == []
+def test_no_import_cycles(graph: ImportGraph) -> None:
+    assert graph.cycles() == []
 
 
-def test_kv_transfer_imports_no_service() -> None:
-    assert _violations("kv_transfer", {"gateway", "prefill_service", "decode_service", "tandem_cli"}) == []
+def test_gateway_closure_has_no_torch_and_no_node_code(graph: ImportGraph) -> None:
+    assert graph.external_closure(graph.in_package("gateway")) & GPU_AND_MODEL_LIBS == set()
+    assert _reached(graph, "gateway", ("prefill_service", "decode_service", "kv_transfer", "tandem_cli",
+                                       "benchmarks")) == []
 
 
-def test_services_do_not_import_each_other() -> None:
-    assert _violations("prefill_service", {"decode_service", "gateway", "tandem_cli"}) == []
-    assert _violations("decode_service", {"prefill_service", "gateway", "tandem_cli"}) == []
+def test_common_reaches_no_service(graph: ImportGraph) -> None:
+    assert _reached(graph, "common", ("gateway", "prefill_service", "decode_service", "kv_transfer", "tandem_cli",
+                                      "benchmarks")) == []
 
 
-def test_pure_python_scheduling_modules_import_no_torch() -> None:
-    pure = ["common/kv/block_pool.py", "common/kv/kv_cache_manager.py", "common/kv/block_hash.py",
-            "common/tokenizer.py", "common/config/settings.py", "common/config/model_config.py"]
-    bad = []
-    for rel in pure:
-        path = ROOT / rel
-        if not path.exists():
-            continue
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            if any(m.split(".")[0] == "torch" for m in mods):
-                bad.append(rel)
-    assert bad == []
+def test_kv_transfer_reaches_no_service(graph: ImportGraph) -> None:
+    assert _reached(graph, "kv_transfer", ("gateway", "prefill_service", "decode_service", "tandem_cli",
+                                           "benchmarks")) == []
+
+
+def test_services_do_not_reach_each_other(graph: ImportGraph) -> None:
+    assert _reached(graph, "prefill_service", ("decode_service", "gateway", "tandem_cli", "benchmarks")) == []
+    assert _reached(graph, "decode_service", ("prefill_service", "gateway", "tandem_cli", "benchmarks")) == []
+
+
+def test_no_product_package_imports_benchmarks(graph: ImportGraph) -> None:
+    """Benchmarks sit above the product: not even a lazy import points down into them."""
+    for package in PRODUCT:
+        importers = sorted(m for m in graph.in_package(package)
+                           if any(t.split(".")[0] == "benchmarks" for t in graph.edges[m]))
+        assert importers == [], f"{package} imports benchmarks"
+
+
+def test_pure_python_scheduling_reaches_no_torch(graph: ImportGraph) -> None:
+    """The block pool, prefix cache, scheduler and its connectors are pure Python, all the way down."""
+    pure = {"common.kv.block_pool", "common.kv.kv_cache_manager", "common.kv.block_hash", "common.tokenizer",
+            "common.config.settings", "common.config.model_config", "common.engine.scheduler",
+            "common.engine.kv_connector", "common.engine.commands", "prefill_service.kv_producer",
+            "decode_service.kv_consumer"}
+    assert pure <= graph.modules
+    for module in sorted(pure):
+        assert "torch" not in graph.external_closure({module}), module
+
+
+def test_the_graph_sees_what_it_checks(graph: ImportGraph) -> None:
+    """Guards against a checker that passes by seeing nothing: known edges and imports are found."""
+    assert "common.engine.kv_connector" in graph.runtime["common.engine.scheduler"]
+    assert "torch" in graph.external_closure({"common.engine.engine_core"})
+    assert "common.kv.kv_cache_manager" in graph.closure({"decode_service.server"})
+    # a TYPE_CHECKING-only import is an edge for cycles but not a runtime import
+    assert "common.engine.scheduler_output" in graph.edges["common.engine.kv_connector"]
+    assert "common.engine.scheduler_output" not in graph.runtime["common.engine.kv_connector"]
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []

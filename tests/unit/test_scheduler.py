@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 from common.config.engine_config import SchedulerConfig
+from common.engine.kv_connector import KVConnector
 from common.engine.request import FinishReason, Request, RequestStatus
-from common.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from common.engine.scheduler import Scheduler
+from common.engine.scheduler_output import SchedulerOutput, StepResult
 from common.kv.kv_cache_manager import KVCacheManager
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampleResult
+from decode_service.kv_consumer import KVConsumer
+from prefill_service.kv_producer import KVProducer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
-def make(num_blocks: int = 16, block_size: int = 4, **cfg: object) -> Scheduler:
+def make(num_blocks: int = 16, block_size: int = 4, connector: KVConnector | None = None, **cfg: object) -> Scheduler:
     config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 16, "max_prefill_chunk": None,
                                 "watermark": 0.0, **cfg})  # type: ignore[arg-type]
-    return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len=64)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len=64, connector=connector)
 
 
 def req(rid: str, n: int, params: SamplingParams = GREEDY, first: int = 0) -> Request:
@@ -146,27 +150,47 @@ def test_abort_frees_blocks_everywhere() -> None:
     assert s.kv.num_used_blocks == 0 and not s.has_work()
 
 
-def test_prefill_only_retains_blocks_until_release() -> None:
+def test_prefill_role_holds_blocks_until_free_held() -> None:
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, watermark=0.0)
-    s = Scheduler(config, KVCacheManager(8, 4), max_model_len=64, prefill_only=True)
+    s = Scheduler(config, KVCacheManager(8, 4), max_model_len=64, connector=KVProducer(block_size=4))
     s.add_request(req("a", 6, SamplingParams(temperature=0.0, max_tokens=50)))
     out = s.schedule()
     (result,) = s.update(out, fake_sample(out))
     assert result.finished and result.finish_reason is None  # done here, decoding continues elsewhere
-    assert "a" in s.retained and s.kv.num_used_blocks == 2
-    s.release("a")
+    assert "a" in s.held and s.kv.num_used_blocks == 2
+    s.free_held("a")
     assert s.kv.num_used_blocks == 0
 
 
-def test_decode_role_reserve_then_start() -> None:
-    s = make()
+def test_decode_role_admit_now_then_kv_arrived() -> None:
+    s = make(connector=KVConsumer())
     r = req("a", 6)
-    allocation = s.reserve(r)
+    allocation = s.admit_now(r)
     assert allocation is not None and allocation.block_ids == [0, 1]
+    assert r.status is RequestStatus.WAITING_FOR_KV and s.num_waiting == 1
     assert s.schedule().is_empty  # waiting for KV: nothing to compute
-    first = s.start_decoding("a", 42)
+    first = s.kv_arrived("a", 42)
     assert first.new_token_ids == [42] and not first.finished
     assert step(s) == [("a", 6, 1)]
     assert r.output_token_ids == [42, 7]
     s.abort("a")
     assert s.kv.num_used_blocks == 0
+
+
+def test_decode_role_recomputes_a_preempted_request_locally() -> None:
+    """Once its first token is in, a request's KV no longer comes from elsewhere: the queue recomputes it."""
+    s = make(connector=KVConsumer())
+    r = req("a", 6)
+    assert s.admit_now(r) is not None
+    s.kv_arrived("a", 42)
+    s.running.remove(r)
+    s._preempt(r)
+    out = s.schedule()
+    assert plan(out) == [("a", 4, 3)]  # its first full block is still in the prefix cache
+    assert r.status is RequestStatus.RUNNING
+
+
+def test_decode_role_admit_now_refuses_without_room() -> None:
+    s = make(connector=KVConsumer(), num_blocks=2)
+    assert s.admit_now(req("a", 6)) is not None
+    assert s.admit_now(req("b", 6)) is None and "b" not in s.waiting_for_kv

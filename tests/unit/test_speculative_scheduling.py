@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.config.engine_config import SchedulerConfig, SpeculativeConfig, SpeculativeMethod
+from common.config.engine_config import DraftEconomics, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from common.engine.request import Request
-from common.engine.scheduler import DraftEconomics, Scheduler, SchedulerOutput, StepResult, adaptive_num_drafts
+from common.engine.scheduler import Scheduler, adaptive_num_drafts
+from common.engine.scheduler_output import SchedulerOutput, StepResult
 from common.kv.kv_cache_manager import KVCacheManager
 from common.sampling.params import SamplingParams
 

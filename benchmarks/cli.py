@@ -1,4 +1,9 @@
-"""`tandem bench serve | run | report`: the benchmark commands, each delegating to its module in benchmarks/."""
+"""`tandem bench serve | run | report`: the benchmark commands, each delegating to its module in benchmarks/.
+
+The ``tandem`` CLI finds this module through the ``tandem.commands`` entry point group (pyproject.toml:
+``bench = "benchmarks.cli:add_parser"``) and calls ``add_parser`` with its subparsers; the product never
+imports benchmarks/, the benchmarks import the product.
+"""
 
 from __future__ import annotations
 
@@ -8,35 +13,29 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import bench_serve, report, suite
+
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from benchmarks.bench_serve import run
-
-    return run(args)
+    return bench_serve.run(args)
 
 
 def cmd_bench_run(args: argparse.Namespace) -> int:
-    from benchmarks.suite import run
-
     args.command_line = shlex.join(["tandem", *sys.argv[1:]])
     try:
-        return run(args)
+        return suite.run(args)
     except ValueError as exc:
         print(f"tandem bench run: error: {exc}", file=sys.stderr)
         return 2
 
 
 def cmd_bench_report(args: argparse.Namespace) -> int:
-    from benchmarks.report import write_report
-
-    print(write_report(Path(args.run_dir), Path(args.output) if args.output else None))
+    print(report.write_report(Path(args.run_dir), Path(args.output) if args.output else None))
     return 0
 
 
-def add_bench_parser(sub: Any) -> None:
-    """Add ``bench`` and its subcommands to the ``tandem`` subparsers ``sub``."""
-    from benchmarks import bench_serve, report, suite
-
+def add_parser(sub: Any) -> None:
+    """Add ``bench`` and its subcommands to the ``tandem`` subparsers ``sub`` (the entry point's target)."""
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, help_text, func in (

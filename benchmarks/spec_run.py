@@ -1,0 +1,118 @@
+"""One speculative configuration of the batch-1 benchmark, its engine, and one timed generation.
+
+What ``benchmarks.bench_speculative`` (the measured runs) and ``benchmarks.spec_profile`` (the profile
+pass) both run; it imports neither of them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
+from common.engine.engine_core import ColocatedEngine
+from common.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from common.model.llama import LlamaForCausalLM
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    label: str
+    speculative: SpeculativeConfig | None  # None: the baseline
+
+    @staticmethod
+    def parse(text: str) -> BenchConfig:
+        """``ngram:k=8:n=1-4[:fixed]`` or ``layers:k=4:L=8[:fixed]`` (fixed: no adaptive k)."""
+        method_name, *options = text.strip().split(":")
+        method = {"ngram": SpeculativeMethod.NGRAM, "layers": SpeculativeMethod.DRAFT_LAYERS}.get(method_name)
+        if method is None:
+            raise ValueError(f"config {text!r}: method must be ngram or layers, got {method_name!r}")
+        kwargs: dict[str, Any] = {"method": method}
+        for option in options:
+            key, _, value = option.partition("=")
+            if key == "k":
+                kwargs["num_speculative_tokens"] = int(value)
+            elif key == "n":
+                low, _, high = value.partition("-")
+                kwargs["ngram_min_n"], kwargs["ngram_max_n"] = int(low), int(high or low)
+            elif key == "L":
+                kwargs["draft_layers"] = int(value)
+            elif key == "fixed":
+                kwargs["adaptive"] = False
+            else:
+                raise ValueError(f"config {text!r}: unknown option {key!r} (k, n, L, fixed)")
+        spec = SpeculativeConfig(**kwargs)
+        if method is SpeculativeMethod.NGRAM:
+            label = f"ngram k={spec.num_speculative_tokens} n={spec.ngram_min_n}-{spec.ngram_max_n}"
+        else:
+            label = f"layers L={spec.draft_layers} k={spec.num_speculative_tokens}"
+        return BenchConfig(label + ("" if spec.adaptive else " fixed"), spec)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One generation of one prompt."""
+
+    tokens: list[int]
+    decode_seconds: float  # first token -> last token
+    decode_steps: int  # engine steps after the first token
+    num_drafts: int
+    num_accepted: int
+    num_verify_steps: int
+    draft_seconds: float
+    forward_seconds: float
+
+
+class StepObserver(Protocol):
+    """Told each engine step's wall time (``benchmarks.spec_profile.StepProfiler`` is one)."""
+
+    def end_step(self, seconds: float, decoding: bool) -> None: ...
+
+
+def make_engine(model: LlamaForCausalLM, config: BenchConfig, max_len: int) -> ColocatedEngine:
+    # Prefix caching off: every repeat prefills the same way (the prefill is not timed anyway).
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=-(-max_len // BLOCK_SIZE) + 8, enable_prefix_caching=False)
+    return ColocatedEngine(model, cache, SchedulerConfig(max_num_seqs=1), speculative=config.speculative)
+
+
+_next_id = 0
+
+
+def generate(engine: ColocatedEngine, prompt_ids: list[int], params: SamplingParams,
+             eos_token_ids: tuple[int, ...], profiler: StepObserver | None = None) -> Run:
+    """Generate one request alone; counters and timers are taken from the first token on."""
+    global _next_id
+    _next_id += 1
+    engine.add_request(f"r{_next_id}", prompt_ids, params, eos_token_ids)
+    sched, runner = engine.scheduler, engine.runner
+    tokens: list[int] = []
+    first_at = last_at = 0.0
+    steps = 0
+    counters: tuple[float, ...] = ()
+    while engine.has_unfinished():
+        started = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if profiler is not None:
+            profiler.end_step(now - started, decoding=bool(tokens))
+        if tokens:
+            steps += 1
+        for out in outputs:
+            if out.new_token_ids:
+                if not tokens:
+                    first_at = now
+                    counters = (sched.num_draft_tokens, sched.num_accepted_tokens, sched.num_spec_steps,
+                                runner.draft_seconds, runner.forward_seconds)
+                tokens.extend(out.new_token_ids)
+                last_at = now
+    drafts, accepted, verifies, draft_s, forward_s = (
+        after - before for after, before in zip((sched.num_draft_tokens, sched.num_accepted_tokens,
+                                                 sched.num_spec_steps, runner.draft_seconds,
+                                                 runner.forward_seconds), counters, strict=True))
+    return Run(tokens, last_at - first_at, steps, int(drafts), int(accepted), int(verifies), draft_s, forward_s)
+

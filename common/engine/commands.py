@@ -1,0 +1,117 @@
+"""Typed messages from servicers to the engine thread (frozen dataclasses, dispatched in one place).
+
+A servicer never reads the scheduler's containers and never sends code to the engine thread: it sends
+one of these to ``AsyncEngine.call`` / ``AsyncEngine.submit`` and gets the command's typed reply back.
+``EngineCore.handle`` is the one place that dispatches them. Each command names its reply type as the
+generic parameter of ``EngineCommand``, so ``await engine.call(ReserveKV(...))`` is typed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+from common.engine.request import RequestOutput
+
+if TYPE_CHECKING:
+    from common.sampling.params import SamplingParams
+
+R = TypeVar("R")
+
+
+class EngineCommand(Generic[R]):
+    """Base of every command; ``R`` is what the engine thread answers."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTiming:
+    """One prefill chunk of a traced request: the engine step that computed it (wall-clock ns, for spans)."""
+
+    start_ns: int  # the step began (scheduling included)
+    end_ns: int  # the step's forward finished: the chunk's KV is in the cache
+    start_token: int
+    num_tokens: int
+    step_tokens: int  # tokens of every request batched in that step
+
+
+class KVPushTarget(Protocol):
+    """Where a prefill node's written blocks go (kv_transfer's TransferHandle); ``push`` must not block."""
+
+    def push(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a prefill node sends one request's KV: the decode-side block ids, of which the first
+    ``skip_blocks`` are already cached there."""
+
+    target: KVPushTarget
+    block_ids: tuple[int, ...]
+    skip_blocks: int
+
+
+@dataclass(frozen=True)
+class AddRequest(EngineCommand[None]):
+    """Queue a request whose KV is computed on this node. Raises ``InvalidRequestError`` on bad input.
+
+    On a prefill node ``destination`` says where its KV goes (pushed chunk by chunk as it is computed), and
+    ``chunk_timings``, when given, receives one ``ChunkTiming`` per computed chunk (for tracing).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    destination: KVDestination | None = None
+    chunk_timings: list[ChunkTiming] | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest(EngineCommand[bool]):
+    """Drop a request wherever it is and free its blocks. Answers whether it was known."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A decode node's answer to ``ReserveKV``: the blocks to fill, or why there are none."""
+
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+    blocks_needed: int
+    free_blocks: int
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.block_ids)
+
+
+@dataclass(frozen=True)
+class ReserveKV(EngineCommand[Reservation]):
+    """Decode node: a request whose prompt KV a remote prefill will push into blocks reserved now."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KVArrived(EngineCommand[RequestOutput]):
+    """Decode node: the prompt's KV has landed and the prefill sampled ``first_token``; start decoding."""
+
+    request_id: str
+    first_token: int
+
+
+@dataclass(frozen=True)
+class ReleaseKV(EngineCommand[None]):
+    """Prefill node: the KV transfer finished (or was abandoned); free the blocks held for it."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class PrepareKernels(EngineCommand[bool]):
+    """Build or load the compiled CPU decode kernel on the engine thread. Answers whether it is in use."""
