@@ -1,4 +1,7 @@
-"""Errors that are the caller's fault. Services map them to INVALID_ARGUMENT in one interceptor."""
+"""Errors the engines raise to callers: their mistakes (INVALID_ARGUMENT) and a full queue (RESOURCE_EXHAUSTED).
+
+Services map both in one interceptor (``common.serving.status``); the engines import no gRPC.
+"""
 
 from __future__ import annotations
 
@@ -9,3 +12,7 @@ class InvalidRequestError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class QueueFullError(RuntimeError):
+    """The admission queue is at its limit; the message names the limit. Load beyond it is refused."""

@@ -46,7 +46,7 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
     # Read on scrape from the HTTP thread: O(1) reads of lengths and counters, atomic under the GIL.
     metrics.add_engine(lambda: snapshot_of(core.stats(), core.scheduler), speculative=speculating)
     servicer = DecodeServicer(engine, receiver, node_id, kv_endpoint="", kv_timeout_s=node.kv_timeout_s,
-                              metrics=metrics, status_for=status.status_for)
+                              metrics=metrics, status_for=status.status_for, queue_timeout_s=node.queue_timeout_s)
     metrics_server = serve_metrics(metrics, node.host, node.metrics_port) if node.metrics_port else None
     try:
         running = await start_server(

@@ -20,7 +20,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Link
 
-from common.engine.commands import AbortRequest, KVArrived, ReserveKV
+from common.engine.commands import AbortRequest, KVArrived, Reservation, ReserveKV
 from common.protocol import finish_reason_to_proto, logprob_to_proto, sampling_from_proto, stats_to_proto
 from common.serving.errors import ResourceExhaustedError
 from common.serving.status import StatusInterceptor
@@ -36,6 +36,7 @@ from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 if TYPE_CHECKING:
     from common.engine.async_engine import AsyncEngine
     from common.engine.request import RequestCounters, RequestOutput
+    from common.sampling.params import SamplingParams
     from kv_transfer.receiver import KVReceiver
     from kv_transfer.receiver_transfer import TransferResult
 
@@ -46,7 +47,7 @@ _tracer = get_tracer(__name__)
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, engine: AsyncEngine, receiver: KVReceiver, node_id: str, kv_endpoint: str,
                  kv_timeout_s: float, metrics: DecodeMetrics | None = None,
-                 status_for: spans.StatusFor | None = None) -> None:
+                 status_for: spans.StatusFor | None = None, queue_timeout_s: float = 300.0) -> None:
         assert isinstance(engine.engine.connector, KVConsumer), "a decode node's engine has the KV consumer role"
         self.engine = engine
         self.block_size = engine.engine.block_size
@@ -55,6 +56,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.node_id = node_id
         self.kv_endpoint = kv_endpoint
         self.kv_timeout_s = kv_timeout_s
+        self.queue_timeout_s = queue_timeout_s
         self.metrics = metrics or DecodeMetrics(node_id)
         self._status_for = status_for or StatusInterceptor().status_for
 
@@ -89,15 +91,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         stream = self.engine.open_stream(rid)
         with _tracer.start_as_current_span(spans.DECODE_RESERVE) as reserve_span:
             try:
-                allocation = await self.engine.call(ReserveKV(rid, tuple(prompt), params, eos))
+                allocation = await self._reserve(rid, prompt, params, eos, stream)
             except BaseException:
                 self.engine.close_stream(rid)
                 raise
-            if not allocation.ok:
-                self.engine.close_stream(rid)
-                raise ResourceExhaustedError(
-                    f"KV cache full on {self.node_id}: the prompt needs {allocation.blocks_needed} "
-                    f"blocks, {allocation.free_blocks} free")
             if reserve_span.is_recording():
                 reserve_span.set_attributes({spans.RESERVED_BLOCKS: len(allocation.block_ids),
                                              spans.CACHED_TOKENS: allocation.num_cached_tokens})
@@ -108,7 +105,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 num_cached_tokens=allocation.num_cached_tokens, kv_endpoint=self.kv_endpoint, node_id=self.node_id))
             waited_from = time.monotonic()
             with _tracer.start_as_current_span(spans.DECODE_WAIT_KV) as wait_span:
-                result = await self.receiver.wait(transfer_id, timeout)
+                # The KV timeout runs from the prefill's first chunk: its node's queue does not count.
+                result = await self.receiver.wait(transfer_id, timeout, start_timeout_s=self.queue_timeout_s)
             self.metrics.kv_wait_time.observe(time.monotonic() - waited_from)
         except BaseException as exc:
             if isinstance(exc, TransferFailed):
@@ -150,6 +148,28 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if span.is_recording():
             span.set_attributes({spans.COMPLETION_TOKENS: num_tokens, spans.FINISH_REASONS: [finish],
                                  spans.CACHED_TOKENS: allocation.num_cached_tokens})
+
+    async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, eos: tuple[int, ...],
+                       stream: asyncio.Queue[RequestOutput | Exception]) -> Reservation:
+        """The request's blocks: at once when they are free, else after waiting for them in the engine's
+        admission queue (at most ``queue_timeout_s``; a cancelled call leaves the queue)."""
+        reservation = await self.engine.call(ReserveKV(rid, tuple(prompt), params, eos))
+        if not reservation.queued:
+            return reservation
+        try:
+            item = await asyncio.wait_for(stream.get(), self.queue_timeout_s)
+        except BaseException as exc:
+            await asyncio.shield(self.engine.call(AbortRequest(rid)))
+            if isinstance(exc, TimeoutError):
+                raise ResourceExhaustedError(
+                    f"no KV room on {self.node_id} within queue_timeout_s = {self.queue_timeout_s:g}s: the prompt "
+                    f"needs {reservation.blocks_needed} blocks, {reservation.free_blocks} were free") from None
+            raise
+        if isinstance(item, Exception):
+            raise item
+        assert item.reserved_block_ids is not None, "a queued reservation's first output announces its blocks"
+        return Reservation(item.reserved_block_ids, item.num_cached_tokens, reservation.blocks_needed,
+                           reservation.free_blocks)
 
     async def Stats(
         self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext

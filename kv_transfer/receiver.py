@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -94,18 +95,21 @@ class KVReceiver:
         """
         self._table.expect(transfer_id, block_ids, num_cached_tokens)
 
-    async def wait(self, transfer_id: str, timeout_s: float) -> TransferResult:
+    async def wait(self, transfer_id: str, timeout_s: float, start_timeout_s: float | None = None) -> TransferResult:
         """Resolve once TransferComplete arrived and every announced chunk landed.
 
+        ``timeout_s`` runs from the first chunk (the prefill has started computing: time spent in the prefill
+        node's queue does not count against it); until a first chunk arrives the wait is bounded by
+        ``start_timeout_s`` (None: ``timeout_s`` from now, the first chunk notwithstanding).
         Raises TransferFailed on abort by the sender, peer death / broken pair group, or timeout (the sender
         is then told). Cancelling the wait abandons the transfer. Either way, when this returns or raises no
         recv for the transfer is in flight and its blocks are the caller's again.
         """
         transfer, fut = self._table.watch(transfer_id, asyncio.get_running_loop())
         try:
-            await asyncio.wait_for(fut, timeout_s)
-        except TimeoutError:
-            await self._give_up(transfer, f"no complete KV within {timeout_s:g}s")
+            await _until_resolved(transfer, fut, timeout_s, start_timeout_s)
+        except TimeoutError as exc:
+            await self._give_up(transfer, str(exc))
         except asyncio.CancelledError:
             await self._give_up(transfer, "the decode side stopped waiting")
             raise
@@ -212,3 +216,38 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     ) -> AsyncIterator[KVMessage]:
         async for msg in self._receiver._connect(request_iterator):
             yield msg
+
+
+# While no chunk has arrived, the wait wakes this often to see whether the first one came (then the
+# transfer's own timeout starts).
+_FIRST_CHUNK_POLL_S = 0.5
+
+
+async def _until_resolved(transfer: ExpectedTransfer, fut: asyncio.Future[None], timeout_s: float,
+                          start_timeout_s: float | None) -> None:
+    """Wait for ``fut``: ``timeout_s`` from the transfer's first chunk, ``start_timeout_s`` for that chunk.
+    Raises TimeoutError naming the limit that ran out."""
+    if start_timeout_s is None:
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no complete KV within {timeout_s:g}s") from None
+        return
+    started = time.perf_counter()
+    while True:
+        first = transfer.first_chunk_at  # set by a pair thread; a float read is atomic
+        now = time.perf_counter()
+        if first is not None:
+            remaining, step = first + timeout_s - now, first + timeout_s - now
+            reason = f"no complete KV within {timeout_s:g}s of its first chunk"
+        else:
+            remaining = started + start_timeout_s - now
+            step = min(remaining, _FIRST_CHUNK_POLL_S)
+            reason = f"the prefill sent no KV within {start_timeout_s:g}s"
+        if remaining <= 0:
+            raise TimeoutError(reason)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), step)
+            return
+        except TimeoutError:
+            continue

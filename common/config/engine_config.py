@@ -39,6 +39,8 @@ class SchedulerConfig:
     # preempting each other straight away.
     watermark: float = 0.01
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Requests queued for admission (a decode node's pending reservations included); one more is refused.
+    max_waiting: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -49,6 +51,8 @@ class SchedulerConfig:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -21,7 +21,7 @@ T = TypeVar("T")
 ENV_PREFIX = "TANDEM_"
 
 
-QUANTIZATION_METHODS = ("none", "auto", "int8", "int4", "fp8")
+QUANTIZATION_METHODS = ("none", "auto", "int8", "int4", "w8a8", "fp8")
 
 
 def default_home() -> Path:
@@ -38,10 +38,10 @@ class ModelSettings:
     attention_backend: str = "torch"  # torch | triton | flash_attn
     home: Path = field(default_factory=default_home)  # Tandem's cache (converted models, ...)
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
-    # Packed weights (common/quant/config.py): none | auto (a GGUF source keeps its own) | int8 | int4 | fp8
+    # Packed weights (common/quant/config.py): none | auto (a GGUF source keeps its own) | int8 | int4 | w8a8 | fp8
     quantization: str = "none"
     quantization_group_size: int = 32  # int4: weights per scale/zero group, 32 | 64 | 128
-    quantization_kernel: str = "auto"  # auto | tandem_cpu | torch | triton | scaled_mm | reference
+    quantization_kernel: str = "auto"  # auto | tandem_cpu | torch | int_mm | triton | scaled_mm | reference
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -76,7 +76,12 @@ class NodeSettings:
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
     enable_prefix_caching: bool = True
-    kv_timeout_s: float = 30.0  # how long a decode reservation waits for its KV; how long a push may take
+    # how long a transfer may take once its first chunk arrived (a decode node); how long a push may take
+    kv_timeout_s: float = 30.0
+    # Admission queues instead of refusing: requests beyond free KV (a decode node's reservations included)
+    # wait, at most max_waiting of them, each at most queue_timeout_s (then RESOURCE_EXHAUSTED).
+    max_waiting: int = 1024
+    queue_timeout_s: float = 300.0
     grace_s: float = 5.0  # graceful shutdown: drain in-flight calls this long
     metrics_port: int = 0  # Prometheus /metrics; 0: off
 
@@ -84,11 +89,11 @@ class NodeSettings:
         for name in ("port", "kv_store_port", "num_blocks", "metrics_port"):
             if not 0 <= getattr(self, name) <= (65535 if "port" in name else 2**31):
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_timeout_s <= 0 or self.grace_s < 0 or self.kv_cache_memory_gb <= 0:
-            raise ValueError("kv_timeout_s and kv_cache_memory_gb must be > 0, grace_s >= 0")
+        if self.kv_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.grace_s < 0 or self.kv_cache_memory_gb <= 0:
+            raise ValueError("kv_timeout_s, queue_timeout_s and kv_cache_memory_gb must be > 0, grace_s >= 0")
 
 
 def env_name(field_name: str) -> str:

@@ -75,7 +75,10 @@ class AbortRequest(EngineCommand[bool]):
 
 @dataclass(frozen=True)
 class Reservation:
-    """A decode node's answer to ``ReserveKV``: the blocks to fill, or why there are none."""
+    """A decode node's answer to ``ReserveKV``: the blocks to fill, or (``queued``) none yet.
+
+    A queued request's blocks come later, as a ``RequestOutput`` with ``reserved_block_ids`` on its stream.
+    """
 
     block_ids: tuple[int, ...]
     num_cached_tokens: int
@@ -83,13 +86,15 @@ class Reservation:
     free_blocks: int
 
     @property
-    def ok(self) -> bool:
-        return bool(self.block_ids)
+    def queued(self) -> bool:
+        return not self.block_ids
 
 
 @dataclass(frozen=True)
 class ReserveKV(EngineCommand[Reservation]):
-    """Decode node: a request whose prompt KV a remote prefill will push into blocks reserved now."""
+    """Decode node: a request whose prompt KV a remote prefill will push into blocks reserved for it, now
+    if they are free and nobody queues before it, else once they are (it waits in the admission queue).
+    Raises ``QueueFullError`` when the queue is at ``SchedulerConfig.max_waiting``."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]

@@ -27,7 +27,7 @@ from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner, kv_cache_spec
 from common.engine.request import Request, RequestOutput
 from common.engine.scheduler import Scheduler
-from common.errors import InvalidRequestError
+from common.errors import InvalidRequestError, QueueFullError
 from common.kv.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class EngineCore:
         cache = cache or CacheConfig()
         scheduler = scheduler or SchedulerConfig()
         spec = kv_cache_spec(model, cache.block_size)
-        element_size = next(model.parameters()).element_size()
+        element_size = model.dtype.itemsize  # the KV dtype is the activations', whatever the weights are packed in
         num_blocks = cache.resolve_num_blocks(spec.bytes_per_block(element_size))
         self.model_config = model.config
         self.block_size = cache.block_size
@@ -67,6 +67,7 @@ class EngineCore:
     def _dispatch(self, command: EngineCommand[Any]) -> object:
         match command:
             case AddRequest():
+                self._check_queue()
                 self.add_request(command.request_id, list(command.prompt_token_ids), command.params,
                                  command.eos_token_ids)
                 if command.destination is not None:
@@ -109,15 +110,24 @@ class EngineCore:
         self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids)))
 
     def reserve(self, command: ReserveKV) -> Reservation:
-        """Blocks for a prompt whose KV another node computes, reusing this node's prefix cache, or none."""
+        """Blocks for a prompt whose KV another node computes (reusing this node's prefix cache) now, when
+        they are free and nobody queues before it; else the request queues for them (``queued``)."""
         prompt = list(command.prompt_token_ids)
         self.validate(prompt, command.params)
         request = Request(command.request_id, prompt, command.params, tuple(command.eos_token_ids))
-        allocation = self.scheduler.admit_now(request)
-        needed, free = self.kv.blocks_needed(len(prompt)), self.kv.num_free_blocks
+        needed = self.kv.blocks_needed(len(prompt))
+        allocation = None if self.scheduler.waiting else self.scheduler.admit_now(request)
         if allocation is None:
-            return Reservation((), 0, needed, free)
-        return Reservation(tuple(allocation.block_ids), allocation.num_cached_tokens, needed, free)
+            self._check_queue()
+            self.scheduler.add_request(request)
+            return Reservation((), 0, needed, self.kv.num_free_blocks)
+        return Reservation(tuple(allocation.block_ids), allocation.num_cached_tokens, needed, self.kv.num_free_blocks)
+
+    def _check_queue(self) -> None:
+        limit = self.scheduler.config.max_waiting
+        if len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait for admission "
+                                 f"(the limit is max_waiting = {limit})")
 
     def abort(self, request_id: str) -> bool:
         self.runner.forget(request_id)

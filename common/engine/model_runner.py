@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 def kv_cache_spec(model: LlamaForCausalLM, block_size: int) -> KVCacheSpec:
     cfg = model.config
-    dtype = next(model.parameters()).dtype
+    dtype = model.dtype
     return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
                        str(dtype).removeprefix("torch."))
 

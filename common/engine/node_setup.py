@@ -58,7 +58,7 @@ def engine_configs(node: NodeSettings) -> tuple[CacheConfig, SchedulerConfig]:
     cache = CacheConfig(block_size=node.block_size, num_blocks=node.num_blocks or None,
                         kv_cache_memory_gb=node.kv_cache_memory_gb, enable_prefix_caching=node.enable_prefix_caching)
     scheduler = SchedulerConfig(max_num_seqs=node.max_num_seqs, max_num_batched_tokens=node.max_num_batched_tokens,
-                                max_prefill_chunk=node.max_prefill_chunk)
+                                max_prefill_chunk=node.max_prefill_chunk, max_waiting=node.max_waiting)
     return cache, scheduler
 
 

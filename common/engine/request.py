@@ -114,3 +114,5 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     counters: RequestCounters | None = None  # on the request's last output
+    # A queued request was admitted to wait for its KV from another node: the blocks to fill (no tokens yet).
+    reserved_block_ids: tuple[int, ...] | None = None

@@ -79,6 +79,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}  # blocks allocated, KV coming from another node
         self.held: dict[str, Request] = {}  # finished, blocks held for the connector until free_held
+        # Queued requests the last schedule() moved to waiting_for_kv: their blocks, announced by update().
+        self._reserved: list[RequestOutput] = []
+        # The last schedule() could do nothing, and nothing changes until a caller does (add, abort, free,
+        # KV arrived): with only queued requests left, the engine waits for a command instead of spinning.
+        self._stalled = False
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
 
@@ -89,6 +94,7 @@ class Scheduler:
         assert request.num_tokens < self.max_model_len or self.connector.ends_at_first_token
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self._stalled = False
 
     def admit_now(self, request: Request) -> Allocation | None:
         """Allocate ``request``'s blocks at once, ahead of the queue, or not at all (None: no room now).
@@ -100,6 +106,7 @@ class Scheduler:
         needed = self.kv.blocks_needed(request.num_prompt_tokens)
         if needed > self.kv.num_free_blocks - self._watermark_blocks:
             return None
+        self._stalled = False
         allocation = self.kv.allocate(request.request_id, request.prompt_token_ids)
         if allocation is None:
             return None
@@ -112,6 +119,7 @@ class Scheduler:
     def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput:
         """The KV of a request in ``waiting_for_kv`` has landed, and the remote prefill sampled ``first_token``."""
         request = self.waiting_for_kv.pop(request_id)
+        self._stalled = False
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.commit(request_id, request.prompt_token_ids)
         request.output_token_ids.append(first_token)
@@ -151,6 +159,10 @@ class Scheduler:
                 break  # FCFS: never let a later request overtake the head of the queue
             self.waiting.popleft()
             if self._start(request) is RequestStatus.WAITING_FOR_KV:
+                self._reserved.append(RequestOutput(
+                    request.request_id, [], False, num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                    reserved_block_ids=tuple(self.kv.block_table(request.request_id))))
                 continue
             n = self._chunk_size(request, budget)
             self.running.append(request)
@@ -158,11 +170,16 @@ class Scheduler:
                                          self.kv.block_table(request.request_id)))
             budget -= n
         copies, self._pending_copies = self._pending_copies, []
+        self._stalled = not chunks
         return SchedulerOutput(chunks, preempted, copies)
 
     def update(self, output: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
-        """Account for a finished forward: advance computed tokens, append sampled tokens, stop."""
-        outputs: list[RequestOutput] = []
+        """Account for a finished forward: advance computed tokens, append sampled tokens, stop.
+
+        Also announces the requests this step's schedule moved from the queue to ``waiting_for_kv``: an
+        output with their ``reserved_block_ids`` and no tokens.
+        """
+        outputs, self._reserved = self._reserved, []
         row = 0
         block_size = self.kv.block_size
         for chunk in output.chunks:
@@ -217,6 +234,7 @@ class Scheduler:
                 self.waiting.remove(request)
         if request is None:
             return None
+        self._stalled = False
         if self.kv.has_request(request_id):
             self.kv.free(request_id)
         request.status = RequestStatus.FINISHED
@@ -227,6 +245,7 @@ class Scheduler:
         """The connector is done with a finished request's blocks (e.g. KV transfer read them): free them."""
         if self.held.pop(request_id, None) is not None:
             self.kv.free(request_id)
+            self._stalled = False
 
     @property
     def num_waiting(self) -> int:
@@ -234,7 +253,8 @@ class Scheduler:
         return len(self.waiting) + len(self.waiting_for_kv)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step can make progress: something runs, or queued requests may be admitted now."""
+        return bool(self.running) or (bool(self.waiting) and not self._stalled)
 
     # ---- speculative decoding ----------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ class SimpleGenerator:
         self.block_size = block_size
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         num_blocks = -(-self.max_model_len // block_size)
-        dtype = next(model.parameters()).dtype
+        dtype = model.dtype
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
                            str(dtype).removeprefix("torch."))
         self.device = next(model.parameters()).device

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from common.errors import InvalidRequestError
+from common.errors import InvalidRequestError, QueueFullError
 from common.serving.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, extra: Mapping[type[Exception], grpc.StatusCode] | None = None) -> None:
-        self._table: dict[type[Exception], grpc.StatusCode] = {InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT}
+        self._table: dict[type[Exception], grpc.StatusCode] = {InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+                                                               QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED}
         self._table.update(extra or {})
 
     def status_for(self, exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -199,3 +199,20 @@ def test_graceful_stop_exits_cleanly_after_kv_transfers(tiny_served_model_dir: P
     assert codes == dict.fromkeys(codes, 0), codes
     for log_file in tmp_path.glob("*.log"):
         assert "terminate called" not in log_file.read_text(errors="replace"), log_file.name
+
+
+def test_load_beyond_the_decode_kv_cache_queues_and_completes(tiny_served_model_dir: Path, tmp_path: Path) -> None:
+    """Twelve concurrent prompts of 3 blocks each against a decode node with 16 blocks: at most 4 fit at once
+    (with their outputs), the rest wait in its admission queue; every request completes, none is refused."""
+    topology = Topology(num_prefill=1, num_decode=1, free_ports=True,
+                        model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
+                        node_args=("--num-blocks", "16", "--block-size", "16", "--kv-timeout-s", "20",
+                                   "--grace-s", "1"),
+                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randint(20, 49000, (40,), generator=g).tolist() for _ in range(12)]
+    expected = reference(tiny_served_model_dir, ps, 16)
+    with Launcher(topology, log_dir=tmp_path) as launcher, ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda p: generate(launcher.gateway.target, request(p, 16)), ps))
+        assert [tokens for tokens, _ in results] == expected
+        wait_all_blocks_free(launcher)

@@ -183,3 +183,26 @@ def test_smollm2_prefix_reuse_equals_contiguous(smollm2_dir: Path) -> None:
     assert engine.kv.prefix_cache_hits >= 16  # the shared system prompt came from the cache
     assert first == contiguous_greedy(model, system, 10)
     assert second == contiguous_greedy(model, other, 10)
+
+
+def test_reserve_queues_beyond_free_blocks_and_refuses_past_max_waiting(tiny: LlamaForCausalLM) -> None:
+    """A decode engine queues reservations it cannot hold yet; only a full queue is refused."""
+    from common.engine.commands import AbortRequest, AddRequest, ReserveKV
+    from common.errors import QueueFullError
+    from decode_service.kv_consumer import KVConsumer
+
+    engine = EngineCore(tiny, CacheConfig(num_blocks=4, block_size=16), SchedulerConfig(max_waiting=1, watermark=0.0),
+                        connector=KVConsumer())
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    first = engine.handle(ReserveKV("a", tuple(range(3, 50)), params))  # 3 of 4 blocks
+    assert not first.queued and len(first.block_ids) == 3
+    queued = engine.handle(ReserveKV("b", tuple(range(3, 40)), params))
+    assert queued.queued and queued.blocks_needed == 3 and queued.free_blocks == 1
+    with pytest.raises(QueueFullError, match="max_waiting = 1"):
+        engine.handle(ReserveKV("c", tuple(range(3, 10)), params))
+    with pytest.raises(QueueFullError):
+        engine.handle(AddRequest("d", (3, 4, 5), params))
+    assert engine.handle(AbortRequest("a"))
+    outputs = engine.step()
+    assert [(o.request_id, o.reserved_block_ids is not None) for o in outputs] == [("b", True)]
+    assert engine.stats().num_waiting == 1 and engine.kv.num_used_blocks == 3

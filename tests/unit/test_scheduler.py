@@ -194,3 +194,36 @@ def test_decode_role_admit_now_refuses_without_room() -> None:
     s = make(connector=KVConsumer(), num_blocks=2)
     assert s.admit_now(req("a", 6)) is not None
     assert s.admit_now(req("b", 6)) is None and "b" not in s.waiting_for_kv
+
+
+def test_decode_role_queued_reservation_is_announced_when_blocks_free() -> None:
+    """Load beyond free KV queues: the reservation waits FCFS and update() announces its blocks later."""
+    s = make(connector=KVConsumer(), num_blocks=3)
+    assert s.admit_now(req("a", 6)) is not None  # 2 of 3 blocks
+    b = req("b", 6, first=50)
+    s.add_request(b)  # needs 2 blocks, 1 free: it queues
+    out = s.schedule()
+    assert out.is_empty and s.update(out, None) == [] and b.status is RequestStatus.WAITING
+    assert not s.has_work()  # nothing can change until a caller frees blocks: the engine waits, not spins
+    s.abort("a")
+    assert s.has_work()
+    out = s.schedule()
+    assert out.is_empty and b.status is RequestStatus.WAITING_FOR_KV
+    (announced,) = s.update(out, None)
+    assert announced.request_id == "b" and announced.new_token_ids == [] and not announced.finished
+    assert announced.reserved_block_ids == tuple(s.kv.block_table("b")) and len(announced.reserved_block_ids) == 2
+    assert s.update(s.schedule(), None) == []  # announced once
+    first = s.kv_arrived("b", 42)
+    assert first.new_token_ids == [42] and step(s) == [("b", 6, 1)]
+
+
+def test_prefill_role_does_not_spin_while_blocks_are_held() -> None:
+    """A prefill node whose blocks all wait for their transfer has nothing to do until one is released."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, watermark=0.0)
+    s = Scheduler(config, KVCacheManager(2, 4), max_model_len=64, connector=KVProducer(block_size=4))
+    s.add_request(req("a", 6))
+    s.update(out := s.schedule(), fake_sample(out))
+    s.add_request(req("b", 6, first=50))
+    assert s.schedule().is_empty and not s.has_work()
+    s.free_held("a")
+    assert s.has_work() and plan(s.schedule()) == [("b", 0, 6)]
