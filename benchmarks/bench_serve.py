@@ -1,17 +1,21 @@
 """Serving benchmark: the disaggregated system and the colocated engine under the same load, over gRPC.
 
     tandem bench serve [--quick] [--workload W] [--num-requests N] [--rate R | --concurrency C] [--model M]
+                       [--systems S,...] [--goodput ttft:MS,tpot:MS] [--local-prefill-max-tokens N]
     python -m benchmarks.bench_serve ...          (the same)
 
 The systems run as real processes on this machine, one after the other, each service pinned to its own
 CPU cores with one torch thread per core (the launcher's placement, as `tandem up` does it):
 - disaggregated: the gateway (not pinned: it runs no model), P prefill nodes and D decode nodes;
+- conditional: the same, with the gateway's ``--local-prefill-max-tokens N`` (``--local-prefill-max-tokens``
+  here, default 256): prompts up to N tokens are prefilled by the decode node itself;
 - colocated: P + D replicas of `tandem serve colocated` (the same public API over one engine that
   prefills and decodes, chunked prefill mixed into decode steps), so both systems get the same cores;
 - disaggregated-nocache, colocated-nocache: the same with prefix caching off, to see what it saves.
 This process is the client (benchmarks/serve_client.py): it sends the same seeded workload
 (benchmarks/workloads.py: serving, shared-prefix or mixed) to each system, spreading requests over the
-colocated replicas (fewest outstanding requests first).
+colocated replicas (fewest outstanding requests first). A system that fails to start (or to serve its
+warm-up) is reported as failed to start, every request counted as failed, and the others still run.
 
 Load: Poisson arrivals at --rate requests/s (open loop: a system slower than the load builds a queue,
 as in production), or --concurrency C requests in flight at all times (closed loop). Per request, on the
@@ -19,6 +23,12 @@ client's clock: TTFT (sent -> first token), TPOT ((last token - first token) / (
 between consecutive streamed messages; a message carries several tokens when the client read slower than
 the server produced), end-to-end latency; per kind of request too when a workload has several. Throughput:
 over the run, first send to last token. Each system first serves a few warm-up requests, not measured.
+
+Goodput (DistServe): requests/s that meet both latency SLOs, TTFT <= the TTFT SLO and TPOT <= the TPOT
+SLO, over the run's duration; SLO attainment: the share of all requests (failed ones miss) meeting both,
+and each alone (benchmarks/slo.py). ``--goodput ttft:MS,tpot:MS`` sets the SLOs; without it each workload
+has its own (benchmarks/workloads.py): serving ttft:2500,tpot:200; shared-prefix ttft:1500,tpot:200;
+mixed ttft:4000,tpot:200.
 """
 
 from __future__ import annotations
@@ -40,7 +50,8 @@ from typing import Any
 
 from benchmarks.machine import cpu_name
 from benchmarks.serve_client import RequestRecord, drive
-from benchmarks.serve_stats import Summary, kind_table, markdown_table, summarize, system_json
+from benchmarks.serve_stats import Summary, kind_table, markdown_table, not_started, summarize, system_json
+from benchmarks.slo import SLO, parse_slo
 from benchmarks.workloads import WORKLOADS, ServingWorkload, Workload
 
 
@@ -51,20 +62,27 @@ class System:
     name: str
     disaggregated: bool
     prefix_caching: bool = True
+    # The gateway prefills short prompts on the decode node (conditional disaggregation, --local-prefill-max-tokens).
+    local_prefill: bool = False
 
     @property
     def node_args(self) -> tuple[str, ...]:
         # Explicit both ways: a TANDEM_ENABLE_PREFIX_CACHING in the caller's environment cannot relabel a system.
         return ("--enable-prefix-caching",) if self.prefix_caching else ("--no-enable-prefix-caching",)
 
+    def gateway_args(self, local_prefill_max_tokens: int) -> tuple[str, ...]:
+        return ("--local-prefill-max-tokens", str(local_prefill_max_tokens)) if self.local_prefill else ()
+
 
 SYSTEMS: Mapping[str, System] = {s.name: s for s in (
     System("disaggregated", disaggregated=True), System("colocated", disaggregated=False),
+    System("conditional", disaggregated=True, local_prefill=True),
     System("disaggregated-nocache", disaggregated=True, prefix_caching=False),
     System("colocated-nocache", disaggregated=False, prefix_caching=False),
 )}
 DEFAULT_SYSTEMS = ("disaggregated", "colocated")
 DEFAULT_RATE = 1.0  # requests/s: near what one decode core sustains with SmolLM2 (README: the measured table)
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256  # the conditional system's threshold unless --local-prefill-max-tokens
 SERVING = ServingWorkload()  # the defaults the help text names for the per-length flags
 
 
@@ -73,14 +91,16 @@ SERVING = ServingWorkload()  # the defaults the help text names for the per-leng
 
 @contextlib.contextmanager
 def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, num_decode: int,
-               cpus: tuple[int, ...], log_dir: Path) -> Iterator[tuple[list[str], str]]:
+               cpus: tuple[int, ...], log_dir: Path, local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+               ) -> Iterator[tuple[list[str], str]]:
     """Start ``system``; yield the client's targets and a description of where each service runs."""
     from tandem_cli.launcher import ColocatedTopology, Launcher, Topology
 
     topology: Topology | ColocatedTopology
     if system.disaggregated:
         topology = Topology(num_prefill=num_prefill, num_decode=num_decode, free_ports=True,
-                            model_args=model_args, node_args=system.node_args, cpus=cpus)
+                            model_args=model_args, node_args=system.node_args,
+                            gateway_args=system.gateway_args(local_prefill_max_tokens), cpus=cpus)
     else:
         topology = ColocatedTopology(replicas=num_prefill + num_decode, free_ports=True, model_args=model_args,
                                      node_args=system.node_args, cpus=cpus)
@@ -93,21 +113,32 @@ def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, nu
 
 
 def bench_system(system: System, args: argparse.Namespace, workload: Workload, vocab_size: int,
-                 model_args: tuple[str, ...], log_dir: Path) -> tuple[Summary, list[RequestRecord]]:
+                 model_args: tuple[str, ...], log_dir: Path, slo: SLO | None = None,
+                 ) -> tuple[Summary, list[RequestRecord]]:
+    """Start ``system``, warm it up, send it ``workload``; a system that fails to start or to serve its
+    warm-up gets a ``not_started`` summary (no records) instead of an exception."""
     # A closed loop ignores the arrival times but keeps their order (the same at every rate).
     requests = workload.requests(vocab_size, math.inf if args.concurrency else args.rate)
     started = time.perf_counter()
-    with deployment(system, model_args, args.prefill_nodes, args.decode_nodes, args.cpus, log_dir) as (
-            targets, placement):
-        _progress(f"{system.name}: up in {time.perf_counter() - started:.1f} s ({placement}); warming up")
-        warm = ServingWorkload(num_requests=2 * len(targets), prompt_len=(48, 256), output_len=(4, 8),
-                               seed=workload.seed + 1)
-        warm_records, _ = asyncio.run(drive(targets, warm.requests(vocab_size, math.inf), None))
-        if failed := [r.error for r in warm_records if not r.ok]:
-            raise RuntimeError(f"{system.name}: warm-up requests failed: {failed[0]}")
-        _progress(f"{system.name}: sending {len(requests)} requests")
-        records, duration = asyncio.run(drive(targets, requests, args.concurrency, args.timeout))
-    summary = summarize(system.name, placement, records, duration)
+    measuring = False
+    try:
+        with deployment(system, model_args, args.prefill_nodes, args.decode_nodes, args.cpus, log_dir,
+                        args.local_prefill_max_tokens) as (targets, placement):
+            _progress(f"{system.name}: up in {time.perf_counter() - started:.1f} s ({placement}); warming up")
+            warm = ServingWorkload(num_requests=2 * len(targets), prompt_len=(48, 256), output_len=(4, 8),
+                                   seed=workload.seed + 1)
+            warm_records, _ = asyncio.run(drive(targets, warm.requests(vocab_size, math.inf), None))
+            if failed := [r.error for r in warm_records if not r.ok]:
+                raise RuntimeError(f"warm-up requests failed: {failed[0]}")
+            _progress(f"{system.name}: sending {len(requests)} requests")
+            measuring = True
+            records, duration = asyncio.run(drive(targets, requests, args.concurrency, args.timeout))
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        if measuring:
+            raise
+        _progress(f"{system.name}: failed to start: {exc}")
+        return not_started(system.name, len(requests), f"failed to start: {exc}", slo), []
+    summary = summarize(system.name, placement, records, duration, slo)
     _progress(f"{system.name}: {summary.completed}/{len(records)} done in {duration:.1f} s, "
               f"{summary.output_throughput:.1f} output tokens/s")
     return summary, records
@@ -138,9 +169,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller, shorter workload (about a minute)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma-separated subset of {', '.join(SYSTEMS)} [{','.join(DEFAULT_SYSTEMS)}]")
+    p.add_argument("--goodput", type=parse_slo, metavar="ttft:MS,tpot:MS",
+                   help="the latency SLOs goodput and SLO attainment are judged by [per workload: " + "; ".join(
+                       f"{name} {preset.slo.flag}" for name, preset in WORKLOADS.items()) + "]")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+                   help="the conditional system's gateway prefills prompts up to this many tokens on the decode "
+                   f"node [{DEFAULT_LOCAL_PREFILL_MAX_TOKENS}]")
     p.add_argument("--prefill-nodes", type=int, default=1)
     p.add_argument("--decode-nodes", type=int, default=1)
-    p.add_argument("--cpus", type=_cpu_list, help="cores to place the services on, e.g. 0-3 or 0,2 "
+    p.add_argument("--cpus", type=cpu_list, help="cores to place the services on, e.g. 0-3 or 0,2 "
                    "[every core this process may use]")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds [600]")
     p.add_argument("--log-dir", help="each service's log goes here [a temporary directory, printed]")
@@ -158,13 +195,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--systems: choose from {', '.join(SYSTEMS)}, got {args.systems!r}")
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.local_prefill_max_tokens < 0:
+        raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
     workload = configure_workload(args)
+    slo = slo_of(args)
     if args.concurrency is None and args.rate is None:
         args.rate = DEFAULT_RATE
     args.cpus = args.cpus or tuple(sorted(os.sched_getaffinity(0)))
     settings = load_settings(ModelSettings, {"model": args.model, "dtype": args.dtype})
     model_dir = resolve_model(settings.model, settings.home, progress=True)
-    dtype = _resolve_dtype(settings.dtype, settings.device)
+    dtype = resolve_dtype_name(settings.dtype, settings.device)
     config = ModelConfig.from_pretrained(model_dir)
     if workload.max_total_len > config.max_position_embeddings:
         raise ValueError(f"the {workload.name} workload has requests of up to {workload.max_total_len} tokens "
@@ -174,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     model_args = ("--model", str(model_dir), "--dtype", dtype)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-bench-serve-"))
 
-    results = [bench_system(SYSTEMS[name], args, workload, config.vocab_size, model_args, log_dir)
+    results = [bench_system(SYSTEMS[name], args, workload, config.vocab_size, model_args, log_dir, slo)
                for name in names]
     summaries = [summary for summary, _ in results]
     print(report(summaries, workload, args, model_dir.name, dtype))
@@ -183,6 +223,12 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json_path).write_text(json.dumps(results_json(results, workload, args, model_dir.name, dtype),
                                                    indent=2))
     return 0 if all(s.failed == 0 for s in summaries) else 1
+
+
+def slo_of(args: argparse.Namespace) -> SLO:
+    """``--goodput``, or the workload's default SLO."""
+    given: SLO | None = getattr(args, "goodput", None)
+    return given or WORKLOADS[args.workload].slo
 
 
 def configure_workload(args: argparse.Namespace) -> Workload:
@@ -203,6 +249,8 @@ def results_json(results: Sequence[tuple[Summary, Sequence[RequestRecord]]], wor
     return {
         "model": model, "dtype": dtype, "workload": {"name": workload.name, **dataclasses.asdict(workload)},
         "rate": args.rate, "concurrency": args.concurrency, "cpus": list(args.cpus),
+        "slo": dataclasses.asdict(slo_of(args)),
+        "local_prefill_max_tokens": getattr(args, "local_prefill_max_tokens", DEFAULT_LOCAL_PREFILL_MAX_TOKENS),
         "systems": [system_json(summary, records) for summary, records in results],
     }
 
@@ -218,6 +266,9 @@ def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Name
         f"Workload {workload.name} (seed {workload.seed}): {workload.describe()}; random token ids, greedy, "
         f"EOS ignored. Machine: {cpu_name()}, {os.cpu_count()} cores.",
         "",
+        f"Goodput: requests/s meeting both SLOs ({slo_of(args).describe()}) over the run's duration; SLO "
+        "attainment: % of all requests sent (failed ones miss) meeting both SLOs, and each alone.",
+        "",
         markdown_table(summaries),
         "",
     ]
@@ -229,7 +280,7 @@ def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Name
     return "\n".join(lines)
 
 
-def _resolve_dtype(name: str, device: str) -> str:
+def resolve_dtype_name(name: str, device: str) -> str:
     from common.model.loader import resolve_dtype
 
     return str(resolve_dtype(name, device)).removeprefix("torch.")
@@ -246,7 +297,7 @@ def _length_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def _cpu_list(text: str) -> tuple[int, ...]:
+def cpu_list(text: str) -> tuple[int, ...]:
     cpus: set[int] = set()
     try:
         for part in text.split(","):

@@ -113,11 +113,14 @@ def speculative_lines(spec: dict[str, Any]) -> list[str]:
 
 
 def kv_transfer_lines(kv: dict[str, Any]) -> list[str]:
-    rows = [[str(r["tokens"]), _fmt(r["bytes"] / 1e6), r["case"], _fmt(r["median_ms"], 2), _fmt(r["gb_s"], 2),
-             f"{r['vs_raw']:.0%}"] for r in kv["rows"]]
-    return [f"{kv['model']} KV blocks ({kv['bytes_per_block']:,} bytes per {kv['block_size']} tokens), "
-            f"{kv['backend']} between two processes over loopback, median of {kv['iters']} rounds.", "",
-            *_table(["tokens", "MB", "case", "median ms", "GB/s", "vs raw send"], rows, "rrlrrr")]
+    rows = [[str(r["tokens"]), _fmt(r["bytes"] / 1e6), r.get("transport", kv.get("backend", "")), r["case"],
+             _fmt(r["median_ms"], 2), _fmt(r["gb_s"], 2), f"{r['vs_raw']:.0%}",
+             f"{r['vs_memcpy']:.0%}" if "vs_memcpy" in r else ""] for r in kv["rows"]]
+    transports = ", ".join(kv.get("transports", [kv.get("backend", "")]))
+    return [f"{kv['model']} KV blocks ({kv['bytes_per_block']:,} bytes per {kv['block_size']} tokens) between two "
+            f"processes on this host ({transports}), median of {kv['iters']} rounds.", "",
+            *_table(["tokens", "MB", "transport", "case", "median ms", "GB/s", "vs raw send", "vs memcpy"], rows,
+                    "rrllrrrr")]
 
 
 def serving_lines(data: dict[str, Any]) -> list[str]:
@@ -127,14 +130,26 @@ def serving_lines(data: dict[str, Any]) -> list[str]:
     load = f"Poisson arrivals at {data['rate']:g} requests/s" if data.get("rate") else \
         f"closed loop, {data.get('concurrency')} in flight"
     lines = [f"Workload `{w['name']}` ({params}); {load}; {data['dtype']}; cores {data['cpus']}.", ""]
+    if slo := data.get("slo"):
+        lines += [f"Goodput: requests/s meeting both SLOs (TTFT <= {slo['ttft_s'] * 1e3:g} ms, TPOT <= "
+                  f"{slo['tpot_s'] * 1e3:g} ms); SLO attainment: % of all requests meeting them.", ""]
 
     def dist(s: dict[str, Any], key: str, stat: str, scale: float = 1e3) -> str:
         d = s.get(key)
         return "-" if not d else _fmt(d[stat] * scale, 0 if d[stat] * scale >= 100 else 1)
 
-    rows = [["completed / failed", *[f"{s['completed']} / {s['failed']}" for s in systems]],
-            ["requests/s", *[_fmt(s["request_throughput"], 3) for s in systems]],
-            ["output tokens/s", *[_fmt(s["output_throughput"]) for s in systems]]]
+    def attained(s: dict[str, Any], key: str) -> str:
+        a = s.get("slo")
+        return "-" if not a or not a["num_requests"] else f"{100 * a[key] / a['num_requests']:.0f}"
+
+    rows = [["completed / failed", *[f"{s['completed']} / {s['failed']}" if s.get("started", True)
+                                     else f"failed to start ({s['failed']})" for s in systems]],
+            ["requests/s", *[_fmt(s["request_throughput"], 3) for s in systems]]]
+    if any(s.get("slo") for s in systems):
+        rows += [["goodput (requests/s meeting both SLOs)", *[_fmt(s.get("goodput"), 3) for s in systems]],
+                 *[[f"SLO attainment, {label} (%)", *[attained(s, key) for s in systems]]
+                   for label, key in (("both", "met_both"), ("TTFT", "met_ttft"), ("TPOT", "met_tpot"))]]
+    rows.append(["output tokens/s", *[_fmt(s["output_throughput"]) for s in systems]])
     for label, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s")):
         rows += [[f"{label} {stat} (ms)", *[dist(s, key, stat) for s in systems]] for stat in ("p50", "p90", "p99")]
     rows.append(["KV transfer p50 (ms)", *[dist(s, "kv_transfer_s", "p50") for s in systems]])

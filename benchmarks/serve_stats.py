@@ -1,13 +1,15 @@
-"""The serving benchmark's statistics: one system's run summarised (overall and per kind of request), the
-systems side by side in Markdown, and a system's entry in the JSON results."""
+"""The serving benchmark's statistics: one system's run summarised (overall and per kind of request, with
+its SLO attainment and goodput), the systems side by side in Markdown, and a system's entry in the JSON
+results. A system that failed to start has a summary too (``started`` False): every request failed."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from benchmarks.serve_client import RequestRecord
+from benchmarks.slo import SLO, Attainment, Latencies
 
 PERCENTILES = ("p50", "p90", "p99")
 
@@ -63,6 +65,8 @@ class Summary:
     tokens_per_message: float
     errors: tuple[str, ...] = ()
     by_kind: dict[str, KindSummary] = field(default_factory=dict)  # in the order kinds first arrive
+    slo: Attainment | None = None  # None: summarized without an SLO
+    started: bool = True  # False: the system failed to start (or to serve its warm-up); nothing was measured
 
     @property
     def request_throughput(self) -> float:
@@ -73,7 +77,8 @@ class Summary:
         return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
 
 
-def summarize(system: str, placement: str, records: Sequence[RequestRecord], duration_s: float) -> Summary:
+def summarize(system: str, placement: str, records: Sequence[RequestRecord], duration_s: float,
+              slo: SLO | None = None) -> Summary:
     done = [r for r in records if r.ok]
     messages = sum(r.num_messages for r in done)
     output_tokens = sum(r.num_tokens for r in done)
@@ -89,7 +94,22 @@ def summarize(system: str, placement: str, records: Sequence[RequestRecord], dur
         errors=tuple(sorted({r.error for r in records if r.error}))[:5],
         by_kind={kind: KindSummary.of([r for r in done if r.kind == kind])
                  for kind in dict.fromkeys(r.kind for r in records)},
+        slo=None if slo is None else Attainment.of(slo, map(latencies, records), duration_s),
     )
+
+
+def latencies(record: RequestRecord) -> Latencies:
+    """What the SLO judges of one request: None when it failed, else (TTFT, TPOT or None)."""
+    ttft = record.ttft_s
+    return None if ttft is None else (ttft, record.tpot_s)
+
+
+def not_started(system: str, num_requests: int, error: str, slo: SLO | None = None) -> Summary:
+    """The summary of a system that failed to start: each of its ``num_requests`` counts as failed."""
+    return Summary(system=system, placement="failed to start", completed=0, failed=num_requests, wrong_length=0,
+                   duration_s=0.0, input_tokens=0, output_tokens=0, ttft_s=None, tpot_s=None, itl_s=None,
+                   e2e_s=None, queue_s=None, kv_transfer_s=None, tokens_per_message=0.0, errors=(error,),
+                   slo=None if slo is None else Attainment.of(slo, [None] * num_requests, 0.0), started=False)
 
 
 def system_json(summary: Summary, records: Sequence[RequestRecord]) -> dict[str, Any]:
@@ -98,18 +118,21 @@ def system_json(summary: Summary, records: Sequence[RequestRecord]) -> dict[str,
         **asdict(summary),
         "request_throughput": summary.request_throughput,
         "output_throughput": summary.output_throughput,
+        "goodput": None if summary.slo is None else summary.slo.goodput,
         "records": [{"index": r.index, "kind": r.kind, "prompt_len": r.prompt_len, "num_tokens": r.num_tokens,
                      "ok": r.ok, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "e2e_s": r.e2e_s} for r in records],
     }
 
 
 def markdown_table(summaries: Sequence[Summary]) -> str:
-    """The systems side by side, one metric per row."""
+    """The systems side by side, one metric per row (the SLO rows when the summaries have an SLO)."""
     rows: list[tuple[str, list[str]]] = [
-        ("completed / failed", [f"{s.completed} / {s.failed}" for s in summaries]),
-        ("duration (s)", [f"{s.duration_s:.1f}" for s in summaries]),
-        ("requests/s", [f"{s.request_throughput:.3f}" for s in summaries]),
-        ("output tokens/s", [f"{s.output_throughput:.1f}" for s in summaries]),
+        ("completed / failed", [f"{s.completed} / {s.failed}" if s.started else f"failed to start ({s.failed})"
+                                for s in summaries]),
+        ("duration (s)", [f"{s.duration_s:.1f}" if s.started else "-" for s in summaries]),
+        ("requests/s", [f"{s.request_throughput:.3f}" if s.started else "-" for s in summaries]),
+        *slo_rows(summaries),
+        ("output tokens/s", [f"{s.output_throughput:.1f}" if s.started else "-" for s in summaries]),
         ("total tokens/s (in + out)", [f"{(s.input_tokens + s.output_tokens) / s.duration_s:.1f}"
                                        if s.duration_s > 0 else "-" for s in summaries]),
     ]
@@ -126,6 +149,20 @@ def markdown_table(summaries: Sequence[Summary]) -> str:
     rows.append(("tokens per streamed message", [f"{s.tokens_per_message:.2f}" for s in summaries]))
     rows.append(("outputs of the wrong length", [str(s.wrong_length) for s in summaries]))
     return _table("metric", summaries, rows)
+
+
+def slo_rows(summaries: Sequence[Summary]) -> list[tuple[str, list[str]]]:
+    """Goodput and SLO attainment (both SLOs, each alone), one row each; none when no summary has an SLO."""
+    if all(s.slo is None for s in summaries):
+        return []
+
+    def cells(value: Callable[[Attainment], str]) -> list[str]:
+        return ["-" if s.slo is None else value(s.slo) for s in summaries]
+
+    return [("goodput (requests/s meeting both SLOs)", cells(lambda a: f"{a.goodput:.3f}")),
+            ("SLO attainment, both (%)", cells(lambda a: f"{100 * a.both:.0f}")),
+            ("SLO attainment, TTFT (%)", cells(lambda a: f"{100 * a.ttft:.0f}")),
+            ("SLO attainment, TPOT (%)", cells(lambda a: f"{100 * a.tpot:.0f}"))]
 
 
 def kind_table(summaries: Sequence[Summary]) -> str | None:

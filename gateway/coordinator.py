@@ -4,6 +4,8 @@
                              ├─ Decode.Generate ──> decode node: Reservation, then TokenDeltas
                              └─ Prefill.Prefill ──> prefill node: pushes KV into the reservation,
                                                     answers with the first token
+With conditional disaggregation (``gateway.prefill_policy``) a short prompt skips the prefill node: the decode
+node computes it itself (``prefill_locally``) and its first TokenDelta carries the first token.
 The first token goes to the client as soon as the prefill answers; the decode stream is read by its own
 task into a queue, so the decode node never waits for a slow client, and each client message carries
 everything that queued up since the previous one. Whatever ends the request (its end, a stop string,
@@ -30,6 +32,7 @@ from common.telemetry import spans
 from gateway.model import ServedModel
 from gateway.node_pool import NodePool
 from gateway.output import Delta, OutputChunk, OutputProcessor, Timings, Usage, coalesced_chunks
+from gateway.prefill_policy import LocalPrefillPolicy, prefill_locally
 from gateway.request import GatewayRequest
 from gateway.router import NodeState, Router
 from tandem.v1 import decode_pb2, prefill_pb2
@@ -41,6 +44,12 @@ T = TypeVar("T")
 # A node's status that means the same to our client, passed on as it is; other codes become INTERNAL.
 _PASSED_ON = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION})
+
+
+# Failures of the prefill leg after which the decode node can still compute the prompt itself
+# (--kv-load-failure-policy recompute): a node or a transfer broke. Not the caller's mistakes, not the deadline.
+_RECOMPUTED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                         grpc.StatusCode.ABORTED})
 
 
 class _StreamEnd:
@@ -55,19 +64,30 @@ _Reader: TypeAlias = asyncio.Task[grpc.aio.AioRpcError | None]  # the decode str
 class _DecodeLeg:
     node: NodeState
     call: grpc.aio.UnaryStreamCall
-    reservation: decode_pb2.Reservation
+    reservation: decode_pb2.Reservation | None  # None: the decode node prefills the prompt itself
+    # A local prefill's first delta: prompt tokens cached on the decode node, time queued there.
+    cached_tokens: int = 0
+    queue_seconds: float = 0.0
+    first_token_time: float | None = None
+
+    @property
+    def node_id(self) -> str:
+        return (self.reservation.node_id if self.reservation is not None else "") or self.node.node_id
 
 
 class Coordinator:
     """The disaggregated ``GenerateBackend``: runs Generate requests over the nodes of one ``Router``."""
 
     def __init__(self, model: ServedModel, router: Router, pool: NodePool, block_size: int,
-                 kv_timeout_s: float) -> None:
+                 kv_timeout_s: float, local_prefill: LocalPrefillPolicy | None = None,
+                 recompute_on_kv_failure: bool = False) -> None:
         self._model = model
         self._router = router
         self._pool = pool
         self._block_size = block_size
         self._kv_timeout_s = kv_timeout_s
+        self._local_prefill = local_prefill or LocalPrefillPolicy()
+        self._recompute_on_kv_failure = recompute_on_kv_failure
 
     async def generate(self, req: GatewayRequest, arrival: float, deadline: float,
                        ) -> AsyncGenerator[OutputChunk, None]:
@@ -76,40 +96,69 @@ class Coordinator:
         Raises ``ServiceError`` subclasses when a node fails or none is reachable.
         """
         block_hashes = hash_prompt_blocks(req.prompt_token_ids, self._block_size)
-        decode = await self._reserve(req, deadline, num_prompt_blocks=len(req.prompt_token_ids) // self._block_size)
+        num_prompt_blocks = len(req.prompt_token_ids) // self._block_size
+        decode = await self._reserve(req, deadline, num_prompt_blocks, self._prefill_locally(req, num_prompt_blocks))
         span = trace.get_current_span()
-        if span.is_recording():
+        if span.is_recording() and decode.reservation is not None:
             r = decode.reservation
-            span.add_event("reserved", {spans.DECODE_NODE: r.node_id or decode.node.node_id,
+            span.add_event("reserved", {spans.DECODE_NODE: decode.node_id,
                                         spans.TRANSFER_ID: r.transfer_id, spans.RESERVED_BLOCKS: len(r.block_ids),
                                         spans.CACHED_TOKENS: r.num_cached_tokens})
-        queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
-        reader = asyncio.create_task(_read_decode_stream(decode.call, queue), name=f"decode-{req.request_id}")
+        elif span.is_recording():
+            span.add_event("local_prefill", {spans.DECODE_NODE: decode.node_id})
+        queue, reader = _start_reading(decode, req.request_id)
         # out.source_finished: the decode node sent its finish reason, so its call ends by itself.
         out = OutputProcessor(self._model.tokenizer, req.prompt_token_ids, req.stop, req.include_stop_string)
         try:
-            prefill_node, reply, prefill_started = await self._prefill(req, decode, reader, block_hashes, deadline)
-            first = OutputChunk()
-            out.add(first, [reply.first_token], [reply.first_logprob] if reply.HasField("first_logprob") else [])
-            first_token_time = time.monotonic()
-            if span.is_recording():
-                span.add_event("first_token", {spans.PREFILL_NODE: prefill_node.node_id,
-                                               spans.CACHED_TOKENS: reply.num_cached_tokens})
+            first: OutputChunk | None = None
+            reply: prefill_pb2.PrefillResponse | None = None
+            if decode.reservation is not None:
+                try:
+                    prefill_node, reply, prefill_started = await self._prefill(req, decode, reader, block_hashes,
+                                                                               deadline)
+                except ServiceError as exc:
+                    if not (self._recompute_on_kv_failure and exc.code in _RECOMPUTED):
+                        raise
+                    # The KV never arrived and the client has seen nothing yet: the decode node prefills the
+                    # prompt itself (--kv-load-failure-policy recompute), on a fresh call.
+                    log.warning("%s: %s; the decode node recomputes the prompt", req.request_id, exc)
+                    if span.is_recording():
+                        span.add_event("kv_load_failed", {"exception.message": str(exc)})
+                    reader.cancel()
+                    decode.call.cancel()
+                    decode.node.end()
+                    decode = await self._reserve(req, deadline, num_prompt_blocks, local=True)
+                    queue, reader = _start_reading(decode, req.request_id)
+            if decode.reservation is not None and reply is not None:
+                first = OutputChunk()
+                out.add(first, [reply.first_token], [reply.first_logprob] if reply.HasField("first_logprob") else [])
+                decode.first_token_time = time.monotonic()
+                if span.is_recording():
+                    span.add_event("first_token", {spans.PREFILL_NODE: prefill_node.node_id,
+                                                   spans.CACHED_TOKENS: reply.num_cached_tokens})
             to_delta = functools.partial(self._delta, decode=decode)
             async for chunk in coalesced_chunks(out, queue, to_delta, req, first):
                 if out.finished:
                     if not out.source_finished:  # a stop string ended it: abort the rest on the decode node now
                         decode.call.cancel()
+                    cached = reply.num_cached_tokens if reply is not None else decode.cached_tokens
                     chunk.usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=out.num_tokens,
-                                        cached_tokens=reply.num_cached_tokens)
+                                        cached_tokens=cached)
+                    first_token_time = decode.first_token_time or time.monotonic()
+                    if reply is None:  # prefilled on the decode node
+                        queue_seconds, kv_seconds, kv_bytes, prefill_id = decode.queue_seconds, 0.0, 0, decode.node_id
+                    else:
+                        queue_seconds = prefill_started - arrival + reply.queue_seconds
+                        kv_seconds, kv_bytes, prefill_id = reply.transfer_seconds, reply.transfer_bytes, \
+                            prefill_node.node_id
                     chunk.timings = Timings(
-                        queue_seconds=prefill_started - arrival + reply.queue_seconds,
+                        queue_seconds=queue_seconds,
                         time_to_first_token=first_token_time - arrival,
                         e2e_seconds=time.monotonic() - arrival,
-                        kv_transfer_seconds=reply.transfer_seconds,
-                        kv_transfer_bytes=reply.transfer_bytes,
-                        prefill_node=prefill_node.node_id,
-                        decode_node=decode.reservation.node_id or decode.node.node_id,
+                        kv_transfer_seconds=kv_seconds,
+                        kv_transfer_bytes=kv_bytes,
+                        prefill_node=prefill_id,
+                        decode_node=decode.node_id,
                     )
                 yield chunk
         finally:
@@ -123,17 +172,30 @@ class Coordinator:
         if isinstance(item, grpc.aio.AioRpcError):
             raise self._node_error("decode", decode.node, item)
         if isinstance(item, _StreamEnd) or not item.HasField("delta"):
-            what = "ended its stream" if isinstance(item, _StreamEnd) else "sent a second reservation"
+            what = "ended its stream" if isinstance(item, _StreamEnd) else "sent a second reservation or answer"
             raise ServiceError(f"decode node {decode.node.target} {what} before a finish reason")
         d = item.delta
+        if decode.first_token_time is None:  # a local prefill's first token
+            decode.first_token_time = time.monotonic()
+            decode.cached_tokens, decode.queue_seconds = d.num_cached_tokens, d.queue_seconds
         return Delta(d.token_ids, d.logprobs, d.finish_reason or None)
 
-    async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int) -> _DecodeLeg:
-        """Open a decode stream and read its reservation; a node that cannot be reached is replaced once."""
+    def _prefill_locally(self, req: GatewayRequest, num_prompt_blocks: int) -> bool:
+        """Conditional disaggregation: whether the decode node the router would pick prefills this prompt."""
+        if self._local_prefill.max_tokens == 0:
+            return False
+        node = self._router.pick_decode(num_prompt_blocks)
+        return node is not None and prefill_locally(self._local_prefill, len(req.prompt_token_ids), node,
+                                                    list(self._router.prefill.values()), self._block_size)
+
+    async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int,
+                       local: bool = False) -> _DecodeLeg:
+        """Open a decode stream and read its reservation (``local``: its local-prefill answer); a node that
+        cannot be reached is replaced once."""
         request = decode_pb2.DecodeRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_proto(req.sampling), eos_token_ids=self._model.eos_token_ids,
-            kv_timeout_seconds=min(self._kv_timeout_s, _remaining(deadline)),
+            kv_timeout_seconds=min(self._kv_timeout_s, _remaining(deadline)), prefill_locally=local,
         )
         tried: list[str] = []
         while True:
@@ -160,11 +222,12 @@ class Coordinator:
                 call.cancel()
                 node.end()
                 raise
-            if first is grpc.aio.EOF or not first.HasField("reservation"):
+            expected = "local_prefill" if local else "reservation"
+            if first is grpc.aio.EOF or not first.HasField(expected):
                 call.cancel()
                 node.end()
-                raise ServiceError(f"decode node {node.target} answered without a reservation")
-            return _DecodeLeg(node, call, first.reservation)
+                raise ServiceError(f"decode node {node.target} answered without a {expected.replace('_', ' ')}")
+            return _DecodeLeg(node, call, None if local else first.reservation)
 
     async def _prefill(self, req: GatewayRequest, decode: _DecodeLeg, reader: _Reader,
                        block_hashes: list[bytes], deadline: float,
@@ -172,6 +235,7 @@ class Coordinator:
         """Prefill into the reservation; a node that cannot be reached is replaced once (the reservation
         stays valid: nothing was written into it). Returns the node, its answer and when it was called."""
         r = decode.reservation
+        assert r is not None, "a local prefill has no prefill leg"
         request = prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_proto(req.sampling), eos_token_ids=self._model.eos_token_ids,
@@ -245,6 +309,11 @@ async def _read_decode_stream(call: grpc.aio.UnaryStreamCall, queue: asyncio.Que
         return None
     queue.put_nowait(_StreamEnd())
     return None
+
+
+def _start_reading(decode: _DecodeLeg, request_id: str) -> tuple[asyncio.Queue[_QueueItem], _Reader]:
+    queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
+    return queue, asyncio.create_task(_read_decode_stream(decode.call, queue), name=f"decode-{request_id}")
 
 
 def _remaining(deadline: float) -> float:

@@ -25,12 +25,15 @@ class NodePool:
     """One channel per node (gRPC multiplexes every request over it) and the stats poller."""
 
     def __init__(self, router: Router, stats_interval_s: float, block_size: int,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self._router = router
         self._interval = stats_interval_s
         self._block_size = block_size
-        # ``interceptors``: trace-context propagation when tracing is on (common.telemetry.propagation).
-        self._channels = {t: open_channel(t, interceptors=interceptors) for t in (*router.prefill, *router.decode)}
+        # ``interceptors``: trace-context propagation when tracing is on (common.telemetry.propagation) and
+        # the cluster token; ``credentials``: TLS to the nodes (common.serving.security).
+        self._channels = {t: open_channel(t, interceptors=interceptors, credentials=credentials)
+                          for t in (*router.prefill, *router.decode)}
         self._prefill = {t: prefill_pb2_grpc.PrefillStub(self._channels[t]) for t in router.prefill}
         self._decode = {t: decode_pb2_grpc.DecodeStub(self._channels[t]) for t in router.decode}
         self._poller: asyncio.Task[None] | None = None

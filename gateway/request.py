@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jinja2 import TemplateError
 
@@ -21,6 +21,7 @@ from tandem.v1 import common_pb2, generate_pb2
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
+MAX_SAMPLES = 16  # n: samples of one prompt
 DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
 
 
@@ -35,14 +36,36 @@ class GatewayRequest:
     include_stop_string: bool = False
     include_token_ids: bool = False
     skip_text: bool = False
+    n: int = 1  # samples of this prompt; ``samples()`` makes one request per sample
+    index: int = 0  # this sample's position among them (a sample has n == 1)
+    sample_of: str = ""  # a sample's parent request id: what the client sees as its id
 
     @property
     def want_logprobs(self) -> bool:
         return self.sampling.logprobs is not None
 
+    @property
+    def client_request_id(self) -> str:
+        return self.sample_of or self.request_id
+
+    def samples(self) -> tuple[GatewayRequest, ...]:
+        """One request per sample, each with its own id (``<id>-<i>``) and, when seeded, seed ``seed + i``
+        (so that the samples differ yet are reproducible); ``n == 1`` is its own only sample."""
+        if self.n == 1:
+            return (self,)
+        seed = self.sampling.seed
+        return tuple(
+            replace(self, request_id=f"{self.request_id}-{i}", n=1, index=i, sample_of=self.request_id,
+                    sampling=self.sampling if seed is None else replace(self.sampling, seed=(seed + i) % 2**63))
+            for i in range(self.n))
+
     @staticmethod
-    def from_proto(msg: generate_pb2.GenerateRequest, model: ServedModel) -> GatewayRequest:
-        """Validate ``msg`` against ``model``; tokenize text and chat input."""
+    def from_proto(msg: generate_pb2.GenerateRequest, model: ServedModel,
+                   default_max_tokens: int = DEFAULT_MAX_TOKENS) -> GatewayRequest:
+        """Validate ``msg`` against ``model``; tokenize text and chat input.
+
+        An unset ``sampling.max_tokens`` is ``default_max_tokens``, shrunk to what fits the model.
+        """
         if msg.model and msg.model != model.name:
             raise InvalidRequestError("model", f"unknown model {msg.model!r}; this server serves {model.name!r}")
         request_id = _request_id(msg.request_id)
@@ -53,7 +76,7 @@ class GatewayRequest:
                                              f"(max_model_len {model.max_model_len} minus 1 token to generate)")
         room = model.max_model_len - len(prompt)
         # An unset max_tokens shrinks to fit the model (as vLLM does); an explicit one that cannot fit fails.
-        sampling = _sampling(msg.sampling, min(DEFAULT_MAX_TOKENS, room), model.vocab_size)
+        sampling = _sampling(msg.sampling, min(default_max_tokens, room), model.vocab_size)
         if sampling.max_tokens > room:
             raise InvalidRequestError("sampling.max_tokens",
                                       f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
@@ -66,7 +89,14 @@ class GatewayRequest:
             include_stop_string=msg.include_stop_string,
             include_token_ids=msg.stream.include_token_ids,
             skip_text=msg.stream.skip_text,
+            n=_num_samples(msg.n),
         )
+
+
+def _num_samples(n: int) -> int:
+    if n > MAX_SAMPLES:
+        raise InvalidRequestError("n", f"must be in [1, {MAX_SAMPLES}], got {n}")
+    return n or 1  # unset (0) is one sample
 
 
 def _request_id(given: str) -> str:

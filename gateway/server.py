@@ -1,4 +1,5 @@
-"""Start the gateway: load the tokenizer, connect to the nodes, serve ``tandem.v1.Tandem``."""
+"""Start the gateway: load the tokenizer, connect to the nodes, serve ``tandem.v1.Tandem`` (and the
+OpenAI-compatible HTTP API when ``http_port`` is set), both fronts over one ``RequestRunner``."""
 
 from __future__ import annotations
 
@@ -6,63 +7,121 @@ import asyncio
 import functools
 import logging
 
+from common.config.settings import SecuritySettings
+from common.serving.security import TokenAuthInterceptor, channel_credentials, server_credentials, token_interceptors
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
 from common.telemetry.metrics import GatewayMetrics, serve_metrics
 from common.telemetry.propagation import client_interceptors
+from gateway.backend import GenerateBackend
 from gateway.coordinator import Coordinator
+from gateway.http_api import HttpApi, Readiness
+from gateway.http_server import HttpServer
 from gateway.model import ServedModel
 from gateway.node_pool import NodePool
+from gateway.prefill_policy import LocalPrefillPolicy
+from gateway.request_runner import RequestRunner
 from gateway.router import Router
-from gateway.servicer import SERVICE_NAME, TandemServicer
+from gateway.servicer import SERVICE_NAME, LoadsSource, TandemServicer
 from gateway.settings import GatewaySettings
 from tandem.v1 import generate_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = None) -> RunningServer:
+async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = None,
+                        security: SecuritySettings | None = None) -> RunningServer:
     """Start the gateway (health, reflection, status interceptor) and return it running.
 
     ``model`` lets a caller that already loaded the tokenizer (tests, an in-process launcher) share it.
+    ``security``: TLS on the public port and to the nodes, and the cluster token sent to them.
     Stopping the returned server also stops the stats poller and closes the node channels.
     """
+    security = security or SecuritySettings()
     if model is None:
         assert settings.model_dir is not None  # GatewaySettings guarantees it
         model = ServedModel.load(settings.model_dir, settings.served_model_name, settings.max_model_len,
                                  settings.dtype)
     router = Router(settings.prefill_targets, settings.decode_targets, settings.affinity_capacity,
                     settings.affinity_load_slack)
-    pool = NodePool(router, settings.stats_interval_s, settings.block_size, interceptors=client_interceptors())
+    pool = NodePool(router, settings.stats_interval_s, settings.block_size,
+                    interceptors=[*client_interceptors(), *token_interceptors(security.internal_token)],
+                    credentials=channel_credentials(security))
     await pool.start()
-    coordinator = Coordinator(model, router, pool, settings.block_size, settings.kv_timeout_s)
-    status = StatusInterceptor()
-    metrics = GatewayMetrics()
-    servicer = TandemServicer(model, coordinator, settings, metrics, status.status_for)
-    metrics_server = None
+    coordinator = Coordinator(model, router, pool, settings.block_size, settings.kv_timeout_s,
+                              LocalPrefillPolicy(max_tokens=settings.local_prefill_max_tokens),
+                              recompute_on_kv_failure=settings.kv_load_failure_policy == "recompute")
     try:
-        if settings.metrics_port:
-            metrics_server = serve_metrics(metrics, settings.host, settings.metrics_port)
-        running = await start_server([functools.partial(generate_pb2_grpc.add_TandemServicer_to_server, servicer)],
-                                     [SERVICE_NAME], settings.host, settings.port, interceptors=[status])
+        running = await serve_fronts(model, coordinator, settings, router=router,
+                                     readiness=lambda: _readiness(router), security=security)
     except BaseException:
         await pool.close()
-        if metrics_server is not None:
-            metrics_server.close()
         raise
-    if metrics_server is not None:
-        running.add_shutdown_hook(metrics_server.stop)
     running.add_shutdown_hook(pool.close)
     return running
 
 
-def run_gateway(settings: GatewaySettings) -> None:
+async def serve_fronts(model: ServedModel, backend: GenerateBackend, settings: GatewaySettings,
+                       router: Router | None = None, loads: LoadsSource | None = None,
+                       readiness: Readiness | None = None, security: SecuritySettings | None = None,
+                       ) -> RunningServer:
+    """Serve the public fronts over ``backend``: gRPC on ``settings.port``, HTTP on ``settings.http_port``
+    (when set), /metrics on ``settings.metrics_port`` (when set). The gateway and the colocated server
+    both start here; stopping the returned server stops all three.
+
+    Both fronts take TLS from ``security`` (``tls_cert``/``tls_key``; no client certificates: the public
+    API's callers authenticate with ``settings.api_key``, checked once per front).
+    """
+    security = security or SecuritySettings()
+    credentials = server_credentials(security, internal=False)
+    status = StatusInterceptor()
+    # The API key guards the Tandem service only: health checking and reflection stay open.
+    auth = [TokenAuthInterceptor(settings.api_key, [SERVICE_NAME], "API key")] if settings.api_key else []
+    metrics = GatewayMetrics()
+    runner = RequestRunner(model, backend, settings, metrics, status.status_for)
+    servicer = TandemServicer(runner, router, loads)
+    metrics_server = http = None
+    try:
+        if settings.metrics_port:
+            metrics_server = serve_metrics(metrics, settings.host, settings.metrics_port)
+        if settings.http_port:
+            tls = (security.tls_cert, security.tls_key) if security.tls_cert and security.tls_key else None
+            http = await HttpServer.start(HttpApi(runner, readiness, settings.api_key).app, settings.host,
+                                          settings.http_port, settings.shutdown_grace_s, tls)
+        running = await start_server([functools.partial(generate_pb2_grpc.add_TandemServicer_to_server, servicer)],
+                                     [SERVICE_NAME], settings.host, settings.port, interceptors=[*auth, status],
+                                     credentials=credentials)
+    except BaseException:
+        if metrics_server is not None:
+            metrics_server.close()
+        if http is not None:
+            await http.stop()
+        raise
+    if metrics_server is not None:
+        running.add_shutdown_hook(metrics_server.stop)
+    if http is not None:
+        running.http_url = http.url
+        running.add_shutdown_hook(http.stop)  # hooks run last-first: HTTP stops before the node channels close
+    return running
+
+
+def _readiness(router: Router) -> str | None:
+    """GET /health: 503 while no prefill or no decode node is reachable."""
+    for role, nodes in (("prefill", router.prefill), ("decode", router.decode)):
+        if not any(n.reachable for n in nodes.values()):
+            return f"no reachable {role} node"
+    return None
+
+
+def run_gateway(settings: GatewaySettings, security: SecuritySettings | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then drain in-flight streams for ``shutdown_grace_s`` and exit."""
 
     async def main() -> None:
-        running = await serve_gateway(settings)
+        running = await serve_gateway(settings, security=security)
         log.info("gateway for %s on %s -> prefill %s, decode %s", settings.served_model_name, running.address,
                  ", ".join(settings.prefill_targets), ", ".join(settings.decode_targets))
+        if running.http_url:
+            log.info("OpenAI-compatible HTTP API on %s/v1", running.http_url)
         await serve_until_signal(running, settings.shutdown_grace_s)
 
     asyncio.run(main())

@@ -1,131 +1,69 @@
-"""The public ``tandem.v1.Tandem`` service: admission, validation, deadline; the flow is the backend's.
+"""The public ``tandem.v1.Tandem`` service: the gRPC front of ``RequestRunner``.
 
-Observability hooks in at this edge: one root span (``generate``) and the request metrics per ``Generate``
-wrap its body (the last chunk carries usage and timings), plus one structured log line per request.
+Admission, deadline, the ``n`` samples and telemetry (one root span and the request metrics per
+``Generate``, one log line per sample) are the runner's, shared with the HTTP front; this servicer only
+converts at its edge: ``GatewayRequest.from_proto`` in, ``_to_proto`` out.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
+from collections.abc import Awaitable, Callable
 
 import grpc
-from opentelemetry import trace
 
 from common.errors import InvalidRequestError
-from common.serving.errors import DeadlineExceededError, ResourceExhaustedError
-from common.serving.status import StatusInterceptor
-from common.telemetry import spans
-from common.telemetry.logs import log_event, request_scope
-from common.telemetry.metrics import GatewayMetrics
-from common.telemetry.tracing import get_tracer
-from gateway.backend import GenerateBackend
-from gateway.model import ServedModel
 from gateway.output import OutputChunk
 from gateway.request import GatewayRequest, chat_token_ids
-from gateway.settings import GatewaySettings
+from gateway.request_runner import RequestRunner
+from gateway.router import Router
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
 
 log = logging.getLogger(__name__)
-_tracer = get_tracer(__name__)
 
 
 class TandemServicer(generate_pb2_grpc.TandemServicer):
-    """Generate, Tokenize, ModelInfo; errors are raised and mapped to statuses by the interceptor.
+    """Generate, Tokenize, ModelInfo, Abort, GetLoads; errors are raised and mapped to statuses by the
+    interceptor (whose mapping the runner was given, so that the root span carries the client's status).
 
-    ``backend`` produces the tokens: the gateway's ``Coordinator`` over prefill and decode nodes, or the
-    colocated server's engine. ``status_for`` is the interceptor's mapping, so that the root span and the
-    failure counter carry the status the client gets.
+    ``router`` is the gateway's view of its nodes (``GetLoads``); the colocated server has none and reports
+    its own engine through ``loads`` instead.
     """
 
-    def __init__(self, model: ServedModel, backend: GenerateBackend, settings: GatewaySettings,
-                 metrics: GatewayMetrics | None = None, status_for: spans.StatusFor | None = None) -> None:
-        self._model = model
-        self._backend = backend
-        self._settings = settings
-        self._metrics = metrics or GatewayMetrics()
-        self._status_for = status_for or StatusInterceptor().status_for
-        self.num_inflight = 0
+    def __init__(self, runner: RequestRunner, router: Router | None = None,
+                 loads: LoadsSource | None = None) -> None:
+        self._runner = runner
+        self._model = runner.model
+        self._settings = runner.settings
+        self._router = router
+        self._loads = loads
+
+    @property
+    def num_inflight(self) -> int:
+        return self._runner.admission.num_inflight
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        with (_tracer.start_as_current_span(spans.GENERATE, kind=spans.SERVER, record_exception=False,
-                                            set_status_on_exception=False) as span,
-              contextlib.ExitStack() as log_scope):
-            try:
-                await self._generate(request, context, span, log_scope)
-            except BaseException as exc:
-                code = spans.record_failure(span, exc, self._status_for, log, "request failed")
-                self._metrics.request_failed(code.name)
-                raise
+        async def write(chunk: OutputChunk, req: GatewayRequest) -> None:
+            await context.write(_to_proto(chunk, req))
 
-    async def _generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                        span: trace.Span, log_scope: contextlib.ExitStack) -> None:
-        limit = self._settings.max_inflight
-        if self.num_inflight >= limit:
-            raise ResourceExhaustedError(f"too many requests in flight: the limit is max_inflight={limit}; retry later")
-        self.num_inflight += 1
-        self._metrics.num_requests_running.inc()
-        try:
-            arrival = time.monotonic()
-            if request.request_id:  # the client's id, for the logs and span of a request that fails validation
-                span.set_attribute(spans.REQUEST_ID, request.request_id)
-                log_scope.enter_context(request_scope(request.request_id))
-            req = GatewayRequest.from_proto(request, self._model)
-            if req.request_id != request.request_id:
-                log_scope.enter_context(request_scope(req.request_id))  # until Generate has logged its end
-            if span.is_recording():
-                span.set_attributes({spans.REQUEST_ID: req.request_id, spans.MODEL: self._model.name,
-                                     spans.PROMPT_TOKENS: len(req.prompt_token_ids),
-                                     spans.MAX_TOKENS: req.sampling.max_tokens,
-                                     spans.TEMPERATURE: req.sampling.temperature})
-            client_remaining = context.time_remaining()
-            timeout = self._settings.request_timeout_s
-            if client_remaining is not None:
-                timeout = min(timeout, client_remaining)
-            scope = asyncio.timeout(timeout)
-            last: OutputChunk | None = None
-            try:
-                async with scope:
-                    chunks = self._backend.generate(req, arrival, arrival + timeout)
-                    # aclosing: a cancel or a timeout while we write still cancels both legs right away.
-                    async with contextlib.aclosing(chunks):
-                        async for chunk in chunks:
-                            await context.write(_to_proto(chunk, req))
-                            last = chunk
-                self._finished(last, span)
-            except TimeoutError:
-                if not scope.expired():
-                    raise
-                raise DeadlineExceededError(
-                    f"request {req.request_id} did not finish within {timeout:.3g} s (request_timeout_s="
-                    f"{self._settings.request_timeout_s:g}, or the client's deadline when sooner)") from None
-        finally:
-            self.num_inflight -= 1
-            self._metrics.num_requests_running.dec()
+        await self._runner.run(lambda: GatewayRequest.from_proto(request, self._model), write,
+                               context.time_remaining(), request.request_id)
 
-    def _finished(self, last: OutputChunk | None, span: trace.Span) -> None:
-        """Record the finished request: root span attributes, metrics, one log line."""
-        assert last is not None and last.usage is not None and last.timings is not None  # the backend's contract
-        u, t = last.usage, last.timings
-        reason = _finish_reason_name(last.finish_reason)
-        self._metrics.request_finished(reason, u.prompt_tokens, u.completion_tokens, t.time_to_first_token,
-                                       t.e2e_seconds, t.queue_seconds)
-        if span.is_recording():
-            span.set_attributes({
-                spans.COMPLETION_TOKENS: u.completion_tokens, spans.CACHED_TOKENS: u.cached_tokens,
-                spans.FINISH_REASONS: [reason], spans.TTFT_S: t.time_to_first_token, spans.QUEUE_S: t.queue_seconds,
-                spans.E2E_S: t.e2e_seconds, spans.PREFILL_NODE: t.prefill_node, spans.DECODE_NODE: t.decode_node,
-                spans.KV_BYTES: t.kv_transfer_bytes, spans.KV_SECONDS: t.kv_transfer_seconds,
-            })
-            spans.set_ok(span)
-        log_event(log, logging.INFO, "request finished", finish_reason=reason, prompt_tokens=u.prompt_tokens,
-                  completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
-                  ttft_s=round(t.time_to_first_token, 6), e2e_s=round(t.e2e_seconds, 6),
-                  prefill_node=t.prefill_node, decode_node=t.decode_node)
+    async def Abort(self, request: generate_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> generate_pb2.AbortResponse:
+        return generate_pb2.AbortResponse(aborted=self._runner.abort(list(request.request_ids)))
+
+    async def GetLoads(self, request: generate_pb2.GetLoadsRequest,
+                       context: grpc.aio.ServicerContext) -> generate_pb2.GetLoadsResponse:
+        admission = self._runner.admission
+        if self._loads is not None:
+            nodes = await self._loads()
+        else:
+            nodes = router_loads(self._router) if self._router is not None else []
+        return generate_pb2.GetLoadsResponse(nodes=nodes, num_inflight=admission.num_inflight,
+                                             num_queued=admission.num_queued)
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generate_pb2.TokenizeResponse:
@@ -153,7 +91,8 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
 
 def _to_proto(chunk: OutputChunk, req: GatewayRequest) -> generate_pb2.GenerateResponse:
     msg = generate_pb2.GenerateResponse(
-        request_id=req.request_id,
+        request_id=req.client_request_id,
+        index=req.index,
         text="" if req.skip_text else chunk.text,
         token_ids=chunk.token_ids if req.include_token_ids else (),
         logprobs=chunk.logprobs,
@@ -173,7 +112,22 @@ def _to_proto(chunk: OutputChunk, req: GatewayRequest) -> generate_pb2.GenerateR
     return msg
 
 
-def _finish_reason_name(reason: int | None) -> str:
-    """``FINISH_REASON_LENGTH`` -> ``length``: the label value and span attribute."""
-    return common_pb2.FinishReason.Name(reason or common_pb2.FINISH_REASON_UNSPECIFIED).removeprefix(
-        "FINISH_REASON_").lower()
+
+LoadsSource = Callable[[], Awaitable[list[generate_pb2.NodeLoad]]]
+
+
+def router_loads(router: Router) -> list[generate_pb2.NodeLoad]:
+    """Every node's load as the last Stats poll saw it, with the gateway's own in-flight count."""
+    out = []
+    for role, targets in (("prefill", router.prefill), ("decode", router.decode)):
+        for target in targets:
+            node = router.node(target)
+            msg = generate_pb2.NodeLoad(target=target, node_id=node.node_id, role=role, reachable=node.reachable,
+                                        num_inflight=node.inflight)
+            if node.load is not None:
+                load = node.load
+                msg.num_running, msg.num_waiting = load.num_running, load.num_waiting
+                msg.num_blocks, msg.free_blocks = load.num_blocks, load.free_blocks
+                msg.kv_usage = 1.0 - load.free_blocks / load.num_blocks if load.num_blocks else 0.0
+            out.append(msg)
+    return out

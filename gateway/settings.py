@@ -32,7 +32,9 @@ class GatewaySettings:
     port: int = 50051
     prefill_targets: tuple[str, ...] = ()  # host:port of each prefill node (env: comma-separated)
     decode_targets: tuple[str, ...] = ()
-    max_inflight: int = 256  # Generate calls in progress; beyond it new ones get RESOURCE_EXHAUSTED
+    max_inflight: int = 256  # samples in progress (both fronts); beyond it new requests queue for a slot
+    max_queued: int = 1024  # requests waiting for a slot; one more gets RESOURCE_EXHAUSTED (HTTP 429); 0: no queue
+    queue_timeout_s: float = 60.0  # the longest a request waits for a slot (within its own deadline)
     request_timeout_s: float = 600.0  # per Generate, or the client's deadline when that is sooner
     kv_timeout_s: float = 60.0  # a decode node frees a reservation whose KV has not arrived by then
     stats_interval_s: float = 1.0  # how often each node's Stats is polled for routing
@@ -43,6 +45,16 @@ class GatewaySettings:
     shutdown_grace_s: float = 10.0  # in-flight streams get this long to finish on SIGTERM
     dtype: str = "auto"  # what ModelInfo reports; auto = config.json's torch_dtype
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
+    http_port: int = 0  # the OpenAI-compatible HTTP API on host:http_port; 0: off (`tandem up`: 8000)
+    # Conditional disaggregation (gateway/prefill_policy.py): prompts up to this many tokens prefill on their
+    # decode node, no KV transfer; longer ones too, up to 4x, while every prefill node is busy. 0: never.
+    local_prefill_max_tokens: int = 0
+    # When a prompt's KV never reaches its decode node (the prefill node or the transfer failed before the
+    # first token): fail the request, or recompute (the decode node prefills the prompt itself).
+    kv_load_failure_policy: str = "fail"
+    # Bearer token of the public API (gRPC Tandem service and HTTP /v1): "" = open (the loopback default).
+    # Prefer the environment variable to the flag: a flag shows in `ps`.
+    api_key: str = ""
 
     def __post_init__(self) -> None:
         # Environment variables arrive as strings; the dataclass is frozen, hence object.__setattr__.
@@ -56,9 +68,16 @@ class GatewaySettings:
             raise ValueError(f"prefill_targets: at least one prefill node is required ({env_name('prefill_targets')})")
         if not self.decode_targets:
             raise ValueError(f"decode_targets: at least one decode node is required ({env_name('decode_targets')})")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.kv_load_failure_policy not in ("fail", "recompute"):
+            raise ValueError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
+        if self.queue_timeout_s <= 0 or self.max_queued < 0:
+            raise ValueError(f"queue_timeout_s must be > 0 and max_queued >= 0, got {self.queue_timeout_s}, "
+                             f"{self.max_queued}")
         for name in ("max_inflight", "block_size", "affinity_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -2,6 +2,9 @@
 
 Per prefill node, one ``Connect`` stream (control, protobuf) and one 2-rank pair group (data), together a
 ``ReceiverPair`` (receiver_pair.py). Chunk recvs land directly in ``kv_cache.blocks(dst, dst + n)`` views.
+A prefill node on the same host instead copies into our blocks itself (kv_transfer/transport.py): the KV
+tensor lives in a shared-memory segment (CPU) or is shared by CUDA IPC handle, and every reserved block
+carries a grant that is revoked before the block goes back to the caller (kv_transfer/block_grants.py).
 
 Lifetimes: a transfer ends in exactly one of success or failure, and it is reported (``wait`` resolves) only
 once no recv into its blocks is in flight. A refused chunk (unknown transfer, foreign block, transfer already
@@ -24,7 +27,9 @@ from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import PROTOCOL_VERSION, layout_mismatch
 from kv_transfer.pair_group import WILDCARD_HOSTS, PairGroupConfig
 from kv_transfer.receiver_pair import ReceiverPair
+from kv_transfer.shared_kv_owner import SharedKVOwner
 from kv_transfer.transfer_table import TransferTable
+from kv_transfer.transport import SHM, SOCKET, check_transport, choose_transport, host_id
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 if TYPE_CHECKING:
@@ -49,11 +54,19 @@ class KVReceiver:
         host: str = "127.0.0.1",
         store_port: int = 0,
         group_timeout_s: float = 30.0,
+        transport: str = "auto",
     ) -> None:
+        """``transport``: auto (shared memory for same-host senders, sockets otherwise) | shm | socket.
+
+        Unless it is ``socket``, the KV tensor is moved into shared memory here (CPU; see KVCache.share_memory),
+        so build the receiver before anything keeps a view of ``kv_cache.data``. ``shm`` fails when shared
+        memory cannot be set up; ``auto`` then logs why and pairs over sockets only.
+        """
         import datetime
 
         import torch.distributed as dist
 
+        self.transport = check_transport(transport)
         self.kv_cache = kv_cache
         self.layout = layout
         self.node_id = node_id
@@ -80,6 +93,10 @@ class KVReceiver:
             timeout=datetime.timedelta(seconds=group_timeout_s), wait_for_workers=False,
             master_listen_fd=listener.detach(), use_libuv=True,
         )
+        self._host_id = host_id()
+        self._shared: SharedKVOwner | None = None
+        if self.transport != SOCKET:
+            self._shared = SharedKVOwner.maybe_create(kv_cache, node_id, required=self.transport == SHM)
 
     # ------------------------------------------------------------------ public API
 
@@ -93,7 +110,14 @@ class KVReceiver:
         Thread-safe (the decode engine may call it from its own thread). Call it before handing the reservation
         to anyone: chunks for a transfer id not expected yet are refused.
         """
-        self._table.expect(transfer_id, block_ids, num_cached_tokens)
+        transfer = self._table.expect(transfer_id, block_ids, num_cached_tokens)
+        if self._shared is not None:
+            self._shared.grant(transfer_id, transfer.allowed)
+
+    @property
+    def shared_segment(self) -> str | None:
+        """The name of the shared-memory segment same-host senders map, None when pairs use sockets only."""
+        return self._shared.segment.name if self._shared is not None else None
 
     async def wait(self, transfer_id: str, timeout_s: float, start_timeout_s: float | None = None) -> TransferResult:
         """Resolve once TransferComplete arrived and every announced chunk landed.
@@ -107,12 +131,16 @@ class KVReceiver:
         """
         transfer, fut = self._table.watch(transfer_id, asyncio.get_running_loop())
         try:
-            await _until_resolved(transfer, fut, timeout_s, start_timeout_s)
-        except TimeoutError as exc:
-            await self._give_up(transfer, str(exc))
-        except asyncio.CancelledError:
-            await self._give_up(transfer, "the decode side stopped waiting")
-            raise
+            try:
+                await _until_resolved(transfer, fut, timeout_s, start_timeout_s)
+            except TimeoutError as exc:
+                await self._give_up(transfer, str(exc))
+            except asyncio.CancelledError:
+                await self._give_up(transfer, "the decode side stopped waiting")
+                raise
+            finally:
+                if self._shared is not None:
+                    await self._shared.revoke(transfer_id, transfer.allowed, self.group_timeout_s)
         finally:
             self._table.release(transfer)
         if transfer.error is not None:
@@ -125,9 +153,11 @@ class KVReceiver:
         transfer = self._table.abandon(transfer_id, f"abandoned by decode node {self.node_id}: {reason}")
         if transfer is not None:
             await self._drain(transfer)
+            if self._shared is not None:
+                await self._shared.revoke(transfer_id, transfer.allowed, self.group_timeout_s)
 
     async def close(self) -> None:
-        """Fail every transfer, drop every pair, stop the store."""
+        """Fail every transfer, drop every pair, stop the store, revoke every grant and unlink the segment."""
         self._table.close()
         pairs = list(self._pairs | self._retiring)
         for pair in pairs:
@@ -136,6 +166,8 @@ class KVReceiver:
             await asyncio.to_thread(pair.group.join, self.group_timeout_s + 5)
         self._table.fail_all(f"decode node {self.node_id} is shutting down")
         self._store = None
+        if self._shared is not None:
+            await self._shared.close(self.group_timeout_s)
 
     # ------------------------------------------------------------------ waiting (event loop)
 
@@ -170,6 +202,10 @@ class KVReceiver:
             return f"decode node {self.node_id} is shutting down"
         return None
 
+    def _pick_transport(self, hs: kv_transfer_pb2.Handshake) -> tuple[str | None, str | None]:
+        return choose_transport(self.transport, list(hs.transports), hs.host_id, self._host_id,
+                                shm_ready=self._shared is not None)
+
     def _pair_lost(self, pair: ReceiverPair) -> None:
         self._pairs.discard(pair)
         self._retiring = {p for p in self._retiring if p.group.running} | {pair}
@@ -180,23 +216,34 @@ class KVReceiver:
         except (StopAsyncIteration, TimeoutError):
             return
         refusal = self._check_handshake(first)
+        transport: str | None = SOCKET
+        if refusal is None:
+            transport, refusal = self._pick_transport(first.handshake)
         if refusal is not None:
             log.warning("KV handshake from %r refused: %s", first.handshake.sender_id, refusal)
             reply = kv_transfer_pb2.HandshakeReply(accepted=False, error=refusal, receiver_id=self.node_id)
             yield KVMessage(handshake_reply=reply)
             return
+        local = transport == SHM
         pair = ReceiverPair(self._table, self.kv_cache, first.handshake.sender_id, next(self._epochs),
-                            asyncio.get_running_loop(), self._pair_lost)
+                            asyncio.get_running_loop(), self._pair_lost, local=local)
         self._pairs.add(pair)
-        pair.group.start(PairGroupConfig(
-            store_host=self._store_client_host, store_port=self.store_port, prefix=pair.prefix, rank=1,
-            timeout_s=self.group_timeout_s, bind_host=self.host,
-        ))
-        yield KVMessage(handshake_reply=kv_transfer_pb2.HandshakeReply(
-            accepted=True, receiver_id=self.node_id,
-            store_host="" if self.host in WILDCARD_HOSTS else self.host, store_port=self.store_port,
-            group_prefix=pair.prefix, sender_rank=0, timeout_seconds=self.group_timeout_s,
-        ))
+        reply = kv_transfer_pb2.HandshakeReply(
+            accepted=True, receiver_id=self.node_id, group_prefix=pair.prefix, sender_rank=0,
+            timeout_seconds=self.group_timeout_s, transport=transport,
+        )
+        if local:
+            assert self._shared is not None
+            reply.shared_kv.CopyFrom(self._shared.description)
+        else:
+            pair.group.start(PairGroupConfig(
+                store_host=self._store_client_host, store_port=self.store_port, prefix=pair.prefix, rank=1,
+                timeout_s=self.group_timeout_s, bind_host=self.host,
+            ))
+            reply.store_host = "" if self.host in WILDCARD_HOSTS else self.host
+            reply.store_port = self.store_port
+        log.info("KV pair %s with prefill node %s over %s", pair.prefix, first.handshake.sender_id, transport)
+        yield KVMessage(handshake_reply=reply)
         reader = asyncio.create_task(pair.read(requests))
         try:
             while (out := await pair.outbox.get()) is not None:

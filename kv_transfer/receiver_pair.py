@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv_transfer.block_runs import BlockRun
+from kv_transfer.local_plane import LocalPlane
 from kv_transfer.pair_group import DataOp, PairGroup
 from tandem.v1 import kv_transfer_pb2
 
@@ -36,6 +37,7 @@ class ReceiverPair:
     """One prefill node's connection: its stream's outbox, its pair group, the transfer ids refused on it.
 
     ``on_lost`` is called once, on the event loop, when the pair ends (after its transfers were failed).
+    ``local``: a same-host pair, whose sender copies into our blocks itself (``LocalPlane``, no pair group).
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class ReceiverPair:
         epoch: int,
         loop: asyncio.AbstractEventLoop,
         on_lost: Callable[[ReceiverPair], None],
+        local: bool = False,
     ) -> None:
         self.table = table
         self.kv_cache = kv_cache
@@ -57,7 +60,9 @@ class ReceiverPair:
         # outbox, later ones for the same transfer just raise its seq: fewer messages when the loop is busy.
         self._acks: dict[str, KVMessage] = {}
         self._on_lost = on_lost
-        self.group = PairGroup(f"{sender_id}/{epoch}", kv_cache.data.device, self._broken)
+        name = f"{sender_id}/{epoch}"
+        self.group: PairGroup | LocalPlane = (LocalPlane(name) if local
+                                              else PairGroup(name, kv_cache.data.device, self._broken))
         self.refused: set[str] = set()
         self.closed = False
 
@@ -130,6 +135,11 @@ class ReceiverPair:
             self.shut(f"malformed KVChunk for {chunk.transfer_id}: a run of 0 or more than {limit} blocks")
             return
         transfer, refusal = self.table.accept_chunk(self, chunk.transfer_id, runs, msg.trace_context)
+        if refusal is None and chunk.not_written:  # same host: its blocks were granted to another transfer
+            assert transfer is not None
+            refusal = "a same-host chunk found its destination blocks granted to another transfer"
+            self.table.fail(transfer, refusal, notify_sender=False)
+            transfer = None
         if refusal is not None:
             self.refuse(chunk.transfer_id, refusal, dict(msg.trace_context))
         self.group.submit(ChunkRecv(self, transfer, chunk.transfer_id, chunk.seq, runs).as_op())

@@ -3,34 +3,37 @@
 Per decode node, made on first use and reused: one gRPC channel, one ``Connect`` stream and one 2-rank pair
 group. After any failure the pair is dropped and the next ``open`` pairs again under a new epoch.
 
-Order is everything: one writer task per pair takes pushes, completions and aborts of every transfer in the
-order they were made; for each chunk it queues the chunk's sends on the pair's worker thread and writes
-the KVChunk message. The receiver queues its recvs in the order it reads the messages, so both sides post
-data ops in the same order. Chunks already announced are always sent, even after an abort, because the receiver will
-post (scratch) recvs for them; a transfer's ``wait`` therefore reports only once its announced sends ended.
-Handle state lives on the event loop; the engine thread reaches it only through ``call_soon_threadsafe``.
+Each pair (``SenderPair``, sender_pair.py) keeps the order of its transfers' pushes, completions and aborts.
+Chunks already announced are always sent, even after an abort, because the receiver will post (scratch)
+recvs for them; a transfer's ``wait`` therefore reports only once its announced sends ended. Handle state
+lives on the event loop; the engine thread reaches it only through ``call_soon_threadsafe``.
+
+Transport (kv_transfer/transport.py): the handshake offers shared memory first when ``transport`` allows
+it; a decode node on the same host answers with its KV memory and no pair group is formed. When that
+memory cannot be mapped here (another container's /dev/shm), ``auto`` pairs again over sockets.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from typing import TYPE_CHECKING
 
 import grpc
 
+from common.kv.shared_segment import SharedMemoryUnavailable
 from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import PROTOCOL_VERSION
-from kv_transfer.pair_group import DataOp, PairGroup, PairGroupConfig
-from kv_transfer.transfer_handle import Chunk, TransferHandle, TransferStats
+from kv_transfer.pair_group import PairGroupConfig
+from kv_transfer.sender_pair import SenderPair, describe
+from kv_transfer.shared_kv_writer import SharedKVWriter
+from kv_transfer.transfer_handle import TransferHandle, TransferStats
+from kv_transfer.transport import SHM, SOCKET, host_id, offered_transports
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine
-
-    import torch
+    from collections.abc import Callable, Coroutine
 
     from common.kv.kv_cache import KVCache
     from tandem.v1 import prefill_pb2
@@ -40,137 +43,6 @@ log = logging.getLogger(__name__)
 KVMessage = kv_transfer_pb2.KVMessage
 
 __all__ = ["KVSender", "TransferHandle", "TransferStats"]
-
-
-class SenderPair:
-    """The connection to one decode node: channel, Connect stream, pair group, writer and reader tasks.
-
-    It carries its handles (``transfer_handle.TransferCarrier``) and reports back through their pair-side methods.
-    """
-
-    def __init__(self, sender: KVSender, endpoint: str, channel: grpc.aio.Channel,
-                 call: grpc.aio.StreamStreamCall, receiver_id: str, epoch_prefix: str, timeout_s: float) -> None:
-        self.sender = sender
-        self.kv_cache = sender.kv_cache
-        self.device = sender.kv_cache.data.device
-        self.endpoint = endpoint
-        self.channel = channel
-        self.call = call
-        self.receiver_id = receiver_id
-        self.timeout_s = timeout_s
-        self.loop = asyncio.get_running_loop()
-        self.handles: dict[str, TransferHandle] = {}
-        self.group = PairGroup(epoch_prefix, self.device, self._broken)
-        self.error: str | None = None
-        self._outbox: asyncio.Queue[tuple[TransferHandle, Chunk | kv_transfer_pb2.TransferComplete | str] | None]
-        self._outbox = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-
-    def start_io(self) -> None:
-        self._tasks = [asyncio.create_task(self._write_loop()), asyncio.create_task(self._read_loop())]
-
-    def enqueue(self, handle: TransferHandle, item: Chunk | kv_transfer_pb2.TransferComplete) -> None:
-        self._outbox.put_nowait((handle, item))
-
-    def write_abort(self, handle: TransferHandle, reason: str) -> None:
-        self._outbox.put_nowait((handle, reason))
-
-    def release(self, transfer_id: str) -> None:
-        """The transfer ended: its id may be opened again on this pair."""
-        self.handles.pop(transfer_id, None)
-
-    async def _write_loop(self) -> None:
-        try:
-            while (entry := await self._outbox.get()) is not None:
-                handle, item = entry
-                if isinstance(item, str):  # abort: always written, the receiver may hold blocks for it
-                    abort = kv_transfer_pb2.TransferAbort(transfer_id=handle.transfer_id, reason=item)
-                    await self.call.write(KVMessage(abort=abort, trace_context=handle.trace_context))
-                elif handle.error is not None:
-                    continue  # not announced yet, so never sent
-                elif isinstance(item, Chunk):
-                    await self._announce(handle, item)
-                else:
-                    handle.fill_totals(item)
-                    await self.call.write(KVMessage(complete=item, trace_context=handle.trace_context))
-                    handle.complete_written()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self.shut(f"control stream broke while writing: {_describe(exc)}")
-
-    async def _announce(self, handle: TransferHandle, chunk: Chunk) -> None:
-        # Announced: the receiver will post recvs for these runs, so the sends must happen. They are queued
-        # before the message is written so the worker posts them while the message travels (sends only
-        # complete against the matching recvs; if the write fails the stream is dead and the pair with it).
-        num_bytes = sum(r.num_blocks for r in chunk.runs) * self.sender.bytes_per_block
-        seq = handle.announce(len(chunk.runs), num_bytes)
-        runs = [kv_transfer_pb2.BlockRun(src_start=r.src_start, dst_start=r.dst_start, num_blocks=r.num_blocks)
-                for r in chunk.runs]
-        msg = KVMessage(chunk=kv_transfer_pb2.KVChunk(transfer_id=handle.transfer_id, seq=seq, runs=runs),
-                        trace_context=handle.trace_context)
-        self.group.submit(self._send_op(handle, chunk))
-        await self.call.write(msg)
-
-    def _send_op(self, handle: TransferHandle, chunk: Chunk) -> DataOp:
-        cache, loop = self.kv_cache, self.loop
-
-        def tensors() -> list[torch.Tensor]:
-            if chunk.ready is not None:
-                import torch
-
-                torch.cuda.current_stream(self.device).wait_event(chunk.ready)
-            # Zero-copy: each run is one contiguous [n, num_layers, 2, block_size, heads, head_dim] view.
-            return [cache.blocks(r.src_start, r.src_start + r.num_blocks) for r in chunk.runs]
-
-        def finish(error: str | None) -> None:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(handle.on_sent, error)
-
-        return DataOp(send=True, tensors=tensors, finish=finish)
-
-    async def _read_loop(self) -> None:
-        reason = f"the stream from decode node {self.receiver_id} ended"
-        try:
-            while (msg := await self.call.read()) is not grpc.aio.EOF:
-                assert isinstance(msg, KVMessage)
-                kind = msg.WhichOneof("kind")
-                if kind == "chunk_ack":
-                    handle = self.handles.get(msg.chunk_ack.transfer_id)
-                    if handle is not None:
-                        handle.on_ack(msg.chunk_ack.seq)
-                elif kind == "abort":
-                    handle = self.handles.get(msg.abort.transfer_id)
-                    if handle is not None:
-                        handle.on_failure(f"decode node {self.receiver_id} aborted: {msg.abort.reason}")
-                else:
-                    reason = f"unexpected {kind} message from decode node {self.receiver_id}"
-                    break
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            reason = f"control stream broke: {_describe(exc)}"
-        self.shut(reason)
-
-    def shut(self, reason: str) -> None:
-        """Drop this pair (event loop): its transfers fail once their sends ended; the next open() re-pairs."""
-        if self.error is not None:
-            return
-        self.error = reason
-        self.sender._forget(self)
-        self.group.close(reason)
-        for handle in list(self.handles.values()):
-            handle.on_failure(f"connection to decode node {self.receiver_id} lost: {reason}")
-        current = asyncio.current_task()
-        for task in self._tasks:
-            if task is not current:
-                task.cancel()
-        self.call.cancel()
-        self.sender._background(self.channel.close())
-
-    def _broken(self, reason: str) -> None:  # worker thread
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.shut, reason)
 
 
 class KVSender:
@@ -183,8 +55,18 @@ class KVSender:
         node_id: str,
         group_timeout_s: float = 30.0,
         host: str | None = None,
+        transport: str = "auto",
+        open_channel: Callable[[str], grpc.aio.Channel] | None = None,
     ) -> None:
-        """``host``: local address the data plane listens on; None = the one that routes to the decode node."""
+        """``host``: local address the data plane listens on; None = the one that routes to the decode node.
+        ``transport``: auto (shared memory with a decode node on this host, sockets otherwise) | shm | socket.
+        ``open_channel``: dials a decode node's KVTransfer service (the cluster's TLS credentials and token,
+        ``common.serving.security.ChannelFactory``); None = a plaintext channel.
+        """
+        self._open_channel = open_channel or grpc.aio.insecure_channel
+        self.transport = transport
+        self._offered = offered_transports(transport)
+        self._host_id = host_id()
         self.kv_cache = kv_cache
         self.layout = layout
         self.node_id = node_id
@@ -224,7 +106,7 @@ class KVSender:
         for pair in pairs:
             pair.shut(f"prefill node {self.node_id} is shutting down")
         for pair in pairs:
-            await asyncio.to_thread(pair.group.join, self.group_timeout_s + 5)
+            await asyncio.to_thread(pair.join, self.group_timeout_s + 5)
             await asyncio.gather(*pair._tasks, return_exceptions=True)
         if self._background_tasks:
             await asyncio.gather(*self._background_tasks, return_exceptions=True)
@@ -242,14 +124,17 @@ class KVSender:
                 self._pairs[endpoint] = pair
             return pair
 
-    async def _connect(self, endpoint: str) -> SenderPair:
-        channel = grpc.aio.insecure_channel(endpoint)
+    async def _connect(self, endpoint: str, transports: list[str] | None = None) -> SenderPair:
+        transports = transports or self._offered
+        channel = self._open_channel(endpoint)
         call = kv_transfer_pb2_grpc.KVTransferStub(channel).Connect()
         pair: SenderPair | None = None
+        unmappable: SharedMemoryUnavailable | None = None
         try:
             async with asyncio.timeout(self.group_timeout_s):
                 handshake = kv_transfer_pb2.Handshake(protocol_version=PROTOCOL_VERSION, sender_id=self.node_id,
-                                                      layout=self.layout, device_type=self.kv_cache.data.device.type)
+                                                      layout=self.layout, device_type=self.kv_cache.data.device.type,
+                                                      host_id=self._host_id, transports=transports)
                 await call.write(KVMessage(handshake=handshake))
                 msg = await call.read()
                 if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "handshake_reply":
@@ -259,37 +144,58 @@ class KVSender:
                     raise TransferFailed(None, f"decode node {reply.receiver_id or endpoint} refused to pair: "
                                                f"{reply.error}")
                 timeout_s = reply.timeout_seconds or self.group_timeout_s
-                pair = SenderPair(self, endpoint, channel, call, reply.receiver_id, reply.group_prefix, timeout_s)
-                store_host = reply.store_host or _host_of(endpoint)
-                bind_host = self.host if self.host is not None else _local_address_towards(store_host)
-                ready = pair.group.start(PairGroupConfig(store_host, reply.store_port, reply.group_prefix,
-                                                         reply.sender_rank, timeout_s, bind_host))
-                await asyncio.wrap_future(ready)
+                if reply.transport == SHM:
+                    # Mapping populates every page of the decode node's KV: off the event loop.
+                    writer = await asyncio.to_thread(SharedKVWriter.open, reply.shared_kv, self.kv_cache)
+                    pair = SenderPair(self, endpoint, channel, call, reply.receiver_id, reply.group_prefix,
+                                      timeout_s, writer)
+                else:
+                    pair = SenderPair(self, endpoint, channel, call, reply.receiver_id, reply.group_prefix,
+                                      timeout_s)
+                    store_host = reply.store_host or _host_of(endpoint)
+                    bind_host = self.host if self.host is not None else _local_address_towards(store_host)
+                    ready = pair.group.start(PairGroupConfig(store_host, reply.store_port, reply.group_prefix,
+                                                             reply.sender_rank, timeout_s, bind_host))
+                    await asyncio.wrap_future(ready)
         except BaseException as exc:
             if pair is not None:
                 pair.group.close("pairing failed")
             call.cancel()
             await channel.close()
-            if isinstance(exc, TransferFailed):
+            if isinstance(exc, SharedMemoryUnavailable):
+                unmappable = exc
+            elif isinstance(exc, TransferFailed):
                 raise
-            if isinstance(exc, TimeoutError):
+            elif isinstance(exc, TimeoutError):
                 raise TransferFailed(None, f"pairing with decode node at {endpoint} timed out after "
                                            f"{self.group_timeout_s:g}s") from None
-            if isinstance(exc, grpc.aio.AioRpcError):
-                raise TransferFailed(None, f"cannot reach decode node at {endpoint}: {_describe(exc)}") from None
-            raise
+            elif isinstance(exc, grpc.aio.AioRpcError):
+                raise TransferFailed(None, f"cannot reach decode node at {endpoint}: {describe(exc)}") from None
+            else:
+                raise
+        if unmappable is not None:  # the decode node is on this host, but its memory is not ours to map
+            if SOCKET not in transports:
+                raise TransferFailed(None, f"kv_transport=shm: cannot map the KV of decode node at {endpoint}: "
+                                           f"{unmappable}")
+            log.warning("KV pair with decode node at %s: shared memory unusable (%s); pairing over sockets",
+                        endpoint, unmappable)
+            return await self._connect(endpoint, [SOCKET])
+        assert pair is not None
         pair.start_io()
         self._all_pairs.append(pair)
-        log.info("KV pair %s with decode node %s at %s formed", reply.group_prefix, reply.receiver_id, endpoint)
+        log.info("KV pair %s with decode node %s at %s formed over %s", reply.group_prefix, reply.receiver_id,
+                 endpoint, pair.transport)
         return pair
 
-    def _forget(self, pair: SenderPair) -> None:
+    def forget(self, pair: SenderPair) -> None:
+        """The pair was dropped (it calls this from ``shut``): the next ``open`` to its endpoint pairs again."""
         if self._pairs.get(pair.endpoint) is pair:
             del self._pairs[pair.endpoint]
         if pair in self._all_pairs:
             self._all_pairs.remove(pair)
 
-    def _background(self, coro: Coroutine[object, object, None]) -> None:
+    def background(self, coro: Coroutine[object, object, None]) -> None:
+        """Run ``coro`` to its end without awaiting it here (``close`` awaits what is left)."""
         task = asyncio.ensure_future(coro)
         self._background_tasks.add(task)
         task.add_done_callback(self._background_tasks.discard)
@@ -309,9 +215,3 @@ def _local_address_towards(host: str) -> str:
             return str(probe.getsockname()[0])
     except OSError:
         return ""
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"

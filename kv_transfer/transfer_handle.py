@@ -97,6 +97,7 @@ class TransferHandle:
         self._bytes = 0
         self._num_acked = 0
         self._sends_pending = 0  # chunks whose sends are queued or in flight
+        self._ack_wait_since: float | None = None  # since when an announced chunk waits for its ack
         self._complete_sent = False
         self._error: str | None = None
         self._done: asyncio.Future[TransferStats] = self._loop.create_future()
@@ -186,6 +187,12 @@ class TransferHandle:
     # ------------------------------------------------------------------ pair side (event loop)
 
     @property
+    def waiting_for_ack_since(self) -> float | None:
+        """``perf_counter`` time since which an announced chunk waits for its ack (the last ack, or the announce
+        that followed a full ack); None when nothing waits, or once the transfer ended."""
+        return None if self._done.done() or self._error is not None else self._ack_wait_since
+
+    @property
     def error(self) -> str | None:
         """Why the transfer failed, None while it has not."""
         return self._error
@@ -193,6 +200,8 @@ class TransferHandle:
     def announce(self, num_runs: int, num_bytes: int) -> int:
         """The pair announces a chunk and queues its sends: count it; returns its seq."""
         seq = self._num_chunks
+        if self._num_acked == self._num_chunks:
+            self._ack_wait_since = time.perf_counter()
         self._num_chunks += 1
         self._num_sends += num_runs
         self._bytes += num_bytes
@@ -218,7 +227,9 @@ class TransferHandle:
 
     def on_ack(self, seq: int) -> None:
         """The receiver acked chunks 0..seq (acks are cumulative: chunks land in order)."""
-        self._num_acked = max(self._num_acked, seq + 1)
+        if seq + 1 > self._num_acked:
+            self._num_acked = seq + 1
+            self._ack_wait_since = time.perf_counter() if self._num_acked < self._num_chunks else None
         self._maybe_finish()
 
     def on_failure(self, reason: str) -> None:

@@ -44,7 +44,7 @@ class TransferTable:
 
     # ------------------------------------------------------------------ the decode side (engine thread, loop)
 
-    def expect(self, transfer_id: str, block_ids: list[int], num_cached_tokens: int) -> None:
+    def expect(self, transfer_id: str, block_ids: list[int], num_cached_tokens: int) -> ExpectedTransfer:
         """Accept chunks for ``transfer_id`` into ``block_ids`` past the first ``num_cached_tokens`` tokens."""
         if num_cached_tokens < 0:
             raise ValueError(f"num_cached_tokens must be >= 0, got {num_cached_tokens}")
@@ -60,6 +60,7 @@ class TransferTable:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer {transfer_id!r} is already expected")
             self._transfers[transfer_id] = transfer
+        return transfer
 
     def watch(
         self, transfer_id: str, loop: asyncio.AbstractEventLoop

@@ -7,11 +7,12 @@ import logging
 
 import grpc
 
-from common.config.settings import ModelSettings, NodeSettings
+from common.config.settings import ModelSettings, NodeSettings, SecuritySettings
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
 from common.engine.node_setup import engine_configs, load_node_model
+from common.serving.security import ChannelFactory, internal_auth, server_credentials
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
 from common.telemetry.metrics import PrefillMetrics, serve_metrics, snapshot_of
@@ -24,15 +25,21 @@ from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
-async def serve_prefill(model_settings: ModelSettings, node: NodeSettings) -> RunningServer:
+
+async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
+                        security: SecuritySettings | None = None) -> RunningServer:
+    security = security or SecuritySettings()
+    credentials = server_credentials(security, internal=True)  # fails fast on a bad TLS setup, before the model loads
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node)
     core = EngineCore(loaded.model, cache, scheduler, connector=KVProducer(cache.block_size))
     engine = AsyncEngine(core, name="prefill-engine")
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
     node_id = node.node_id or f"prefill-{node.port}"
-    sender = KVSender(core.runner.kv_cache, layout, node_id, group_timeout_s=node.kv_timeout_s)
+    sender = KVSender(core.runner.kv_cache, layout, node_id, group_timeout_s=node.kv_timeout_s,
+                      transport=node.kv_transport, open_channel=ChannelFactory(security))
     status = StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})
     metrics = PrefillMetrics(node_id)
     # Read on scrape from the HTTP thread: O(1) reads of lengths and counters, atomic under the GIL.
@@ -42,8 +49,9 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings) -> Ru
     try:
         running = await start_server(
             [lambda s: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, s)],
-            [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
-            node.host, node.port, interceptors=[status],
+            [PREFILL_SERVICE],
+            node.host, node.port, interceptors=[*internal_auth(security, [PREFILL_SERVICE]), status],
+            credentials=credentials,
         )
     except BaseException:
         if metrics_server is not None:
@@ -61,9 +69,9 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings) -> Ru
     return running
 
 
-def run_prefill(model_settings: ModelSettings, node: NodeSettings) -> None:
+def run_prefill(model_settings: ModelSettings, node: NodeSettings, security: SecuritySettings | None = None) -> None:
     async def main() -> None:
-        running = await serve_prefill(model_settings, node)
+        running = await serve_prefill(model_settings, node, security)
         print(f"prefill node listening on {running.address}", flush=True)
         await serve_until_signal(running, node.grace_s)
 

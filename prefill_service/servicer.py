@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 import grpc
@@ -83,7 +84,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                       f"{len(prompt)} prompt tokens")
         if dest.num_cached_tokens >= len(prompt):
             raise InvalidRequestError("destination.num_cached_tokens", f"must be < the prompt's {len(prompt)} tokens")
-        rid = request.request_id
+        # The engine's id for this call: a resend of the same request may arrive while the last is still aborting.
+        rid = f"{request.request_id}@{uuid.uuid4().hex[:8]}"
         # The send span's context rides in the KV control messages: the decode node's receive span hangs off it.
         send_span = _tracer.start_span(spans.KV_SEND, kind=spans.PRODUCER,
                                        attributes={spans.TRANSFER_ID: dest.transfer_id, spans.KV_PEER: dest.node_id})

@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config.settings import ModelSettings, NodeSettings, env_name, load_settings
+from common.config.settings import ModelSettings, NodeSettings, SecuritySettings, env_name, load_settings
 
 if TYPE_CHECKING:
     from common.telemetry.settings import TelemetrySettings
+    from tandem_cli.client import ClientSecurity
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -25,15 +26,29 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    "[TANDEM_MODEL, default SmolLM2-135M-Instruct]")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="[TANDEM_DTYPE, auto]")
     g.add_argument("--device", help="torch device [TANDEM_DEVICE, cpu]")
-    g.add_argument("--attention-backend", dest="attention_backend", help="torch | triton | flash_attn "
+    g.add_argument("--attention-backend", dest="attention_backend", help="torch | triton | flash_attn | flashinfer "
                    "[TANDEM_ATTENTION_BACKEND, torch]")
     g.add_argument("--home", type=Path, help="Tandem's cache directory [TANDEM_HOME, ~/.cache/tandem]")
     g.add_argument("--threads", dest="num_threads", type=int, help="torch threads [TANDEM_NUM_THREADS]")
+    g.add_argument("--quantization", choices=["none", "auto", "int8", "int4", "w8a8", "fp8"],
+                   help="packed weights; auto: a GGUF source keeps its own [TANDEM_QUANTIZATION, none]")
+    g.add_argument("--quantization-group-size", dest="quantization_group_size", type=int, choices=[32, 64, 128],
+                   help="int4 weights per scale/zero group [TANDEM_QUANTIZATION_GROUP_SIZE, 32]")
+    g.add_argument("--quantization-kernel", dest="quantization_kernel",
+                   help="auto | tandem_cpu | torch | int_mm | triton | scaled_mm | reference "
+                   "[TANDEM_QUANTIZATION_KERNEL, auto]")
 
 
 def _model_settings(args: argparse.Namespace) -> ModelSettings:
-    keys = ("model", "dtype", "device", "attention_backend", "home", "num_threads")
+    keys = ("model", "dtype", "device", "attention_backend", "home", "num_threads", "quantization",
+            "quantization_group_size", "quantization_kernel")
     return load_settings(ModelSettings, {k: getattr(args, k, None) for k in keys})
+
+
+def _client_security(args: argparse.Namespace) -> ClientSecurity:
+    from tandem_cli.client import ClientSecurity
+
+    return load_settings(ClientSecurity, _pick(args, ClientSecurity))
 
 
 def cmd_model_prepare(args: argparse.Namespace) -> int:
@@ -46,44 +61,74 @@ def cmd_model_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
     if args.url:
-        from tandem_cli.client import build_request, stream_generate
+        from tandem_cli.client import build_request, stream_generate, stream_generate_http
 
         request = build_request(args.prompt, args.chat, args.max_tokens, args.temperature, args.top_p,
-                                args.top_k, args.seed, args.stop)
-        result = stream_generate(args.url, request)
+                                args.top_k, args.seed, args.stop, args.ignore_eos, args.n)
+        import grpc
+
+        security = _client_security(args)
+        try:
+            if args.url.startswith(("http://", "https://")):
+                result = stream_generate_http(args.url, request, api_key=security.api_key,
+                                              tls=security.ssl_context())
+            else:
+                result = stream_generate(args.url, request, api_key=security.api_key,
+                                         credentials=security.channel_credentials())
+        except grpc.RpcError as exc:  # the server's status, not a traceback (UNAUTHENTICATED: see --api-key)
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            print(f"\ntandem: {args.url}: {code.name if code else 'error'}: {details}", file=sys.stderr)
+            return 1
         print(f"\n[{result.num_tokens} tokens, finish {result.finish_reason}, time to first token "
               f"{result.ttft_s * 1000:.0f} ms, cached prompt tokens {result.usage.cached_tokens}]", file=sys.stderr)
         return 0
+    from tandem_cli.triton_import import block_unused_triton
+
+    settings = _model_settings(args)
+    block_unused_triton(settings)  # before torch loads
     import torch
 
     from common.engine.llm import LLM
     from common.sampling.params import SamplingParams
 
-    settings = _model_settings(args)
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     llm = LLM(settings.model, dtype=settings.dtype, device=settings.device,
-              attention_backend=settings.attention_backend)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, max_tokens=args.max_tokens)
+              attention_backend=settings.attention_backend, quantization=settings.quantization,
+              quantization_group_size=settings.quantization_group_size,
+              quantization_kernel=settings.quantization_kernel)
+    # n samples: one prompt each, seeds seed + i (as the servers do), sample 0 streamed, the others after.
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                             seed=None if args.seed is None else args.seed + i, max_tokens=args.max_tokens,
+                             ignore_eos=args.ignore_eos) for i in range(args.n)]
     prompt_ids = llm.encode(args.prompt, chat=args.chat)
     if not args.chat:
         sys.stdout.write(args.prompt)
     start = time.perf_counter()
     first: float | None = None
     count = 0
-    for delta in llm.stream([prompt_ids], params):
+    others: list[list[str]] = [[] for _ in range(args.n)]
+    for delta in llm.stream([prompt_ids] * args.n, params):
         first = first or time.perf_counter()
         count += len(delta.token_ids)
+        if delta.index:
+            others[delta.index].append(delta.text)
+            continue
         sys.stdout.write(delta.text)
         sys.stdout.flush()
     end = time.perf_counter()
+    for i in range(1, args.n):
+        sys.stdout.write(f"\n[sample {i}]\n{''.join(others[i])}")
     sys.stdout.write("\n")
     decode_rate = (count - 1) / (end - first) if first and count > 1 else 0.0
     print(f"[{count} tokens, prompt {len(prompt_ids)} tokens, time to first token "
           f"{((first or end) - start) * 1000:.0f} ms, decode {decode_rate:.1f} tokens/s, "
-          f"dtype {next(llm.model.parameters()).dtype}]", file=sys.stderr)
+          f"dtype {llm.model.dtype}, quantization {settings.quantization}, "
+          f"{llm.model.weight_bytes / 1e6:.0f} MB of weights]", file=sys.stderr)
     return 0
 
 
@@ -122,6 +167,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from common.telemetry.tracing import shutdown_tracing
 
     telemetry = load_settings(TelemetrySettings, _pick(args, TelemetrySettings))
+    security = load_settings(SecuritySettings, _pick(args, SecuritySettings))
     if args.role == "gateway":
         from common.model.model_store import resolve_model
         from gateway.server import run_gateway
@@ -136,29 +182,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gateway = load_settings(GatewaySettings, overrides)
         _start_telemetry(telemetry, "gateway", "gateway")
         try:
-            run_gateway(gateway)
+            run_gateway(gateway, security)
         finally:
             shutdown_tracing()  # after the graceful stop (SIGTERM included): export what is queued
         return 0
     node = load_settings(NodeSettings, _pick(args, NodeSettings))
+    from tandem_cli.triton_import import block_unused_triton
+
+    block_unused_triton(_model_settings(args))  # before torch loads: no nanobind leak reports at exit
     _start_telemetry(telemetry, args.role, node.node_id or args.role)
     try:
         if args.role == "prefill":
             from prefill_service.server import run_prefill
 
-            run_prefill(_model_settings(args), node)
+            run_prefill(_model_settings(args), node, security)
         elif args.role == "colocated":
             from common.engine.node_setup import speculative_config
             from tandem_cli.colocated_server import run_colocated
 
             spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers)
-            run_colocated(_model_settings(args), node, _colocated_public_settings(args), spec)
+            run_colocated(_model_settings(args), node, _colocated_public_settings(args), spec, security)
         else:
             from common.engine.node_setup import speculative_config
             from decode_service.server import run_decode
 
             spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers)
-            run_decode(_model_settings(args), node, spec)
+            run_decode(_model_settings(args), node, spec, security)
     finally:
         shutdown_tracing()
     return 0
@@ -189,9 +238,11 @@ def _colocated_public_settings(args: argparse.Namespace) -> Any:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
+    from common.serving.security import channel_credentials
     from tandem_cli.launcher import check_health
 
-    status = check_health(args.target, args.timeout, args.service)
+    credentials = channel_credentials(load_settings(SecuritySettings, _pick(args, SecuritySettings)))
+    status = check_health(args.target, args.timeout, args.service, credentials)
     print(f"{args.target}: {status}")
     return 0 if status == "SERVING" else 1
 
@@ -199,7 +250,8 @@ def cmd_health(args: argparse.Namespace) -> int:
 def _model_args(args: argparse.Namespace) -> tuple[str, ...]:
     """Model flags forwarded from ``tandem up`` to every process."""
     out: list[str] = []
-    for name in ("model", "dtype", "attention_backend", "home"):
+    for name in ("model", "dtype", "attention_backend", "home", "quantization", "quantization_group_size",
+                 "quantization_kernel"):
         value = getattr(args, name, None)
         if value is not None:
             out += ["--" + name.replace("_", "-"), str(value)]
@@ -220,32 +272,40 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt  # SIGTERM stops the services as Ctrl-C does
 
     signal.signal(signal.SIGTERM, on_term)
-    from tandem_cli.launcher import Launcher, Topology
+    from tandem_cli.launcher import Launcher, RestartPolicy, Topology
 
     topology = Topology(num_prefill=args.prefill_nodes, num_decode=args.decode_nodes, gateway_port=args.port,
-                        model_args=_model_args(args), decode_args=_decode_args(args),
+                        http_port=args.http_port or None, model_args=_model_args(args), decode_args=_decode_args(args),
                         metrics_base_port=args.metrics_base_port)
-    # Services log JSON lines; in a terminal (no --log-dir) the key=value form reads better.
-    env = {} if args.log_dir or "TANDEM_LOG_FORMAT" in os.environ else {"TANDEM_LOG_FORMAT": "text"}
-    launcher = Launcher(topology, log_dir=Path(args.log_dir) if args.log_dir else None, env=env)
+    # Services log to files (the terminal shows only what `tandem up` says, and the demo's text); with
+    # --log-dir - they log to this terminal, in the key=value form that reads better there than JSON.
+    to_terminal = args.log_dir == "-"
+    log_dir = None if to_terminal else Path(args.log_dir) if args.log_dir else _model_settings(args).home / "logs"
+    env = {"TANDEM_LOG_FORMAT": "text"} if to_terminal and "TANDEM_LOG_FORMAT" not in os.environ else {}
+    launcher = Launcher(topology, log_dir=log_dir, env=env, restart=RestartPolicy())
     print(f"starting {args.prefill_nodes} prefill + {args.decode_nodes} decode nodes and the gateway...",
           file=sys.stderr)
+    if log_dir is not None:
+        names = ",".join(s.name for s in launcher.specs)
+        print(f"service logs: {log_dir}/{{{names}}}.log", file=sys.stderr)
     with launcher:
-        print(f"Tandem is up: gateway on {launcher.gateway.target} (Ctrl-C stops everything)", file=sys.stderr)
+        print(f"Tandem is up: gateway on {launcher.gateway.target} (Ctrl-C stops everything; a process that "
+              f"exits is restarted)", file=sys.stderr)
+        if launcher.gateway.http_port:
+            scheme = "https" if os.environ.get("TANDEM_TLS_CERT") else "http"
+            print(f"  OpenAI-compatible HTTP API on {scheme}://127.0.0.1:{launcher.gateway.http_port}/v1",
+                  file=sys.stderr)
         for spec in launcher.specs:
             metrics = f"  metrics=http://127.0.0.1:{spec.metrics_port}/metrics" if spec.metrics_port else ""
             print(f"  {spec.name:10s} {spec.target}  cpus={list(spec.cpus) or 'any'}{metrics}", file=sys.stderr)
         if args.demo:
             return _demo(launcher.gateway.target)
         try:
-            while all(p.poll() is None for p in launcher.procs.values()):
+            while True:  # the launcher's supervisor restarts what exits; only a signal ends the deployment
                 time.sleep(0.5)
         except KeyboardInterrupt:
             print("\nstopping...", file=sys.stderr)
             return 0
-        dead = [name for name, p in launcher.procs.items() if p.poll() is not None]
-        print(f"tandem: {', '.join(dead)} exited; stopping the rest", file=sys.stderr)
-        return 1
 
 
 DEMO_PROMPTS = [
@@ -256,11 +316,13 @@ DEMO_PROMPTS = [
 
 
 def _demo(target: str) -> int:
-    from tandem_cli.client import build_request, stream_generate
+    from tandem_cli.client import ClientSecurity, build_request, stream_generate
 
+    security = load_settings(ClientSecurity)  # TANDEM_API_KEY / TANDEM_TLS_*, as the services were given
     for prompt in DEMO_PROMPTS:
         print(f"\n>>> {prompt}", flush=True)
-        result = stream_generate(target, build_request(prompt, True, 96, 0.0, 1.0, None, None))
+        result = stream_generate(target, build_request(prompt, True, 96, 0.0, 1.0, None, None),
+                                 api_key=security.api_key, credentials=security.channel_credentials())
         print(f"\n[{result.num_tokens} tokens, finish {result.finish_reason}, time to first token "
               f"{result.ttft_s * 1000:.0f} ms, {result.num_tokens / max(result.total_s, 1e-9):.1f} tokens/s "
               f"end to end]", flush=True)
@@ -277,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(prepare)
     prepare.set_defaults(func=cmd_model_prepare)
 
-    gen = sub.add_parser("generate", help="stream a generation offline (no server)")
+    gen = sub.add_parser("generate", help="stream a generation, offline (no server) or from a server (--url)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -286,7 +348,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable; with --url)")
-    gen.add_argument("--url", help="stream from a running gateway (host:port) instead of running offline")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens "
+                     "(exactly --max-tokens tokens, unless a stop string ends it)")
+    gen.add_argument("--n", type=int, default=1, help="samples of the prompt (they share its KV through the prefix "
+                     "cache on a server)")
+    gen.add_argument("--url", help="stream from a running server instead of running offline: host:port (gRPC) or "
+                     "http(s)://host:port (the OpenAI-compatible HTTP API)")
+    from tandem_cli.client import ClientSecurity
+
+    add_settings_flags(gen, ClientSecurity, "with --url: the server's credentials (docs/security.md)")
     _add_model_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -301,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_settings_flags(p, NodeSettings, "node (flags override TANDEM_* environment variables)")
         if role == "decode":
             _add_speculative_flags(p)
+        add_settings_flags(p, SecuritySettings, _SECURITY_FLAGS)
         add_settings_flags(p, TelemetrySettings, _TELEMETRY_FLAGS)
         p.set_defaults(func=cmd_serve)
     gw = serve_sub.add_parser("gateway", help="the public gRPC gateway (no torch)")
@@ -309,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                        skip=("prefill_targets", "decode_targets", "dtype"))
     gw.add_argument("--prefill", help="comma-separated host:port of the prefill nodes [TANDEM_PREFILL_TARGETS]")
     gw.add_argument("--decode", help="comma-separated host:port of the decode nodes [TANDEM_DECODE_TARGETS]")
+    add_settings_flags(gw, SecuritySettings, _SECURITY_FLAGS)
     add_settings_flags(gw, TelemetrySettings, _TELEMETRY_FLAGS)
     gw.set_defaults(func=cmd_serve)
     colo = serve_sub.add_parser("colocated", help="the public API over one engine that prefills and decodes "
@@ -320,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(colo, NodeSettings, "engine (flags override TANDEM_* environment variables)",
                        skip=("kv_store_port", "advertise_host", "kv_timeout_s", "grace_s"))
     _add_speculative_flags(colo)
+    add_settings_flags(colo, SecuritySettings, _SECURITY_FLAGS, skip=("internal_token",))
     add_settings_flags(colo, TelemetrySettings, _TELEMETRY_FLAGS)
     colo.set_defaults(func=cmd_serve)
 
@@ -327,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--target", required=True, help="host:port of the service")
     health.add_argument("--service", default="", help="service name to ask about (default: the whole server)")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    add_settings_flags(health, SecuritySettings, "TLS (a node with --tls-ca also wants a client certificate)",
+                       skip=("internal_token",))
     health.set_defaults(func=cmd_health)
 
     add_plugin_commands(sub)
@@ -335,7 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-nodes", type=int, default=1)
     up.add_argument("--decode-nodes", type=int, default=1)
     up.add_argument("--port", type=int, default=50051, help="the gateway's port")
-    up.add_argument("--log-dir", help="write each service's log here (default: this terminal)")
+    up.add_argument("--http-port", type=int, default=8000, help="the gateway's OpenAI-compatible HTTP API (0: off)")
+    up.add_argument("--log-dir", help="write each service's log here (default: $TANDEM_HOME/logs; '-': this "
+                    "terminal)")
     up.add_argument("--demo", action="store_true", help="stream a few generations through the gateway, then stop")
     up.add_argument("--metrics-base-port", type=int, default=None,
                     help="serve /metrics: the gateway on this port, then each prefill and decode node on the next ones")
@@ -344,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
     return parser
 
+
+_SECURITY_FLAGS = ("security: TLS / mutual TLS and the cluster token, all off by default (docs/security.md); "
+                   "flags override TANDEM_* environment variables")
 
 _TELEMETRY_FLAGS = ("telemetry: traces export when OTEL_EXPORTER_OTLP_ENDPOINT is set (and the other OTEL_* "
                     "variables); /metrics with --metrics-port")

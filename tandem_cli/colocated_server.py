@@ -21,17 +21,15 @@ from common.engine.async_engine import AsyncEngine
 from common.engine.commands import AbortRequest, AddRequest
 from common.engine.request import RequestCounters, RequestOutput
 from common.protocol import finish_reason_to_proto, logprob_to_proto
-from common.serving.server import RunningServer, serve_until_signal, start_server
-from common.serving.status import StatusInterceptor
-from common.telemetry.metrics import GatewayMetrics, serve_metrics
+from common.serving.server import RunningServer, serve_until_signal
 from gateway.model import ServedModel
 from gateway.output import Delta, OutputChunk, OutputProcessor, Timings, Usage, coalesced_chunks
-from gateway.servicer import SERVICE_NAME, TandemServicer
-from tandem.v1 import common_pb2, generate_pb2_grpc
+from gateway.server import serve_fronts
+from tandem.v1 import common_pb2, generate_pb2
 
 if TYPE_CHECKING:
     from common.config.engine_config import SpeculativeConfig
-    from common.config.settings import ModelSettings, NodeSettings
+    from common.config.settings import ModelSettings, NodeSettings, SecuritySettings
     from gateway.request import GatewayRequest
     from gateway.settings import GatewaySettings
 
@@ -111,7 +109,8 @@ def _logprobs(out: RequestOutput) -> list[common_pb2.TokenLogprob]:
 
 
 async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, settings: GatewaySettings,
-                          speculative: SpeculativeConfig | None = None) -> RunningServer:
+                          speculative: SpeculativeConfig | None = None,
+                          security: SecuritySettings | None = None) -> RunningServer:
     """Load the model, start the engine thread and serve ``tandem.v1.Tandem`` on ``settings.address``.
 
     ``node`` sizes the engine (KV cache, batch limits); ``settings`` is the public side (address, limits).
@@ -128,25 +127,24 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
     max_model_len = min(settings.max_model_len or core.max_model_len, core.max_model_len)
     model = ServedModel.load(loaded.model_dir, settings.served_model_name, max_model_len, dtype)
     node_id = node.node_id or f"colocated-{settings.port}"
-    status, metrics = StatusInterceptor(), GatewayMetrics()  # the public API's metrics, as on the gateway
-    servicer = TandemServicer(model, ColocatedCoordinator(model, engine, node_id), settings, metrics,
-                              status.status_for)
-    metrics_server = None
+
+    async def loads() -> list[generate_pb2.NodeLoad]:  # GetLoads: the engine's own load
+        stats = engine.engine.stats()  # read without queueing, as the nodes' Stats do
+        usage = stats.used_blocks / stats.num_blocks if stats.num_blocks else 0.0
+        return [generate_pb2.NodeLoad(target=settings.address, node_id=node_id, role="colocated", reachable=True,
+                                      num_running=stats.num_running, num_waiting=stats.num_waiting,
+                                      num_blocks=stats.num_blocks, free_blocks=stats.free_blocks, kv_usage=usage)]
+
     try:
-        if settings.metrics_port:
-            metrics_server = serve_metrics(metrics, settings.host, settings.metrics_port)
-        running = await start_server([lambda s: generate_pb2_grpc.add_TandemServicer_to_server(servicer, s)],
-                                     [SERVICE_NAME], settings.host, settings.port, interceptors=[status])
+        # The gateway's public fronts (gRPC, HTTP, /metrics) over this process's engine.
+        running = await serve_fronts(model, ColocatedCoordinator(model, engine, node_id), settings, loads=loads,
+                                     security=security)
     except BaseException:
         engine.shutdown()
-        if metrics_server is not None:
-            metrics_server.close()
         raise
 
     async def shutdown() -> None:
         engine.shutdown()
-        if metrics_server is not None:
-            await metrics_server.stop()
 
     running.add_shutdown_hook(shutdown)
     log.info("colocated server %s (%s, %s) on %s", node_id, model.name, dtype, running.address)
@@ -154,12 +152,13 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
 
 
 def run_colocated(model_settings: ModelSettings, node: NodeSettings, settings: GatewaySettings,
-                  speculative: SpeculativeConfig | None = None) -> None:
+                  speculative: SpeculativeConfig | None = None, security: SecuritySettings | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then drain in-flight streams for ``shutdown_grace_s`` and exit."""
 
     async def main() -> None:
-        running = await serve_colocated(model_settings, node, settings, speculative)
-        print(f"colocated server listening on {running.address}", flush=True)
+        running = await serve_colocated(model_settings, node, settings, speculative, security)
+        http = f", OpenAI-compatible HTTP API on {running.http_url}/v1" if running.http_url else ""
+        print(f"colocated server listening on {running.address}{http}", flush=True)
         await serve_until_signal(running, settings.shutdown_grace_s)
 
     asyncio.run(main())

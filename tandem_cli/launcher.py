@@ -3,6 +3,11 @@
 Each node gets its own CPU cores and a matching torch thread count (oversubscribed OpenMP threads make
 small matrix products 10-100x slower), as separate GPUs would give each its own device. compose.yaml
 describes the same topology for containers; ``tests/deploy/test_compose.py`` checks they agree.
+
+Supervision (``RestartPolicy``, what compose's ``restart: unless-stopped`` does): once the deployment is
+up, a process that exits for any reason is started again on the same port after an exponential backoff,
+and the restart is logged; the rest keep serving, and the gateway routes to a node again once its Stats
+answer. Only ``stop`` (Ctrl-C, SIGTERM) ends the deployment.
 """
 
 from __future__ import annotations
@@ -12,11 +17,18 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 GATEWAY_PORT = 50051
+HTTP_PORT = 8000  # the gateway's OpenAI-compatible HTTP API (vLLM's and SGLang's usual port)
 # Fixed internal ports, as in compose.yaml: prefill nodes from 50061, decode nodes from 50071.
 PREFILL_BASE_PORT = 50061
 DECODE_BASE_PORT = 50071
@@ -30,6 +42,7 @@ class NodeSpec:
     args: tuple[str, ...] = ()
     cpus: tuple[int, ...] = ()  # empty: no pinning
     metrics_port: int | None = None  # its Prometheus /metrics port, when the topology serves metrics
+    http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API, when it serves one
 
     @property
     def target(self) -> str:
@@ -43,6 +56,7 @@ class Topology:
     num_prefill: int = 1
     num_decode: int = 1
     gateway_port: int = GATEWAY_PORT
+    http_port: int | None = HTTP_PORT  # the gateway's HTTP API; None: off (with free_ports: a free port)
     free_ports: bool = False  # tests: pick free ports instead of the fixed ones
     model_args: tuple[str, ...] = ()  # flags for every process: --model, --home, --dtype...
     node_args: tuple[str, ...] = ()  # extra flags for every prefill/decode node
@@ -63,7 +77,7 @@ class Topology:
 
     def nodes(self) -> list[NodeSpec]:
         n = self.num_prefill + self.num_decode + 1
-        ports = _free_ports(n) if self.free_ports else None
+        ports = _free_ports(n + 1) if self.free_ports else None  # the last one: HTTP
         metrics_ports = self._metrics_ports(n)
         workers = [("prefill", i) for i in range(self.num_prefill)] + [("decode", i) for i in range(self.num_decode)]
         specs: list[NodeSpec] = []
@@ -76,14 +90,16 @@ class Topology:
             specs.append(NodeSpec(f"{role}-{i}", role, port,
                                   ("--node-id", f"{role}-{i}", *self.model_args, *self.node_args, *extra, *metrics),
                                   self._cores(k, len(workers)), metrics_port))
-        gateway_port = ports[-1] if ports else self.gateway_port
+        gateway_port = ports[-2] if ports else self.gateway_port
+        http_port = None if self.http_port is None else ports[-1] if ports else self.http_port
+        http = ("--http-port", str(http_port)) if http_port else ()
         prefill = ",".join(s.target for s in specs if s.role == "prefill")
         decode = ",".join(s.target for s in specs if s.role == "decode")
         metrics_port = metrics_ports[0] if metrics_ports else None
         metrics = ("--metrics-port", str(metrics_port)) if metrics_port else ()
         gateway = NodeSpec("gateway", "gateway", gateway_port,
-                           ("--prefill", prefill, "--decode", decode, *self.model_args, *self.gateway_args, *metrics),
-                           (), metrics_port)
+                           ("--prefill", prefill, "--decode", decode, *self.model_args, *self.gateway_args, *metrics,
+                            *http), (), metrics_port, http_port)
         return [*specs, gateway]
 
     def _metrics_ports(self, n: int) -> list[int] | None:
@@ -156,43 +172,91 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a supervised process that exited starts again: after ``initial_backoff_s``, doubling with each
+    exit that comes within ``reset_after_s`` of its start (a crash loop), up to ``max_backoff_s``; a process
+    that ran longer than ``reset_after_s`` starts again after ``initial_backoff_s``."""
+
+    initial_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    reset_after_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_backoff_s <= self.max_backoff_s or self.reset_after_s <= 0:
+            raise ValueError("RestartPolicy: need 0 < initial_backoff_s <= max_backoff_s and reset_after_s > 0")
+
+    def next_backoff(self, previous_s: float | None, ran_s: float) -> float:
+        """The wait before the next start, given the previous wait (None: first restart) and how long the
+        process ran."""
+        if previous_s is None or ran_s >= self.reset_after_s:
+            return self.initial_backoff_s
+        return min(previous_s * 2, self.max_backoff_s)
+
+
+def _print_event(message: str) -> None:
+    print(f"tandem: {message}", file=sys.stderr, flush=True)
+
+
 class Launcher:
-    """Start, health-check and stop the processes of a topology."""
+    """Start, health-check, supervise and stop the processes of a topology.
+
+    With ``restart`` (``tandem up``), a thread restarts any process that exits once the deployment is up,
+    as ``RestartPolicy`` says, and reports each restart through ``on_event``; without it (the default, for
+    tests that kill a node to watch the rest cope) a process that exits stays down.
+    """
 
     def __init__(self, topology: Topology | ColocatedTopology, log_dir: Path | None = None,
-                 env: dict[str, str] | None = None, role_env: dict[str, dict[str, str]] | None = None) -> None:
+                 env: dict[str, str] | None = None, role_env: dict[str, dict[str, str]] | None = None,
+                 restart: RestartPolicy | None = None, on_event: Callable[[str], None] = _print_event) -> None:
         """``env`` is added to every process's environment, ``role_env[role]`` to that role's (it wins)."""
         self.topology = topology
         self.specs = topology.nodes()
         self.log_dir = log_dir
         self.env = env or {}
         self.role_env = role_env or {}
+        self.restart = restart
+        self.on_event = on_event
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.restarts: dict[str, int] = {}  # restarts of each process so far
+        self._started_at: dict[str, float] = {}
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._credentials = _health_credentials({**os.environ, **self.env})
 
     @property
     def gateway(self) -> NodeSpec:
         return next(s for s in self.specs if s.role == "gateway")
 
+    def log_path(self, name: str) -> Path | None:
+        return self.log_dir / f"{name}.log" if self.log_dir is not None else None
+
     def start(self, only: str | None = None) -> None:
         """Start every process, or those of one role (``only``)."""
         for spec in self.specs:
-            if only is not None and spec.role != only:
-                continue
-            env = {**os.environ, **self.env, **self.role_env.get(spec.role, {})}
-            if spec.cpus:
-                threads = str(len(spec.cpus))
-                env.update(TANDEM_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
-            argv = [sys.executable, "-m", "tandem_cli", "serve", spec.role, "--port", str(spec.port), *spec.args]
-            out = None
-            if self.log_dir is not None:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                out = open(self.log_dir / f"{spec.name}.log", "wb")  # noqa: SIM115 - lives as long as the process
-            cpus = set(spec.cpus)
-            self.procs[spec.name] = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                preexec_fn=lambda cpus=cpus: _child_setup(cpus),
-                start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
-            )
+            if only is None or spec.role == only:
+                self._spawn(spec)
+
+    def _spawn(self, spec: NodeSpec, append: bool = False) -> None:
+        env = {**os.environ, **self.env, **self.role_env.get(spec.role, {})}
+        if spec.cpus:
+            threads = str(len(spec.cpus))
+            env.update(TANDEM_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
+        argv = [sys.executable, "-m", "tandem_cli", "serve", spec.role, "--port", str(spec.port), *spec.args]
+        out = None
+        path = self.log_path(spec.name)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(path, "ab" if append else "wb")  # noqa: SIM115 - lives as long as the process
+        cpus = set(spec.cpus)
+        self.procs[spec.name] = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            preexec_fn=lambda cpus=cpus: _child_setup(cpus),
+            start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
+        )
+        if out is not None:
+            out.close()  # the child holds its own copy
+        self._started_at[spec.name] = time.monotonic()
 
     def wait_healthy(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -200,17 +264,71 @@ class Launcher:
             while spec.name in self.procs:
                 proc = self.procs[spec.name]
                 if proc.poll() is not None:
+                    path = self.log_path(spec.name)
                     raise RuntimeError(f"{spec.name} exited with code {proc.returncode} during start-up"
-                                       + (f"; see {self.log_dir / (spec.name + '.log')}" if self.log_dir else ""))
+                                       + (f"; see {path}" if path else ""))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"{spec.name} was not healthy within {timeout_s:.0f} s")
-                if is_serving(spec.target, min(2.0, remaining)):
+                if is_serving(spec.target, min(2.0, remaining), self._credentials):
                     break
                 time.sleep(0.2)
 
+    def supervise(self) -> None:
+        """Start the supervisor thread (``__enter__`` does, when ``restart`` is set)."""
+        assert self.restart is not None, "supervise() needs a RestartPolicy"
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._supervise, args=(self.restart,),
+                                                name="tandem-supervisor", daemon=True)
+            self._supervisor.start()
+
+    def _supervise(self, policy: RestartPolicy) -> None:
+        """Restart what exits, each after its backoff; report when a restarted process serves again."""
+        due: dict[str, float] = {}  # name -> when to start it again
+        backoff: dict[str, float] = {}
+        recovering: dict[str, float] = {}  # restarted, not yet healthy -> next health check
+        while not self._stopping.wait(0.2):
+            now = time.monotonic()
+            for spec in self.specs:
+                proc = self.procs.get(spec.name)
+                if proc is None:
+                    continue
+                if proc.poll() is not None:
+                    recovering.pop(spec.name, None)
+                    if spec.name not in due:
+                        ran_s = now - self._started_at.get(spec.name, now)
+                        wait_s = backoff[spec.name] = policy.next_backoff(backoff.get(spec.name), ran_s)
+                        due[spec.name] = now + wait_s
+                        self.on_event(f"{spec.name} exited with {_describe_exit(proc.returncode)} after "
+                                      f"{ran_s:.0f} s; restarting it in {wait_s:g} s")
+                    elif now >= due[spec.name]:
+                        del due[spec.name]
+                        self._restart(spec)
+                        recovering[spec.name] = now + 1.0
+                elif spec.name in recovering and now >= recovering[spec.name]:
+                    if is_serving(spec.target, 1.0, self._credentials):
+                        del recovering[spec.name]
+                        self.on_event(f"{spec.name} is serving again on {spec.target}")
+                    else:
+                        recovering[spec.name] = time.monotonic() + 1.0
+
+    def _restart(self, spec: NodeSpec) -> None:
+        if self._stopping.is_set():
+            return
+        n = self.restarts[spec.name] = self.restarts.get(spec.name, 0) + 1
+        path = self.log_path(spec.name)
+        if path is not None:
+            with open(path, "ab") as f:
+                f.write(f"--- tandem up: restart {n} of {spec.name} ---\n".encode())
+        self._spawn(spec, append=True)
+        self.on_event(f"restarted {spec.name} (restart {n}, pid {self.procs[spec.name].pid})"
+                      + (f"; log {path}" if path else ""))
+
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM (graceful drain) the gateway first, then the nodes; SIGKILL what is left after grace."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()  # no restart races the stop below
         for spec in sorted(self.specs, key=lambda s: s.role != "gateway"):
             proc = self.procs.get(spec.name)
             if proc is not None and proc.poll() is None:
@@ -235,25 +353,47 @@ class Launcher:
         except BaseException:
             self.stop()
             raise
+        if self.restart is not None:
+            self.supervise()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-def is_serving(target: str, timeout_s: float) -> bool:
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def _health_credentials(environ: dict[str, str]) -> grpc.ChannelCredentials | None:
+    """The TLS credentials the launched processes take from ``TANDEM_TLS_*``, for the launcher's health checks."""
+    from common.config.settings import SecuritySettings, load_settings
+    from common.serving.security import channel_credentials
+
+    return channel_credentials(load_settings(SecuritySettings, environ=environ))
+
+
+def is_serving(target: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> bool:
     """One gRPC health check: True when the server answers SERVING."""
-    return check_health(target, timeout_s) == "SERVING"
+    return check_health(target, timeout_s, credentials=credentials) == "SERVING"
 
 
-def check_health(target: str, timeout_s: float, service: str = "") -> str:
+def check_health(target: str, timeout_s: float, service: str = "",
+                 credentials: grpc.ChannelCredentials | None = None) -> str:
     """One gRPC health check (``grpc.health.v1``) of ``service`` ("" = the whole server) at ``target``:
-    the status it answers (``SERVING``, ``NOT_SERVING``...), or the RPC's error code when it answers none."""
+    the status it answers (``SERVING``, ``NOT_SERVING``...), or the RPC's error code when it answers none.
+    ``credentials``: TLS (a server that requires client certificates needs them in these too)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(target) as channel:
+        with (grpc.secure_channel(target, credentials) if credentials is not None
+              else grpc.insecure_channel(target)) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                               timeout=timeout_s)
     except grpc.RpcError as exc:

@@ -3,7 +3,7 @@
 Every backend computes the same thing for a ragged batch (see ``AttentionMetadata``): write the new
 tokens' K/V into the paged cache (when there is one), then attend each query token causally over its
 sequence's context plus the new tokens. Backends differ only in how. Hardware-specific modules are
-imported lazily, so ``import common`` works without CUDA, Triton or flash-attn.
+imported lazily, so ``import common`` works without CUDA, Triton, flash-attn or FlashInfer.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ _REGISTRY: dict[str, str] = {
     "torch": "common.attention.torch_backend:TorchAttentionBackend",
     "triton": "common.attention.triton_backend:TritonAttentionBackend",
     "flash_attn": "common.attention.flash_attn_backend:FlashAttnBackend",
+    "flashinfer": "common.attention.flashinfer_backend:FlashInferBackend",
 }
 
 

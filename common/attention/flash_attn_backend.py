@@ -1,4 +1,4 @@
-"""flash-attn (FA2) attention on CUDA: the optional ``gpu`` extra (package ``flash_attn``).
+"""flash-attn (FA2) attention on CUDA: the optional ``flash-attn`` extra (package ``flash_attn``).
 
 - prefill-only batch: ``flash_attn_varlen_func`` on the fresh K/V, ``cu_seqlens = query_start_loc``.
 - decode-only batch: ``flash_attn_with_kvcache`` reading the paged cache through the block tables.
@@ -45,8 +45,8 @@ class FlashAttnBackend(AttentionBackend):
             import flash_attn
         except ImportError as exc:
             raise RuntimeError(
-                "attention backend 'flash_attn' needs the flash-attn package (install the 'gpu' extra: "
-                f"pip install 'tandem-serve[gpu]'): {exc}; or choose 'triton' or 'torch'"
+                "attention backend 'flash_attn' needs the flash-attn package (install the 'flash-attn' extra: "
+                f"pip install 'tandem-serve[flash-attn]'): {exc}; or choose 'flashinfer', 'triton' or 'torch'"
             ) from exc
         self._varlen: Any = flash_attn.flash_attn_varlen_func
         self._with_kvcache: Any = flash_attn.flash_attn_with_kvcache

@@ -22,6 +22,7 @@ ENV_PREFIX = "TANDEM_"
 
 
 QUANTIZATION_METHODS = ("none", "auto", "int8", "int4", "w8a8", "fp8")
+KV_TRANSPORTS = ("auto", "shm", "socket")  # kv_transfer/transport.py
 
 
 def default_home() -> Path:
@@ -35,7 +36,7 @@ class ModelSettings:
     model: str = "SmolLM2-135M-Instruct"  # a local Hugging Face directory or the bundled model's name
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"
-    attention_backend: str = "torch"  # torch | triton | flash_attn
+    attention_backend: str = "torch"  # torch | triton | flash_attn | flashinfer
     home: Path = field(default_factory=default_home)  # Tandem's cache (converted models, ...)
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     # Packed weights (common/quant/config.py): none | auto (a GGUF source keeps its own) | int8 | int4 | w8a8 | fp8
@@ -78,6 +79,9 @@ class NodeSettings:
     enable_prefix_caching: bool = True
     # how long a transfer may take once its first chunk arrived (a decode node); how long a push may take
     kv_timeout_s: float = 30.0
+    # KV data plane between prefill and decode nodes: auto (shared memory / CUDA IPC when both are on one
+    # host, sockets otherwise) | shm (same host only) | socket (gloo / NCCL pair groups)
+    kv_transport: str = "auto"
     # Admission queues instead of refusing: requests beyond free KV (a decode node's reservations included)
     # wait, at most max_waiting of them, each at most queue_timeout_s (then RESOURCE_EXHAUSTED).
     max_waiting: int = 1024
@@ -94,6 +98,48 @@ class NodeSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.grace_s < 0 or self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_timeout_s, queue_timeout_s and kv_cache_memory_gb must be > 0, grace_s >= 0")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"--kv-transport (TANDEM_KV_TRANSPORT) must be one of {', '.join(KV_TRANSPORTS)}; "
+                             f"got {self.kv_transport!r}")
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    """TLS and the cluster credential of one process (every role; docs/security.md). All off by default.
+
+    ``tls_cert`` + ``tls_key``: this process serves TLS with them (and presents them as its client
+    certificate). ``tls_ca``: the CA that signs the cluster's certificates; clients verify servers with it,
+    and the internal services (Prefill, Decode, KVTransfer) then require a client certificate it signed
+    (mutual TLS). ``internal_token``: a shared secret the gateway and the prefill nodes send to the internal
+    services, which refuse calls without it (UNAUTHENTICATED).
+    """
+
+    tls_cert: Path | None = None  # PEM certificate chain
+    tls_key: Path | None = None  # PEM private key
+    tls_ca: Path | None = None  # PEM CA bundle
+    internal_token: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # an environment variable; "" = unset
+                object.__setattr__(self, name, Path(value).expanduser() if value else None)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert (TANDEM_TLS_CERT) and --tls-key (TANDEM_TLS_KEY) go together; "
+                             "one of them is missing")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"--{name.replace('_', '-')} ({env_name(name)}): {path} is not a file")
+
+    @property
+    def tls(self) -> bool:
+        """Whether this process serves TLS."""
+        return self.tls_cert is not None
+
+    @property
+    def mutual_tls(self) -> bool:
+        return self.tls_ca is not None
 
 
 def env_name(field_name: str) -> str:

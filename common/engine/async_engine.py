@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 # How long the idle engine thread sleeps waiting for a command before re-checking for shutdown.
 _IDLE_POLL_S = 0.05
+# How often the engine thread looks for reservations whose KV never came (EngineCore.reap).
+_REAP_INTERVAL_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -110,11 +113,15 @@ class AsyncEngine:
     # ---- engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        next_reap = time.monotonic() + _REAP_INTERVAL_S
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
+                if time.monotonic() >= next_reap:
+                    self._deliver(self.engine.reap())
+                    next_reap = time.monotonic() + _REAP_INTERVAL_S
         except BaseException as exc:  # the thread must report, not vanish
             log.exception("engine thread crashed")
             self._error = exc

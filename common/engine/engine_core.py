@@ -8,6 +8,7 @@ connector, prefill nodes a KV producer, decode nodes a KV consumer.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -25,7 +26,7 @@ from common.engine.commands import (
 )
 from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner, kv_cache_spec
-from common.engine.request import Request, RequestOutput
+from common.engine.request import FinishReason, Request, RequestOutput
 from common.engine.scheduler import Scheduler
 from common.errors import InvalidRequestError, QueueFullError
 from common.kv.kv_cache_manager import KVCacheManager
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from common.sampling.params import SamplingParams
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -107,6 +109,7 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: tuple[int, ...] = ()) -> None:
         self.validate(prompt_token_ids, params)
+        self._check_new_id(request_id)
         self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids)))
 
     def reserve(self, command: ReserveKV) -> Reservation:
@@ -114,7 +117,9 @@ class EngineCore:
         they are free and nobody queues before it; else the request queues for them (``queued``)."""
         prompt = list(command.prompt_token_ids)
         self.validate(prompt, command.params)
-        request = Request(command.request_id, prompt, command.params, tuple(command.eos_token_ids))
+        self._check_new_id(command.request_id)
+        request = Request(command.request_id, prompt, command.params, tuple(command.eos_token_ids),
+                          remote_prefill=True)
         needed = self.kv.blocks_needed(len(prompt))
         allocation = None if self.scheduler.waiting else self.scheduler.admit_now(request)
         if allocation is None:
@@ -122,6 +127,10 @@ class EngineCore:
             self.scheduler.add_request(request)
             return Reservation((), 0, needed, self.kv.num_free_blocks)
         return Reservation(tuple(allocation.block_ids), allocation.num_cached_tokens, needed, self.kv.num_free_blocks)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if self.kv.has_request(request_id) or any(r.request_id == request_id for r in self.scheduler.waiting):
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use on this node")
 
     def _check_queue(self) -> None:
         limit = self.scheduler.config.max_waiting
@@ -146,6 +155,15 @@ class EngineCore:
         for out in outputs:
             if out.finished:
                 self.runner.forget(out.request_id)
+        return outputs
+
+    def reap(self, now: float | None = None) -> list[RequestOutput]:
+        """Abort requests whose remote KV never came within ``kv_lease_s`` (the reaper of leaked reservations)."""
+        outputs = []
+        for rid in self.scheduler.expired_kv_waits(time.monotonic() if now is None else now):
+            log.warning("request %s waited longer than kv_lease_s for its KV: aborted, blocks freed", rid)
+            self.abort(rid)
+            outputs.append(RequestOutput(rid, [], True, FinishReason.ABORT))
         return outputs
 
     def has_unfinished(self) -> bool:

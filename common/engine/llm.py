@@ -54,11 +54,12 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, dtype: str | None = None,
                  device: str | None = None, attention_backend: str | None = None,
                  quantization: str | None = None, quantization_group_size: int | None = None,
-                 cache: CacheConfig | None = None, scheduler: SchedulerConfig | None = None) -> None:
+                 quantization_kernel: str | None = None, cache: CacheConfig | None = None,
+                 scheduler: SchedulerConfig | None = None) -> None:
         self.settings = load_settings(ModelSettings, {
             "model": None if model is None else str(model), "dtype": dtype, "device": device,
             "attention_backend": attention_backend, "quantization": quantization,
-            "quantization_group_size": quantization_group_size})
+            "quantization_group_size": quantization_group_size, "quantization_kernel": quantization_kernel})
         model_dir = resolve_model(self.settings.model, self.settings.home, progress=True)
         self.tokenizer = Tokenizer(model_dir)
         s = self.settings

@@ -58,7 +58,10 @@ def engine_configs(node: NodeSettings) -> tuple[CacheConfig, SchedulerConfig]:
     cache = CacheConfig(block_size=node.block_size, num_blocks=node.num_blocks or None,
                         kv_cache_memory_gb=node.kv_cache_memory_gb, enable_prefix_caching=node.enable_prefix_caching)
     scheduler = SchedulerConfig(max_num_seqs=node.max_num_seqs, max_num_batched_tokens=node.max_num_batched_tokens,
-                                max_prefill_chunk=node.max_prefill_chunk, max_waiting=node.max_waiting)
+                                max_prefill_chunk=node.max_prefill_chunk, max_waiting=node.max_waiting,
+                                # a decode servicer waits at most queue_timeout_s for the first chunk, then
+                                # kv_timeout_s: past both (and a minute's slack) a reservation has leaked
+                                kv_lease_s=node.queue_timeout_s + node.kv_timeout_s + 60.0)
     return cache, scheduler
 
 

@@ -30,6 +30,9 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    # Its prompt's KV is computed by another node and pushed here (vLLM's do_remote_prefill); the node's
+    # KVConnector decides what that means (a decode node: wait for the KV before decoding).
+    remote_prefill: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens (prompt + output) whose KV is in the cache; the rest must be computed before sampling.
@@ -39,6 +42,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    waiting_for_kv_since: float | None = None  # time.monotonic() when it began to wait for remote KV
     first_token_time: float | None = None
     # Speculative decoding: running acceptance-rate estimate (drives adaptive k) and counters.
     spec_acceptance: float = 0.6

@@ -247,6 +247,12 @@ class Scheduler:
             self.kv.free(request_id)
             self._stalled = False
 
+    def expired_kv_waits(self, now: float) -> list[str]:
+        """Requests in ``waiting_for_kv`` for longer than ``kv_lease_s``: nobody will fill their blocks."""
+        lease = self.config.kv_lease_s
+        return [rid for rid, r in self.waiting_for_kv.items()
+                if r.waiting_for_kv_since is not None and now - r.waiting_for_kv_since > lease]
+
     @property
     def num_waiting(self) -> int:
         """Requests not running yet: queued for compute, or waiting for their KV to arrive."""
@@ -339,6 +345,7 @@ class Scheduler:
         """An admitted request runs, or waits for the KV its connector says comes from elsewhere."""
         if self.connector.get_num_new_matched_tokens(request, request.num_computed_tokens) > 0:
             request.status = RequestStatus.WAITING_FOR_KV
+            request.waiting_for_kv_since = time.monotonic()
             self.waiting_for_kv[request.request_id] = request
         else:
             request.status = RequestStatus.RUNNING
@@ -359,4 +366,6 @@ def _output(request: Request, new_tokens: list[int], reason: FinishReason | None
             logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None) -> RequestOutput:
     return RequestOutput(request.request_id, new_tokens, request.is_finished, reason, logprobs=logprobs,
                          num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
-                         counters=request.counters() if request.is_finished else None)
+                         # on the first output (queue time) and the last (every counter)
+                         counters=request.counters() if request.is_finished
+                         or len(request.output_token_ids) == len(new_tokens) else None)

@@ -8,6 +8,10 @@ block ids is one contiguous slice of memory. KV transfer sends such a run with a
 reserved blocks. Attention sees per-layer views ``[num_blocks, block_size, num_kv_heads, head_dim]``
 whose block stride is ``num_layers * 2 * block_size * num_kv_heads * head_dim`` elements; every backend
 takes strides, so the views are never copied.
+
+Same-host KV transfer: a CPU cache can live in a shared-memory segment (``share_memory``) that prefill
+processes on the same machine map and copy blocks into; the segment also holds one grant word per block
+(kv_transfer/block_grants.py). The cache owns the segment and unlinks it at ``close``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from common.kv.shared_segment import SharedSegment
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,9 @@ class KVCacheSpec:
 class KVCache:
     """Owns the paged KV tensor and hands out per-layer views and block runs."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu",
+                 shared: bool = False) -> None:
+        """``shared``: allocate the tensor in a shared-memory segment right away (CPU only; see ``share_memory``)."""
         import torch
 
         if num_blocks <= 0:
@@ -59,6 +67,32 @@ class KVCache:
             dtype=dtype,
             device=device,
         )
+        self.segment: SharedSegment | None = None
+        if shared:
+            self.share_memory()
+
+    def share_memory(self) -> SharedSegment:
+        """Move the KV tensor into a new shared-memory segment (contents kept) and return it; idempotent.
+
+        ``data`` is rebound, so call it before anything keeps a view of ``data`` (``layer`` views are taken
+        per forward). Raises SharedMemoryUnavailable (no /dev/shm, too small) or ValueError (not on CPU).
+        """
+        from common.kv.shared_segment import SharedSegment
+
+        if self.segment is not None:
+            return self.segment
+        if self.data.device.type != "cpu":
+            raise ValueError(f"only a CPU KV cache can live in shared memory, this one is on {self.data.device}")
+        segment = SharedSegment.create(self.nbytes, num_slots=self.num_blocks)
+        data = segment.data().view(self.data.dtype).view(self.data.shape)
+        data.copy_(self.data)
+        self.data, self.segment = data, segment
+        return segment
+
+    def close(self) -> None:
+        """Unlink the shared-memory segment, if any (the tensor stays valid in this process)."""
+        if self.segment is not None:
+            self.segment.close()
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) views, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""

@@ -74,7 +74,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # [n] -> [n, hidden]; a quantized model may replace it with a lookup into the packed LM head's rows
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers)
         )
@@ -88,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The activation dtype, which is also the KV cache's (packed weights have their own dtypes)."""
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def weight_bytes(self) -> int:
@@ -117,5 +118,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, hidden] -> logits: [n, vocab] in fp32 (sampling wants full precision)
         if self.lm_head is None:
+            assert isinstance(self.embed_tokens, nn.Embedding)
             return nn.functional.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()

@@ -27,8 +27,13 @@ def format_address(host: str, port: int) -> str:
 
 
 def open_channel(target: str, options: Sequence[tuple[str, Any]] = (),
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
-    """An insecure ``grpc.aio`` channel to ``target`` (host:port) with Tandem's defaults (overridable)."""
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+                 credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel to ``target`` (host:port) with Tandem's defaults (overridable): TLS with
+    ``credentials`` (``common.serving.security.channel_credentials``), plaintext without."""
     merged = dict(CHANNEL_OPTIONS)
     merged.update(options)
+    if credentials is not None:
+        return grpc.aio.secure_channel(target, credentials, options=list(merged.items()),
+                                       interceptors=list(interceptors) or None)
     return grpc.aio.insecure_channel(target, options=list(merged.items()), interceptors=list(interceptors) or None)

@@ -49,6 +49,7 @@ class RunningServer:
     host: str
     port: int
     service_names: tuple[str, ...]
+    http_url: str = ""  # the OpenAI-compatible HTTP API beside it (http://host:port), when the process serves one
     _hooks: list[ShutdownHook] = field(default_factory=list)
     _stopping: bool = False
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -99,6 +100,7 @@ async def start_server(
     port: int,
     interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
     options: Sequence[tuple[str, Any]] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> RunningServer:
     """Build, bind and start a server hosting the given services plus health and reflection.
 
@@ -107,7 +109,8 @@ async def start_server(
     names (``tandem.v1.Tandem``) reported by health and reflection. ``interceptors`` default to one
     ``StatusInterceptor()``; the first interceptor is the outermost. When this process traces, the trace
     context interceptor goes before them all (the caller's context is current in every handler).
-    ``port`` 0 picks a free port.
+    ``port`` 0 picks a free port. ``credentials`` (``common.serving.security.server_credentials``): serve TLS
+    (mutual TLS when they require client certificates); None: plaintext.
     """
     if interceptors is None:
         interceptors = [StatusInterceptor()]
@@ -127,13 +130,14 @@ async def start_server(
 
     address = format_address(host, port)
     try:
-        bound = server.add_insecure_port(address)
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
     except RuntimeError as exc:  # recent grpcio raises; older ones return 0
         raise OSError(f"cannot listen on {address}: port in use or not a local address ({exc})") from None
     if bound == 0:
         raise OSError(f"cannot listen on {address}: port in use or not a local address")
     await server.start()
-    log.info("serving %s on %s", ", ".join(names), format_address(host, bound))
+    log.info("serving %s on %s%s", ", ".join(names), format_address(host, bound), " (TLS)" if credentials else "")
     return RunningServer(server=server, health=health_servicer, host=host, port=bound, service_names=names)
 
 
@@ -174,12 +178,13 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-async def wait_for_health(target: str, timeout_s: float, service: str = "") -> None:
+async def wait_for_health(target: str, timeout_s: float, service: str = "",
+                          credentials: grpc.ChannelCredentials | None = None) -> None:
     """Return once ``target`` reports ``service`` SERVING; raise ``TimeoutError`` after ``timeout_s``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     last = "no answer"
-    async with open_channel(target) as channel:
+    async with open_channel(target, credentials=credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while (remaining := deadline - loop.time()) > 0:
             try:

@@ -54,6 +54,7 @@ PROMPT_TOKENS = "gen_ai.usage.input_tokens"
 COMPLETION_TOKENS = "gen_ai.usage.output_tokens"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 CACHED_TOKENS = "tandem.cached_tokens"
+LOCAL_PREFILL = "tandem.local_prefill"  # conditional disaggregation: the decode node prefilled the prompt
 STATUS_CODE = "rpc.grpc.status_code"
 STATUS = "tandem.status"
 NODE = "tandem.node"

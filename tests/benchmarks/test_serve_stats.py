@@ -32,6 +32,8 @@ SCHEMA = _object({
                  "properties": {"name": {"enum": ["serving", "shared-prefix", "mixed"]}}},
     "rate": {"type": ["number", "null"]}, "concurrency": {"type": ["integer", "null"]},
     "cpus": {"type": "array", "items": {"type": "integer"}},
+    "slo": _object({"ttft_s": {"type": "number"}, "tpot_s": {"type": "number"}}),
+    "local_prefill_max_tokens": {"type": "integer"},
     "systems": {"type": "array", "items": _object({
         "system": {"type": "string"}, "placement": {"type": "string"},
         **{k: {"type": "integer"} for k in ("completed", "failed", "wrong_length", "input_tokens", "output_tokens")},
@@ -39,6 +41,11 @@ SCHEMA = _object({
                                            "tokens_per_message")},
         **{k: _D for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "kv_transfer_s")},
         "errors": {"type": "array", "items": {"type": "string"}},
+        "started": {"type": "boolean"}, "goodput": _OPTIONAL_NUMBER,
+        "slo": {"oneOf": [{"type": "null"}, _object({
+            "slo": _object({"ttft_s": {"type": "number"}, "tpot_s": {"type": "number"}}),
+            **{k: {"type": "integer"} for k in ("num_requests", "met_both", "met_ttft", "met_tpot")},
+            "duration_s": {"type": "number"}})]},
         "by_kind": {"type": "object", "additionalProperties": _object({
             "completed": {"type": "integer"}, "ttft_s": _D, "tpot_s": _D, "e2e_s": _D})},
         "records": {"type": "array", "items": _object({
@@ -133,6 +140,7 @@ def test_the_workload_flag_picks_a_preset_and_its_fields_take_overrides() -> Non
 def test_system_variants_set_prefix_caching_explicitly() -> None:
     assert parse().systems == "disaggregated,colocated"
     assert [(s.name, s.disaggregated) for s in SYSTEMS.values()] == [
-        ("disaggregated", True), ("colocated", False), ("disaggregated-nocache", True), ("colocated-nocache", False)]
+        ("disaggregated", True), ("colocated", False), ("conditional", True), ("disaggregated-nocache", True),
+        ("colocated-nocache", False)]
     assert SYSTEMS["colocated"].node_args == ("--enable-prefix-caching",)
     assert SYSTEMS["disaggregated-nocache"].node_args == ("--no-enable-prefix-caching",)

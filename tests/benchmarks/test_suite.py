@@ -41,7 +41,7 @@ def test_quick_suite_on_the_tiny_model_writes_report_and_plots(
     tandem = next(r for r in offline["results"] if r["system"] == "Tandem")
     assert tandem["output_tokens"] == 16 * 32  # the quick workload, every token generated
     mixed = json.loads((out / "serve-mixed.json").read_text())
-    assert {s["system"] for s in mixed["systems"]} == {"disaggregated", "colocated"}
+    assert {s["system"] for s in mixed["systems"]} == {"disaggregated", "conditional", "colocated"}
     assert all(s["failed"] == 0 and set(s["by_kind"]) == {"short", "long"} for s in mixed["systems"])
 
     report = (out / "report.md").read_text()

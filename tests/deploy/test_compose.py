@@ -246,7 +246,8 @@ def test_gpu_profile_reserves_one_distinct_gpu_per_node() -> None:
 
 def test_only_the_gateway_and_jaeger_ui_are_published_on_loopback() -> None:
     published = {name: s["ports"] for name, s in load_compose()["services"].items() if s.get("ports")}
-    assert published == {"gateway": ["127.0.0.1:50051:50051"], "jaeger": ["127.0.0.1:16686:16686"]}
+    assert published == {"gateway": ["127.0.0.1:50051:50051", "127.0.0.1:8000:8000"],  # gRPC, OpenAI HTTP
+                         "jaeger": ["127.0.0.1:16686:16686"]}
 
 
 def test_every_tandem_service_traces_to_jaeger_and_is_health_checked() -> None:

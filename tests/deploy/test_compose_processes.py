@@ -46,7 +46,7 @@ class ComposeOnLoopback:
     def __init__(self, model_dir: Path, log_dir: Path) -> None:
         compose = load_compose({"TANDEM_MODEL": str(model_dir), "TANDEM_DTYPE": "float32"})
         self.services = {n: s for n, s in enabled(compose, "cpu").items() if n != "jaeger"}
-        fixed = sorted({int(p) for s in self.services.values() for p in s.get("expose", [])} | {50051})
+        fixed = sorted({int(p) for s in self.services.values() for p in s.get("expose", [])} | {50051, 8000})
         self.ports = dict(zip(fixed, _free_ports(len(fixed)), strict=True))
         self.names = set(compose["services"])
         self.log_dir = log_dir

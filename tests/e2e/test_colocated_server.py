@@ -18,17 +18,21 @@ from benchmarks.serve_client import drive
 from benchmarks.serve_stats import summarize
 from benchmarks.workloads import MixedWorkload
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tandem_cli.launcher import ColocatedTopology, Launcher
+from tandem_cli.launcher import ColocatedTopology, Launcher, _free_ports
 from tests.e2e.test_disaggregated import generate, prompts, reference, request
 
 pytestmark = pytest.mark.e2e
+
+
+HTTP_PORT = _free_ports(1)[0]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_served_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
     topology = ColocatedTopology(replicas=1, free_ports=True,
                                  model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
-                                 node_args=("--num-blocks", "256", "--shutdown-grace-s", "1"))
+                                 node_args=("--num-blocks", "256", "--shutdown-grace-s", "1",
+                                            "--http-port", str(HTTP_PORT)))
     env = {"TANDEM_HOME": os.environ["TANDEM_HOME"]} if os.environ.get("TANDEM_HOME") else None
     with Launcher(topology, log_dir=tmp_path_factory.mktemp("logs"), env=env) as launcher:
         yield launcher
@@ -124,3 +128,23 @@ def test_benchmark_client_drives_the_server(server: Launcher) -> None:
     assert {kind: k.completed for kind, k in summary.by_kind.items()} == {"short": 7, "long": 1}
     closed, _ = asyncio.run(drive([target(server)], requests, concurrency=3, timeout_s=60.0))
     assert [r.num_tokens for r in closed] == [r.output_len for r in requests]
+
+
+def test_openai_client_streams_a_chat_from_the_http_api(server: Launcher) -> None:
+    """The colocated server serves the OpenAI-compatible HTTP API too, over the same engine."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="unused", max_retries=0, timeout=60)
+    (model,) = [m.id for m in client.models.list().data]
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                            temperature=0.0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6  # ignore_eos: all 6
+    reply = client.completions.create(model=model, prompt="Hello", max_tokens=4, n=2, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    texts = [c.text for c in reply.choices]
+    assert len(texts) == 2 and texts[0] == texts[1]  # greedy samples agree
+    assert reply.usage is not None and reply.usage.completion_tokens == 8
+    # The second sample reused the first's prompt blocks (the prefix cache), when the prompt fills one.
+    assert reply.usage.prompt_tokens_details is not None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -135,6 +137,47 @@ def test_cancel_mid_stream_frees_every_block(system: Launcher) -> None:
     wait_all_blocks_free(system)
 
 
+def waiting_requests(launcher: Launcher) -> dict[str, int]:
+    out = {}
+    for spec in launcher.specs:
+        if spec.role == "gateway":
+            continue
+        stub = prefill_pb2_grpc.PrefillStub if spec.role == "prefill" else decode_pb2_grpc.DecodeStub
+        with grpc.insecure_channel(spec.target) as channel:
+            stats = stub(channel).Stats(common_pb2.StatsRequest(), timeout=10)
+            out[spec.name] = stats.num_waiting + stats.num_running
+    return out
+
+
+def test_cancellation_storm_at_random_stages_leaves_nothing_behind(system: Launcher) -> None:
+    """120 requests, 24 at a time, each cancelled by the client 0-600 ms after it started (while queued,
+    reserving, prefilling, transferring or decoding): afterwards no node holds a block or a request."""
+    rng = random.Random(5)
+    ps = prompts(120, seed=9)
+    delays = [rng.uniform(0.0, 0.6) for _ in ps]
+
+    def cancelled_call(i: int) -> str:
+        with grpc.insecure_channel(system.gateway.target) as channel:
+            call = generate_pb2_grpc.TandemStub(channel).Generate(request(ps[i], 64), timeout=TIMEOUT_S)
+            timer = threading.Timer(delays[i], call.cancel)
+            timer.start()
+            try:
+                for _ in call:
+                    pass
+                return "done"
+            except grpc.RpcError as exc:
+                return exc.code().name
+            finally:
+                timer.cancel()
+
+    with ThreadPoolExecutor(24) as pool:
+        outcomes = list(pool.map(cancelled_call, range(len(ps))))
+    assert set(outcomes) <= {"done", "CANCELLED"}, outcomes
+    assert outcomes.count("CANCELLED") > 60  # most were cut off somewhere on the way
+    wait_all_blocks_free(system, timeout_s=30.0)
+    assert not any(waiting_requests(system).values())
+
+
 @pytest.mark.parametrize(("mutate", "field"), [
     (lambda r: r.ClearField("token_ids"), "input"),
     (lambda r: r.token_ids.ids.extend([5] * 1100), "token_ids"),
@@ -215,4 +258,48 @@ def test_load_beyond_the_decode_kv_cache_queues_and_completes(tiny_served_model_
     with Launcher(topology, log_dir=tmp_path) as launcher, ThreadPoolExecutor(12) as pool:
         results = list(pool.map(lambda p: generate(launcher.gateway.target, request(p, 16)), ps))
         assert [tokens for tokens, _ in results] == expected
+        wait_all_blocks_free(launcher)
+
+
+def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_node(tiny_served_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """With --local-prefill-max-tokens 32, a short prompt never touches a prefill node (no KV moves) and a
+    long one is disaggregated; both stream exactly what the colocated engine generates."""
+    topology = Topology(num_prefill=1, num_decode=1, free_ports=True,
+                        model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
+                        node_args=("--num-blocks", "64", "--kv-timeout-s", "20", "--grace-s", "1"),
+                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1",
+                                      "--local-prefill-max-tokens", "32"))
+    g = torch.Generator().manual_seed(11)
+    short, long = (torch.randint(20, 49000, (n,), generator=g).tolist() for n in (20, 70))
+    expected = reference(tiny_served_model_dir, [short, long], 10)
+    with Launcher(topology, log_dir=tmp_path) as launcher:
+        short_tokens, short_last = generate(launcher.gateway.target, request(short, 10))
+        long_tokens, long_last = generate(launcher.gateway.target, request(long, 10))
+        assert [short_tokens, long_tokens] == expected
+        assert short_last.timings.prefill_node == short_last.timings.decode_node == "decode-0"
+        assert short_last.timings.kv_transfer_bytes == 0 and short_last.usage.completion_tokens == 10
+        assert long_last.timings.prefill_node == "prefill-0" and long_last.timings.kv_transfer_bytes > 0
+        wait_all_blocks_free(launcher)
+
+
+def test_kv_load_failure_policy_recompute_prefills_on_the_decode_node(tiny_served_model_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """--kv-load-failure-policy recompute: with the prefill node dead, the KV can never arrive; the decode
+    node computes the prompt itself and the client gets the same tokens (with `fail`: UNAVAILABLE)."""
+    topology = Topology(num_prefill=1, num_decode=1, free_ports=True,
+                        model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
+                        node_args=("--num-blocks", "64", "--kv-timeout-s", "20", "--grace-s", "1"),
+                        gateway_args=("--stats-interval-s", "600", "--shutdown-grace-s", "1",
+                                      "--kv-load-failure-policy", "recompute"))
+    ps = prompts(2, seed=12)
+    expected = reference(tiny_served_model_dir, ps, 8)
+    with Launcher(topology, log_dir=tmp_path) as launcher:
+        assert generate(launcher.gateway.target, request(ps[0], 8))[1].timings.prefill_node == "prefill-0"
+        os.kill(launcher.procs["prefill-0"].pid, signal.SIGKILL)
+        launcher.procs["prefill-0"].wait(10)
+        for p, want in zip(ps, expected, strict=True):
+            tokens, last = generate(launcher.gateway.target, request(p, 8))
+            assert tokens == want
+            assert last.timings.prefill_node == "decode-0" and last.timings.kv_transfer_bytes == 0
         wait_all_blocks_free(launcher)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -206,3 +207,36 @@ def test_reserve_queues_beyond_free_blocks_and_refuses_past_max_waiting(tiny: Ll
     outputs = engine.step()
     assert [(o.request_id, o.reserved_block_ids is not None) for o in outputs] == [("b", True)]
     assert engine.stats().num_waiting == 1 and engine.kv.num_used_blocks == 3
+
+
+def test_reap_aborts_a_reservation_whose_kv_never_came(tiny: LlamaForCausalLM) -> None:
+    from common.engine.commands import ReserveKV
+    from common.engine.request import FinishReason
+    from decode_service.kv_consumer import KVConsumer
+
+    engine = EngineCore(tiny, CacheConfig(num_blocks=8, block_size=16), SchedulerConfig(kv_lease_s=5.0),
+                        connector=KVConsumer())
+    assert not engine.handle(ReserveKV("a", tuple(range(3, 40)), SamplingParams(max_tokens=4))).queued
+    assert engine.reap() == [] and engine.kv.num_used_blocks == 3
+    (reaped,) = engine.reap(now=time.monotonic() + 6.0)
+    assert (reaped.request_id, reaped.finished, reaped.finish_reason) == ("a", True, FinishReason.ABORT)
+    assert engine.kv.num_used_blocks == 0 and engine.stats().num_waiting == 0
+
+
+def test_a_request_id_in_use_is_refused_not_fatal(tiny: LlamaForCausalLM) -> None:
+    """Reusing an id the engine still holds (a resend racing its own abort) is a caller error, and the engine
+    keeps serving: the block manager's invariant must never be reached by input."""
+    from common.engine.commands import AddRequest, ReserveKV
+    from common.errors import InvalidRequestError
+
+    engine = EngineCore(tiny, CacheConfig(num_blocks=8, block_size=16))
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    engine.handle(AddRequest("a", (3, 4, 5), params))
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        engine.handle(AddRequest("a", (3, 4, 5), params))  # still queued
+    engine.step()
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.handle(ReserveKV("a", (3, 4, 5), params))  # now running, with blocks
+    while engine.has_unfinished():
+        engine.step()
+    engine.handle(AddRequest("a", (3, 4, 5), params))  # finished: the id is free again

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import functools
 import socket
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -218,6 +218,15 @@ async def scripted_cluster(model: ServedModel, model_dir: Path, script_tokens: S
         await gateway.stop(0)
         for server in servers.values():
             await server.stop(0)
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    """Wait (bounded) until ``check()`` holds; fail the test if it never does."""
+    for _ in range(int(timeout_s / 0.01)):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    assert check()
 
 
 def run_async(coro: Coroutine[Any, Any, T], timeout_s: float = 20.0) -> T:

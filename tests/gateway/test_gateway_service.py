@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import pytest
-from scripted_nodes import Cluster, logprob, run_async, scripted_cluster
+from scripted_nodes import Cluster, eventually, logprob, run_async, scripted_cluster
 
 from gateway.model import ServedModel
 from tandem.v1 import common_pb2, generate_pb2
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.real_model
 
@@ -22,14 +26,6 @@ TEXT = " The quick brown fox jumps over the lazy dog."  # 10 tokens
 
 def script(model: ServedModel) -> list[int]:
     return model.tokenizer.encode(TEXT, add_special_tokens=False)
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 3.0) -> None:
-    for _ in range(int(timeout_s / 0.01)):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    assert check()
 
 
 async def generate(c: Cluster, request: generate_pb2.GenerateRequest) -> list[generate_pb2.GenerateResponse]:
@@ -192,9 +188,11 @@ def test_bad_input_is_invalid_argument_naming_the_field(served_model: ServedMode
     run_async(scenario())
 
 
-def test_over_max_inflight_is_resource_exhausted(served_model: ServedModel, smollm2_dir: Path) -> None:
+def test_over_max_inflight_without_a_queue_is_resource_exhausted(served_model: ServedModel,
+                                                                  smollm2_dir: Path) -> None:
     async def scenario() -> None:
-        async with scripted_cluster(served_model, smollm2_dir, script(served_model), max_inflight=1) as c:
+        async with scripted_cluster(served_model, smollm2_dir, script(served_model), max_inflight=1,
+                                    max_queued=0) as c:
             c.script.gate = asyncio.Event()
             held = c.stub.Generate(G(text="Hi"))
             await held.read()
@@ -203,6 +201,53 @@ def test_over_max_inflight_is_resource_exhausted(served_model: ServedModel, smol
             c.script.gate.set()
             assert (await read_rest(held))[-1].finish_reason == common_pb2.FINISH_REASON_STOP
             assert (await generate(c, G(text="Hi")))[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+    run_async(scenario())
+
+
+async def loads(c: Cluster) -> generate_pb2.GetLoadsResponse:
+    return await c.stub.GetLoads(generate_pb2.GetLoadsRequest(), timeout=5)
+
+
+async def eventually_async(get: Callable[[], Awaitable[T]], check: Callable[[T], bool], timeout_s: float = 3.0) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await get()
+        if check(value) or time.monotonic() > deadline:
+            assert check(value), value
+            return value
+        await asyncio.sleep(0.02)
+
+
+def test_beyond_max_inflight_requests_queue_then_run(served_model: ServedModel, smollm2_dir: Path) -> None:
+    """Load beyond the in-flight limit waits for a slot (FIFO) instead of failing; only a full queue or a
+    wait past queue_timeout_s is refused, naming the limit."""
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, script(served_model), max_inflight=1,
+                                    max_queued=1, queue_timeout_s=30) as c:
+            c.script.gate = asyncio.Event()
+            held = c.stub.Generate(G(text="Hi"))
+            await held.read()  # holds the only slot
+            queued = asyncio.create_task(generate(c, G(text="Hi")))
+            await eventually_async(lambda: loads(c), lambda r: r.num_queued == 1)
+            err = await failure(c, G(text="Hi"))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued=1" in err.details()
+            c.script.gate.set()
+            assert (await read_rest(held))[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+            assert (await queued)[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+            final = await loads(c)
+            assert (final.num_inflight, final.num_queued) == (0, 0)
+
+        async with scripted_cluster(served_model, smollm2_dir, script(served_model), max_inflight=1,
+                                    max_queued=4, queue_timeout_s=0.3) as c:
+            c.script.gate = asyncio.Event()
+            held = c.stub.Generate(G(text="Hi"))
+            await held.read()
+            err = await failure(c, G(text="Hi"))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue_timeout_s=0.3" in err.details()
+            assert (await loads(c)).num_queued == 0
+            c.script.gate.set()
+            assert (await read_rest(held))[-1].finish_reason == common_pb2.FINISH_REASON_STOP
 
     run_async(scenario())
 

@@ -26,6 +26,7 @@ class Harness:
 
     def __init__(self, role: str, log_dir: Path, **config: Any) -> None:
         self.role = role
+        self.config = config
         self.log_path = log_dir / f"{role}-{next(_names)}.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self._log = self.log_path.open("w")
@@ -152,14 +153,15 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., list[Harness]]]:
     stop(started)
 
 
-@pytest.fixture(scope="module")
-def kv_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Harness]]:
-    """One decode and two prefill processes for a whole module, pickle disabled inside all three.
+@pytest.fixture(scope="module", params=["socket", "shm"])
+def kv_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Harness]]:
+    """One decode and two prefill processes for a whole module, pickle disabled inside all three; once with
+    the socket data plane (gloo pair groups), once with the same-host one (shared memory).
 
     Block ids are fragmented on both sides (every 3rd decode block and every 4th prefill block pinned), so
     runs break on either side.
     """
-    common = {**SPEC, "forbid_pickle": True, "group_timeout_s": 10.0}
+    common = {**SPEC, "forbid_pickle": True, "group_timeout_s": 10.0, "transport": request.param}
     nodes = start(
         tmp_path_factory.mktemp("kv-cluster"),
         ("decode", {**common, "num_blocks": 192, "fragment": 3, "node_id": "decode-0"}),

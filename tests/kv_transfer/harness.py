@@ -36,7 +36,9 @@ import torch
 from common.kv.kv_cache import KVCache, KVCacheSpec
 from common.kv.kv_cache_manager import KVCacheManager
 from kv_transfer import KVReceiver, KVSender, TransferFailed, make_layout
+from kv_transfer.local_plane import LocalPlane
 from kv_transfer.pair_group import PairGroup
+from kv_transfer.shared_kv_writer import SharedKVWriter
 from tandem.v1 import common_pb2, prefill_pb2
 
 _stdout_lock = threading.Lock()
@@ -122,6 +124,23 @@ def stall_data_op(direction: str, after: int) -> None:
     PairGroup._post = stalled  # type: ignore[method-assign]
 
 
+def stall_copy(after: int) -> None:
+    """Same-host transport: from the ``after``-th chunk copy on, the copy thread blocks forever inside the
+    copy, holding the first run's grant lock (a stuck writer), announcing it once."""
+    original = SharedKVWriter.copy
+    calls = itertools.count()
+
+    def stalled(self: SharedKVWriter, transfer_id: str, source: Any, runs: Any, ready: Any) -> bool:
+        if next(calls) >= after:
+            run = runs[0]
+            with self.grants.holding(0, run.dst_start, run.num_blocks):
+                emit({"event": "copy_stalled"})
+                threading.Event().wait()
+        return original(self, transfer_id, source, runs, ready)
+
+    SharedKVWriter.copy = stalled  # type: ignore[method-assign]
+
+
 class Node:
     def __init__(self, cfg: dict[str, Any]) -> None:
         torch.set_num_threads(1)
@@ -144,7 +163,16 @@ class Node:
 
     def state(self) -> dict[str, Any]:
         self.manager.check_integrity()
-        return {"free_blocks": self.manager.num_free_blocks, "pickle_calls": list(PICKLE_CALLS)}
+        return {"free_blocks": self.manager.num_free_blocks, "pickle_calls": list(PICKLE_CALLS),
+                "transports": self.transports()}
+
+    def transports(self) -> list[str]:
+        """The data plane of each live pair ("shm" | "socket")."""
+        if isinstance(self, DecodeNode):
+            return sorted("shm" if isinstance(p.group, LocalPlane) else "socket" for p in self.receiver._pairs)
+        if isinstance(self, PrefillNode) and hasattr(self, "sender"):
+            return sorted(p.transport for p in self.sender._all_pairs)
+        return []
 
 
 class DecodeNode(Node):
@@ -152,10 +180,11 @@ class DecodeNode(Node):
         self.server = grpc.aio.server()
         port = self.server.add_insecure_port(f"127.0.0.1:{self.cfg.get('grpc_port', 0)}")
         self.receiver = KVReceiver(self.kv, self.layout, self.cfg.get("node_id", "decode-0"),
-                                   group_timeout_s=self.timeout_s)
+                                   group_timeout_s=self.timeout_s, transport=self.cfg.get("transport", "auto"))
         self.receiver.add_to_server(self.server)
         await self.server.start()
-        return {"kv_endpoint": f"127.0.0.1:{port}", "node_id": self.receiver.node_id, **self.state()}
+        return {"kv_endpoint": f"127.0.0.1:{port}", "node_id": self.receiver.node_id,
+                "segment": self.receiver.shared_segment, **self.state()}
 
     async def reserve(self, request_id: str, token_ids: list[int]) -> dict[str, Any]:
         allocation = self.manager.allocate(request_id, token_ids)
@@ -193,7 +222,7 @@ class DecodeNode(Node):
 class PrefillNode(Node):
     async def start(self) -> dict[str, Any]:
         self.sender = KVSender(self.kv, self.layout, self.cfg.get("node_id", "prefill-0"),
-                               group_timeout_s=self.timeout_s)
+                               group_timeout_s=self.timeout_s, transport=self.cfg.get("transport", "auto"))
         return self.state()
 
     async def transfer(self, transfer_id: str, destination: dict[str, Any], token_ids: list[int],
@@ -236,6 +265,8 @@ async def serve(cfg: dict[str, Any]) -> None:
     for method in ("send", "recv"):
         if cfg.get(f"stall_{method}_after") is not None:
             stall_data_op(method, cfg[f"stall_{method}_after"])
+    if cfg.get("stall_copy_after") is not None:
+        stall_copy(cfg["stall_copy_after"])
     emit({"ready": True, **await node.start()})
     lines: asyncio.Queue[str] = asyncio.Queue()
 

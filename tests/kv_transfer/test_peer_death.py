@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 SPEC = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": "bfloat16",
-        "num_blocks": 64, "group_timeout_s": 8.0}
+        "num_blocks": 64, "group_timeout_s": 8.0, "transport": "socket"}
 DETECT_S = 5.0  # how long the survivor may take to notice (gloo reports a closed peer within ~1 s)
 
 

@@ -1,8 +1,9 @@
 """KV moves bit-exactly from prefill processes into a decode process's reserved blocks, and only what is missing.
 
 One decode and two prefill processes for the whole module, all with pickle disabled inside (so every transfer
-here also proves the control plane pickles nothing). Block ids are fragmented on both sides so runs break
-on either side.
+here also proves the control plane pickles nothing), once per data plane: sockets (gloo pair groups) and the
+same-host one (the prefill copies into the decode node's shared-memory KV). Block ids are fragmented on both
+sides so runs break on either side.
 """
 
 from __future__ import annotations
@@ -165,6 +166,14 @@ def test_decode_abandon_stops_the_sender_and_the_pair_survives(kv_cluster: Clust
 
     (outcome,) = _run_transfers(decode, [(prefill, "after-abandon", _prompt(rng, 17), {})])
     _assert_landed(outcome, 5)
+
+
+def test_pairs_use_the_transport_asked_for(kv_cluster: Cluster) -> None:
+    decode, prefill_a, prefill_b = kv_cluster
+    transport = decode.config["transport"]
+    assert decode.call("state")["transports"] == [transport, transport]
+    assert prefill_a.call("state")["transports"] == prefill_b.call("state")["transports"] == [transport]
+    assert (decode.info["segment"] is not None) == (transport == "shm")
 
 
 def test_no_tracebacks_in_node_logs(kv_cluster: Cluster) -> None:

@@ -22,8 +22,8 @@ def make(num_blocks: int = 16, block_size: int = 4, connector: KVConnector | Non
     return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len=64, connector=connector)
 
 
-def req(rid: str, n: int, params: SamplingParams = GREEDY, first: int = 0) -> Request:
-    return Request(rid, list(range(first, first + n)), params, eos_token_ids=(99,))
+def req(rid: str, n: int, params: SamplingParams = GREEDY, first: int = 0, remote: bool = False) -> Request:
+    return Request(rid, list(range(first, first + n)), params, eos_token_ids=(99,), remote_prefill=remote)
 
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int, int]]:
@@ -164,7 +164,7 @@ def test_prefill_role_holds_blocks_until_free_held() -> None:
 
 def test_decode_role_admit_now_then_kv_arrived() -> None:
     s = make(connector=KVConsumer())
-    r = req("a", 6)
+    r = req("a", 6, remote=True)
     allocation = s.admit_now(r)
     assert allocation is not None and allocation.block_ids == [0, 1]
     assert r.status is RequestStatus.WAITING_FOR_KV and s.num_waiting == 1
@@ -180,7 +180,7 @@ def test_decode_role_admit_now_then_kv_arrived() -> None:
 def test_decode_role_recomputes_a_preempted_request_locally() -> None:
     """Once its first token is in, a request's KV no longer comes from elsewhere: the queue recomputes it."""
     s = make(connector=KVConsumer())
-    r = req("a", 6)
+    r = req("a", 6, remote=True)
     assert s.admit_now(r) is not None
     s.kv_arrived("a", 42)
     s.running.remove(r)
@@ -192,15 +192,15 @@ def test_decode_role_recomputes_a_preempted_request_locally() -> None:
 
 def test_decode_role_admit_now_refuses_without_room() -> None:
     s = make(connector=KVConsumer(), num_blocks=2)
-    assert s.admit_now(req("a", 6)) is not None
-    assert s.admit_now(req("b", 6)) is None and "b" not in s.waiting_for_kv
+    assert s.admit_now(req("a", 6, remote=True)) is not None
+    assert s.admit_now(req("b", 6, remote=True)) is None and "b" not in s.waiting_for_kv
 
 
 def test_decode_role_queued_reservation_is_announced_when_blocks_free() -> None:
     """Load beyond free KV queues: the reservation waits FCFS and update() announces its blocks later."""
     s = make(connector=KVConsumer(), num_blocks=3)
-    assert s.admit_now(req("a", 6)) is not None  # 2 of 3 blocks
-    b = req("b", 6, first=50)
+    assert s.admit_now(req("a", 6, remote=True)) is not None  # 2 of 3 blocks
+    b = req("b", 6, first=50, remote=True)
     s.add_request(b)  # needs 2 blocks, 1 free: it queues
     out = s.schedule()
     assert out.is_empty and s.update(out, None) == [] and b.status is RequestStatus.WAITING
@@ -227,3 +227,21 @@ def test_prefill_role_does_not_spin_while_blocks_are_held() -> None:
     assert s.schedule().is_empty and not s.has_work()
     s.free_held("a")
     assert s.has_work() and plan(s.schedule()) == [("b", 0, 6)]
+
+
+def test_decode_role_computes_a_local_request_itself() -> None:
+    """Conditional disaggregation: a request without remote_prefill is prefilled on the decode node."""
+    s = make(connector=KVConsumer())
+    s.add_request(req("a", 6))
+    assert step(s) == [("a", 0, 6)] and not s.waiting_for_kv
+
+
+def test_reservations_past_their_lease_are_reported_for_reaping() -> None:
+    s = make(connector=KVConsumer(), kv_lease_s=10.0)
+    r = req("a", 6, remote=True)
+    assert s.admit_now(r) is not None and r.waiting_for_kv_since is not None
+    since = r.waiting_for_kv_since
+    assert s.expired_kv_waits(since + 9.9) == []
+    assert s.expired_kv_waits(since + 10.1) == ["a"]
+    s.kv_arrived("a", 42)
+    assert s.expired_kv_waits(since + 100) == []  # its KV came: no longer waiting

@@ -1,0 +1,140 @@
+"""Quantized linear layers on CPU.
+
+``Int4LinearCPU`` / ``Int8LinearCPU`` run Tandem's kernels (``cpu_quant.cpp``): up to
+``GEMV_MAX_ROWS`` activation rows (decode) stream the packed weight once and multiply in registers; larger
+batches (prefill, big decode batches) dequantize a slice of rows at a time into a cache-sized tile in the
+activation dtype and hand it to torch's GEMM, so they run near GEMM speed while DRAM serves packed bytes.
+
+``Int4LinearTorch`` / ``Int8LinearTorch`` wrap PyTorch's own weight-only ops
+(``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``): well kept, and fast with bf16
+activations on AVX-512, but they run a scalar loop for fp32 activations (docs/quantization.md has the
+figures), which is why they are not the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from common.quant.cpu_kernels import quant_kernels
+from common.quant.formats import Int4Weight, Int8Weight
+from common.quant.linear import QuantizedLinear
+
+GEMV_MAX_ROWS = 8  # above this, dequantize-and-GEMM wins (measured on AVX2 and AVX-512)
+TILE_ELEMENTS = 1 << 19  # weights per dequantized tile: 2 MiB of fp32, stays in L2+L3
+
+
+def _tiled_gemm(x: torch.Tensor, rows: int, dequantize: Callable[[int, int, torch.dtype], torch.Tensor]
+                ) -> torch.Tensor:
+    # x: [M, K]; dequantize(row0, row1, dtype) -> [row1 - row0, K] in x's dtype (fp32 or bf16)
+    k = x.shape[1]
+    step = max(1, TILE_ELEMENTS // k)
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    for row0 in range(0, rows, step):
+        row1 = min(rows, row0 + step)
+        torch.mm(x, dequantize(row0, row1, x.dtype).T, out=out[:, row0:row1])
+    return out
+
+
+class _PackedCPU(QuantizedLinear):
+    """Tandem's kernels: GEMV up to ``GEMV_MAX_ROWS`` rows, dequantize-and-GEMM above.
+
+    A decode step calls a hundred of these, so the hot path reads its kernel arguments from one plain
+    tuple (``_args``, rebuilt whenever the buffers are moved or replaced) rather than through
+    ``nn.Module.__getattr__`` buffer lookups.
+    """
+
+    kernel_name = "tandem_cpu"
+    _buffer_names: tuple[str, ...]
+
+    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        ops = quant_kernels()
+        int4 = isinstance(weight, Int4Weight)
+        self._gemv = ops.int4_matmul if int4 else ops.int8_matmul
+        self._dequant = ops.int4_dequantize if int4 else ops.int8_dequantize
+        self._buffer_names = ("q", "scales", "zeros") if int4 else ("q", "scales")
+        for name in self._buffer_names:
+            self.register_buffer(name, getattr(weight, name).contiguous(), persistent=False)
+        self._args = self._pack_args()
+
+    def _pack_args(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.get_buffer(name) for name in self._buffer_names)
+
+    def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> _PackedCPU:  # type: ignore[override]
+        super()._apply(fn, recurse)
+        self._args = self._pack_args()
+        return self
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > GEMV_MAX_ROWS:
+            return _tiled_gemm(x.contiguous(), self.out_features, self._dequantize).to(x.dtype)
+        if x.dtype is torch.float16:  # the kernels read fp32 or bf16 as they are; fp16 is widened
+            return self._gemv(x.float().contiguous(), *self._args, self.group_size).half()
+        return self._gemv(x if x.is_contiguous() else x.contiguous(), *self._args, self.group_size)
+
+    def _dequantize(self, row0: int, row1: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._dequant(*self._args, self.group_size, row0, row1, dtype)
+
+
+class Int4LinearCPU(_PackedCPU):
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+
+
+class Int8LinearCPU(_PackedCPU):
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+
+
+class Int4LinearTorch(QuantizedLinear):
+    """PyTorch's int4 weight-only op: its packed layout, and its zero convention ``(q - 8) * s + z'``."""
+
+    kernel_name = "torch"
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__(weight, bias)
+        codes = weight.unpack().to(torch.int32)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1),
+                             persistent=False)
+        scales = weight.scales.float()
+        # ours: s * q + z; torch's: (q - 8) * s + z' -> z' = z + 8 s. [K / group, N, 2] in the activation dtype.
+        zeros = weight.zeros.float() + 8 * scales
+        self.register_buffer("scales_and_zeros", torch.stack([scales.T, zeros.T], dim=-1).to(dtype).contiguous(),
+                             persistent=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        xs = x.to(self.scales_and_zeros.dtype).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xs, self.packed, self.group_size, self.scales_and_zeros)
+        return y.to(x.dtype)
+
+
+class Int8LinearTorch(QuantizedLinear):
+    """PyTorch's int8 weight-only op (one scale per output channel only)."""
+
+    kernel_name = "torch"
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__(weight, bias)
+        if weight.group_size != weight.shape[1]:
+            raise ValueError("torch's int8 weight-only op takes one scale per output channel, not groups")
+        self.register_buffer("q", weight.q.contiguous(), persistent=False)
+        self.register_buffer("scales", weight.scales.view(-1).to(dtype), persistent=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x.to(self.scales.dtype).contiguous(), self.q, self.scales)
+        return y.to(x.dtype)

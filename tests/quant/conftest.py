@@ -1,0 +1,14 @@
+"""Quantization tests: Triton runs under its CPU interpreter when there is no GPU.
+
+``TRITON_INTERPRET`` is read when ``triton.jit`` decorates a kernel (``common.quant.triton_kernels`` is
+first imported), so it is set here, before any test module of this directory is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
