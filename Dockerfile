@@ -3,12 +3,15 @@
 #
 #   docker build -t tandem:cpu .                                   CPU torch (the default)
 #   docker build -t tandem:gpu --build-arg TORCH_FLAVOUR=cuda .    CUDA torch (+ triton, its dependency)
+#   docker build -t tandem:cpu --build-arg BASE_IMAGE=my-python:3.11 .   another Debian-based Python 3.11 base
+#                                                                  (a locally made one where no registry is reachable)
 #
 # The CUDA image carries the CUDA runtime inside torch's wheels; the driver comes from the host through
 # the NVIDIA Container Toolkit (compose.yaml's gpu profile). flash-attn has no wheel for every torch/CUDA
 # pair and builds from source only where nvcc exists, which this slim base lacks: setup-venv.sh then says
 # so and the triton attention backend serves instead.
-FROM python:3.11-slim
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 # gcc + libc headers: triton compiles its small launcher stubs at run time; g++ + ninja: the CPU decode
 # attention kernel (common/attention/cpu_decode.cpp) builds on a node's first start, for the CPU it runs

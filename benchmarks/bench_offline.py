@@ -129,12 +129,16 @@ class StepProfile:
     batch: int
     num_steps: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("step", "execute", "model", "logits", "sampler"), 0.0))
+        ("step", "execute", "model", "matmul", "attention", "logits", "sampler"), 0.0))
 
     def breakdown(self) -> list[tuple[str, float]]:
         """(part, seconds per step) for the parts of a step, which add up to the whole step."""
         s = self.seconds
-        parts = [("model forward", s["model"]), ("LM head (compute_logits)", s["logits"]),
+        # The forward split three ways: its linear layers, attention, and everything else (norms, rotary,
+        # SiLU, residual adds, module calls): the non-matmul share that fused ops shrink.
+        parts = [("model: linear layers (matmuls)", s["matmul"]), ("model: attention", s["attention"]),
+                 ("model: other (norms, rotary, SiLU, residuals, calls)", s["model"] - s["matmul"] - s["attention"]),
+                 ("LM head (compute_logits)", s["logits"]),
                  ("sampler", s["sampler"]),
                  ("runner inputs + metadata", s["execute"] - s["model"] - s["logits"] - s["sampler"]),
                  ("scheduler (schedule + update)", s["step"] - s["execute"])]
@@ -157,6 +161,13 @@ class StepTimer:
         setattr(model, "forward", self._wrap("model", model.forward))  # noqa: B010
         setattr(model, "compute_logits", self._wrap("logits", model.compute_logits))  # noqa: B010
         setattr(runner, "sampler", self._wrap("sampler", runner.sampler))  # noqa: B010
+        for layer in cast("list[LlamaDecoderLayer]", list(model.layers)):
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                setattr(linear, "forward", self._wrap("matmul", linear.forward))  # noqa: B010
+        if len(model.layers):  # one backend instance serves every layer
+            backend = cast("LlamaDecoderLayer", model.layers[0]).self_attn.backend
+            setattr(backend, "forward", self._wrap("attention", backend.forward))  # noqa: B010
 
     def _wrap(self, part: str, fn: Callable[..., Any], classify: bool = False) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:

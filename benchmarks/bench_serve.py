@@ -1,7 +1,8 @@
 """Serving benchmark: the disaggregated system and the colocated engine under the same load, over gRPC.
 
     tandem bench serve [--quick] [--workload W] [--num-requests N] [--rate R | --concurrency C] [--model M]
-                       [--systems S,...] [--goodput ttft:MS,tpot:MS] [--local-prefill-max-tokens N]
+                       [--systems S,...] [--api grpc,openai] [--goodput ttft:MS,tpot:MS]
+                       [--local-prefill-max-tokens N]
     python -m benchmarks.bench_serve ...          (the same)
 
 The systems run as real processes on this machine, one after the other, each service pinned to its own
@@ -16,6 +17,11 @@ This process is the client (benchmarks/serve_client.py): it sends the same seede
 (benchmarks/workloads.py: serving, shared-prefix or mixed) to each system, spreading requests over the
 colocated replicas (fewest outstanding requests first). A system that fails to start (or to serve its
 warm-up) is reported as failed to start, every request counted as failed, and the others still run.
+
+Fronts (``--api``): the client speaks the gateway's gRPC API (``grpc``, the default) or its OpenAI HTTP API
+(``openai``: streaming ``/v1/completions`` of the same token ids, read as server-sent events, as
+``vllm bench serve`` does); with ``--api grpc,openai`` each system is started once and sent the workload
+over each front in turn, one result column per system and front ("disaggregated/openai").
 
 Load: Poisson arrivals at --rate requests/s (open loop: a system slower than the load builds a queue,
 as in production), or --concurrency C requests in flight at all times (closed loop). Per request, on the
@@ -49,10 +55,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import cpu_name
-from benchmarks.serve_client import RequestRecord, drive
+from benchmarks.serve_client import Api, RequestRecord, drive
 from benchmarks.serve_stats import Summary, kind_table, markdown_table, not_started, summarize, system_json
 from benchmarks.slo import SLO, parse_slo
-from benchmarks.workloads import WORKLOADS, ServingWorkload, Workload
+from benchmarks.workloads import LOWEST_ORDINARY_ID, WORKLOADS, ServingWorkload, TimedRequest, Workload
 
 
 @dataclass(frozen=True)
@@ -92,8 +98,8 @@ SERVING = ServingWorkload()  # the defaults the help text names for the per-leng
 @contextlib.contextmanager
 def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, num_decode: int,
                cpus: tuple[int, ...], log_dir: Path, local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
-               ) -> Iterator[tuple[list[str], str]]:
-    """Start ``system``; yield the client's targets and a description of where each service runs."""
+               ) -> Iterator[tuple[dict[Api, list[str]], str]]:
+    """Start ``system``; yield the client's targets per front and a description of where each service runs."""
     from tandem_cli.launcher import ColocatedTopology, Launcher, Topology
 
     topology: Topology | ColocatedTopology
@@ -103,45 +109,77 @@ def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, nu
                             gateway_args=system.gateway_args(local_prefill_max_tokens), cpus=cpus)
     else:
         topology = ColocatedTopology(replicas=num_prefill + num_decode, free_ports=True, model_args=model_args,
-                                     node_args=system.node_args, cpus=cpus)
+                                     node_args=system.node_args, cpus=cpus, serve_http=True)
     launcher = Launcher(topology, log_dir=log_dir / system.name)
     with launcher:
         placement = ", ".join(f"{s.name} [cpu {','.join(map(str, s.cpus))}]" if s.cpus else f"{s.name} [unpinned]"
                               for s in launcher.specs)
-        targets = [s.target for s in launcher.specs if s.role in ("gateway", "colocated")]
-        yield targets, placement
+        fronts = [s for s in launcher.specs if s.role in ("gateway", "colocated")]
+        yield {Api.GRPC: [s.target for s in fronts],
+               Api.OPENAI: [f"http://127.0.0.1:{s.http_port}" for s in fronts if s.http_port]}, placement
 
 
 def bench_system(system: System, args: argparse.Namespace, workload: Workload, vocab_size: int,
                  model_args: tuple[str, ...], log_dir: Path, slo: SLO | None = None,
-                 ) -> tuple[Summary, list[RequestRecord]]:
-    """Start ``system``, warm it up, send it ``workload``; a system that fails to start or to serve its
-    warm-up gets a ``not_started`` summary (no records) instead of an exception."""
+                 apis: Sequence[Api] = (Api.GRPC,)) -> list[tuple[Summary, list[RequestRecord]]]:
+    """Start ``system``, warm it up, send it ``workload`` over each front of ``apis`` in turn (one result
+    each); a system that fails to start or to serve its warm-up gets ``not_started`` summaries (no records)
+    instead of an exception."""
     # A closed loop ignores the arrival times but keeps their order (the same at every rate).
     requests = workload.requests(vocab_size, math.inf if args.concurrency else args.rate)
+    names = {api: system.name if len(apis) == 1 and api is Api.GRPC else f"{system.name}/{api.value}"
+             for api in apis}
     started = time.perf_counter()
     measuring = False
+    runs: list[tuple[Api, list[RequestRecord], float]] = []
     try:
         with deployment(system, model_args, args.prefill_nodes, args.decode_nodes, args.cpus, log_dir,
                         args.local_prefill_max_tokens) as (targets, placement):
             _progress(f"{system.name}: up in {time.perf_counter() - started:.1f} s ({placement}); warming up")
-            warm = ServingWorkload(num_requests=2 * len(targets), prompt_len=(48, 256), output_len=(4, 8),
-                                   seed=workload.seed + 1)
-            warm_records, _ = asyncio.run(drive(targets, warm.requests(vocab_size, math.inf), None))
-            if failed := [r.error for r in warm_records if not r.ok]:
-                raise RuntimeError(f"warm-up requests failed: {failed[0]}")
-            _progress(f"{system.name}: sending {len(requests)} requests")
-            measuring = True
-            records, duration = asyncio.run(drive(targets, requests, args.concurrency, args.timeout))
+            for api in apis:
+                warm = ServingWorkload(num_requests=2 * len(targets[api]), prompt_len=(48, 256), output_len=(4, 8),
+                                       seed=workload.seed + 1)
+                warm_records, _ = asyncio.run(drive(targets[api], warm.requests(vocab_size, math.inf), None,
+                                                    api=api))
+                if failed := [r.error for r in warm_records if not r.ok]:
+                    raise RuntimeError(f"warm-up requests over {api.value} failed: {failed[0]}")
+            for k, api in enumerate(apis):
+                _progress(f"{names[api]}: sending {len(requests)} requests")
+                measuring = True
+                records, duration = asyncio.run(drive(targets[api], shifted(requests, k, vocab_size),
+                                                      args.concurrency, args.timeout, api=api))
+                runs.append((api, records, duration))
     except (RuntimeError, TimeoutError, OSError) as exc:
         if measuring:
             raise
         _progress(f"{system.name}: failed to start: {exc}")
-        return not_started(system.name, len(requests), f"failed to start: {exc}", slo), []
-    summary = summarize(system.name, placement, records, duration, slo)
-    _progress(f"{system.name}: {summary.completed}/{len(records)} done in {duration:.1f} s, "
-              f"{summary.output_throughput:.1f} output tokens/s")
-    return summary, records
+        return [(not_started(names[api], len(requests), f"failed to start: {exc}", slo), []) for api in apis]
+    results = []
+    for api, records, duration in runs:
+        summary = summarize(names[api], placement, records, duration, slo)
+        _progress(f"{names[api]}: {summary.completed}/{len(records)} done in {duration:.1f} s, "
+                  f"{summary.output_throughput:.1f} output tokens/s")
+        results.append((summary, records))
+    return results
+
+
+def shifted(requests: Sequence[TimedRequest], k: int, vocab_size: int) -> list[TimedRequest]:
+    """The ``k``-th front's copy of the workload: every token id moved by the same offset, so lengths, arrival
+    times and which prompts share prefixes are unchanged, but nothing is in the prefix cache from the fronts
+    measured before it (the same prompts again would all hit it)."""
+    low = min(LOWEST_ORDINARY_ID, vocab_size // 2)  # ids stay in the workloads' range (no special tokens)
+    span, offset = vocab_size - low, 7919 * k
+    return [dataclasses.replace(r, prompt_token_ids=tuple(low + (t - low + offset) % span for t in r.prompt_token_ids))
+            for r in requests]
+
+
+def parse_apis(text: str) -> tuple[Api, ...]:
+    """``--api``: a comma-separated list of fronts, each once, in the order given."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    known = {api.value: api for api in Api}
+    if not names or any(name not in known for name in names) or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"expected a list of {', '.join(known)} (each once), got {text!r}")
+    return tuple(known[name] for name in names)
 
 
 # ---- command line --------------------------------------------------------------------------------------
@@ -169,6 +207,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller, shorter workload (about a minute)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma-separated subset of {', '.join(SYSTEMS)} [{','.join(DEFAULT_SYSTEMS)}]")
+    p.add_argument("--api", type=parse_apis, default=(Api.GRPC,), metavar="grpc,openai",
+                   help="the fronts the client drives: grpc (the Tandem API), openai (streaming /v1/completions over "
+                   "HTTP); a list runs each system once and measures it over every front in turn [grpc]")
     p.add_argument("--goodput", type=parse_slo, metavar="ttft:MS,tpot:MS",
                    help="the latency SLOs goodput and SLO attainment are judged by [per workload: " + "; ".join(
                        f"{name} {preset.slo.flag}" for name, preset in WORKLOADS.items()) + "]")
@@ -214,8 +255,8 @@ def run(args: argparse.Namespace) -> int:
     model_args = ("--model", str(model_dir), "--dtype", dtype)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-bench-serve-"))
 
-    results = [bench_system(SYSTEMS[name], args, workload, config.vocab_size, model_args, log_dir, slo)
-               for name in names]
+    results = [result for name in names for result in bench_system(
+        SYSTEMS[name], args, workload, config.vocab_size, model_args, log_dir, slo, args.api)]
     summaries = [summary for summary, _ in results]
     print(report(summaries, workload, args, model_dir.name, dtype))
     _progress(f"service logs: {log_dir}")
@@ -250,6 +291,7 @@ def results_json(results: Sequence[tuple[Summary, Sequence[RequestRecord]]], wor
         "model": model, "dtype": dtype, "workload": {"name": workload.name, **dataclasses.asdict(workload)},
         "rate": args.rate, "concurrency": args.concurrency, "cpus": list(args.cpus),
         "slo": dataclasses.asdict(slo_of(args)),
+        "apis": [api.value for api in getattr(args, "api", (Api.GRPC,))],
         "local_prefill_max_tokens": getattr(args, "local_prefill_max_tokens", DEFAULT_LOCAL_PREFILL_MAX_TOKENS),
         "systems": [system_json(summary, records) for summary, records in results],
     }
@@ -264,7 +306,8 @@ def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Name
         f"{load}",
         "",
         f"Workload {workload.name} (seed {workload.seed}): {workload.describe()}; random token ids, greedy, "
-        f"EOS ignored. Machine: {cpu_name()}, {os.cpu_count()} cores.",
+        f"EOS ignored. Machine: {cpu_name()}, {os.cpu_count()} cores. Fronts: "
+        f"{', '.join(_FRONTS[api] for api in getattr(args, 'api', (Api.GRPC,)))}.",
         "",
         f"Goodput: requests/s meeting both SLOs ({slo_of(args).describe()}) over the run's duration; SLO "
         "attainment: % of all requests sent (failed ones miss) meeting both SLOs, and each alone.",
@@ -278,6 +321,9 @@ def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Name
     for s in summaries:
         lines += [f"- {s.system} errors: {e}" for e in s.errors]
     return "\n".join(lines)
+
+
+_FRONTS = {Api.GRPC: "gRPC Generate", Api.OPENAI: "OpenAI HTTP (streaming /v1/completions, columns /openai)"}
 
 
 def resolve_dtype_name(name: str, device: str) -> str:

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from common.model.llama import LlamaForCausalLM
 
 DEFAULT_CONFIGS = ("ngram:k=4:n=1-4,ngram:k=8:n=1-4,ngram:k=16:n=1-4,ngram:k=16:n=1-8,ngram:k=16:n=1-4:fixed,"
-                   "layers:k=4:L=8,layers:k=4:L=15,layers:k=2:L=15:fixed")
+                   "layers:k=4:L=8,layers:k=4:L=15,layers:k=2:L=15:fixed,draft:k=4:q=int4,draft:k=8:q=int4")
 
 
 @dataclass
@@ -79,12 +79,12 @@ class Cell:
 
 
 def run_all(model: LlamaForCausalLM, tokenizer: Tokenizer, configs: list[BenchConfig], prompts: list[BenchPrompt],
-            max_tokens: int, repeats: int,
-            progress: Callable[[str], None]) -> tuple[dict[tuple[str, bool], Cell], dict[str, list[int]]]:
+            max_tokens: int, repeats: int, progress: Callable[[str], None],
+            model_dir: Path | None = None) -> tuple[dict[tuple[str, bool], Cell], dict[str, list[int]]]:
     """Cells keyed by (config label, grounded); and the baseline's tokens per prompt."""
     encoded = {p.name: tokenizer.encode_chat([{"role": "user", "content": p.content}]) for p in prompts}
     max_len = max(len(ids) for ids in encoded.values()) + max_tokens + 32
-    engines = {c.label: make_engine(model, c, max_len) for c in configs}
+    engines = {c.label: make_engine(model, c, max_len, model_dir) for c in configs}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
     eos = tokenizer.eos_token_ids
     for engine in engines.values():  # warm-up: allocator, rotary tables, code paths
@@ -208,7 +208,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="runs per prompt and configuration (median)")
     parser.add_argument("--configs", default=None,
-                        help="comma-separated: ngram:k=K:n=MIN-MAX[:fixed], layers:k=K:L=LAYERS[:fixed] "
+                        help="comma-separated: ngram:k=K:n=MIN-MAX[:fixed], layers:k=K:L=LAYERS[:fixed], "
+                        "draft:k=K:q=QUANT[:m=MODEL][:fixed] "
                         f"(default {DEFAULT_CONFIGS})")
     parser.add_argument("--prompts", default="", help="comma-separated prompt names (default: all)")
     parser.add_argument("--no-profile", action="store_true", help="skip the per-step profile pass")
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
           f"({sum(p.grounded for p in prompts)} input-grounded); median of {args.repeats} interleaved repeats. "
           "Decode tok/s excludes the prefill.\n", flush=True)
     cells, reference = run_all(model, tokenizer, configs, prompts, args.max_tokens, args.repeats,
-                               lambda line: print(line, file=sys.stderr, flush=True))
+                               lambda line: print(line, file=sys.stderr, flush=True), model_dir=model_dir)
     rows = table_rows(configs, cells, reference, configs[0].label)
     print_table(rows)
     if args.json_path:

@@ -119,3 +119,19 @@ def serving_latency(data: dict[str, Any], path: Path) -> Path | None:
     name = data.get("workload", {}).get("name", "serving")
     fig.suptitle(f"{name} workload: latency distributions", fontsize=10)
     return _save(fig, path)
+
+
+def rss_over_time(series: dict[str, list[tuple[float, float]]], marker_min: float | None, path: Path) -> Path | None:
+    """Lines: each process's RSS (MiB) over the soak (minutes); a dashed line where a node was killed."""
+    if not any(series.values()):
+        return None
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for name, points in series.items():
+        ax.plot([t for t, _ in points], [m for _, m in points], label=name)
+    if marker_min is not None:
+        ax.axvline(marker_min, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("RSS (MiB)")
+    ax.set_title("RSS of every process" + (" (dashed: node killed)" if marker_min is not None else ""))
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)

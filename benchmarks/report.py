@@ -123,6 +123,15 @@ def kv_transfer_lines(kv: dict[str, Any]) -> list[str]:
                     "rrllrrrr")]
 
 
+def http_relay_lines(relay: dict[str, Any]) -> list[str]:
+    rows = [["OpenAI HTTP (SSE)" if r["api"] == "openai" else "gRPC", str(r["streams"]), str(r["tokens_per_request"]),
+             f"{r['tokens_per_s']:,.0f}", _fmt(r["cpu_ms_per_1k_tokens"], 0)] for r in relay["rows"]]
+    return [f"Streamed tokens/s through one gateway process over loopback from scripted nodes ({relay['cpu']}, "
+            f"{relay['cores']} cores shared by client, gateway and nodes); goal over HTTP: "
+            f"{relay['goal_tokens_per_s']:,.0f} tokens/s.", "",
+            *_table(["front", "streams", "tokens/request", "tokens/s", "gateway CPU ms / 1k tokens"], rows, "lrrrr")]
+
+
 def serving_lines(data: dict[str, Any]) -> list[str]:
     systems = data["systems"]
     w = data["workload"]
@@ -222,6 +231,14 @@ def write_report(run_dir: Path, output: Path | None = None) -> Path:
         lines += ["## KV transfer", "", f"`{by_name['kv-transfer'].command}`", "", *kv_transfer_lines(kv)]
         _image(lines, plots.kv_transfer_bandwidth(kv["rows"], plot_dir / "kv_transfer_bandwidth.png"), base,
                "KV transfer bandwidth")
+    if relay := data.get("http-relay"):
+        lines += [f"## {by_name['http-relay'].title}", "", f"`{by_name['http-relay'].command}`", "",
+                  *http_relay_lines(relay), ""]
+    if quant := data.get("quantization"):
+        from benchmarks.bench_quant import report_lines as quantization_lines  # torch: only for this section
+
+        lines += [f"## {by_name['quantization'].title}", "", f"`{by_name['quantization'].command}`", "",
+                  *quantization_lines(quant), ""]
     for name in ("serve-serving", "serve-shared-prefix", "serve-mixed"):
         if serve := data.get(name):
             lines += [f"## {by_name[name].title}", "", f"`{by_name[name].command}`", "", *serving_lines(serve)]

@@ -5,7 +5,11 @@
 
 Measures, with torch on ``--threads`` threads, the memory bandwidth (a copy and a read-only sum over
 buffers at least 4x the last-level cache) and the GEMM throughput (a large square GEMM and a decode-shaped
-one), best of several repeats. Then counts what one decode step of the model moves and computes: every
+one), best of several repeats. Every measurement is bounded by time, so the section finishes in well under
+30 s on any CPU: a small probe GEMM gives each dtype's rate, the square GEMM is the largest of
+``GEMM_SIZES`` that runs in under ``GEMM_TARGET_S`` at that rate, and repeats stop after a per-measurement
+budget. Where bf16 has no native support (no AVX512-BF16 / AMX) its GEMMs run at ~1% of fp32 speed; the
+size shrinks accordingly and the report says so. Then counts what one decode step of the model moves and computes: every
 linear weight (LM head included) and norm is read once per step whatever the batch, the embedding lookup
 reads one row per sequence, and each sequence reads its whole KV cache. A step of B sequences at context
 C yields B tokens, so
@@ -25,7 +29,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +43,12 @@ MEASURED_DTYPES = tuple(DTYPE_BYTES)
 LLC_SIZE_PATH = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
 MIN_BUFFER_BYTES = 256 << 20  # also the size used when the LLC size is unknown
 QUICK_BUFFER_BYTES = 4 << 20  # --quick: in cache, so only a smoke test of the code path
-LARGE_GEMM = (2048, 2048, 2048)  # (m, n, k)
-QUICK_GEMM = (256, 256, 256)
+GEMM_SIZES = (2048, 1024, 512, 256)  # square GEMM candidates, largest first
+PROBE_GEMM = 256  # measured first, to predict what a larger size costs
+GEMM_TARGET_S = 0.3  # the square GEMM is the largest size predicted to run in under this
+QUICK_GEMM = 256
+MEASURE_BUDGET_S = 2.0  # repeats of one measurement stop after this (at least one timed run)
+INNER_TARGET_S = 0.05  # back-to-back calls of a short kernel are batched up to about this
 DECODE_GEMM = (64, 576, 1536)  # 64 sequences through SmolLM2's down projection
 
 
@@ -61,6 +69,8 @@ class MachineLimits:
     read_gb_s: float  # bytes read / s of a large tensor sum
     matmul_gflops: dict[str, float]  # dtype -> large-GEMM GFLOP/s
     decode_gemm_gflops: dict[str, float]  # dtype -> decode-shaped GEMM GFLOP/s
+    matmul_size: dict[str, int] = field(default_factory=dict)  # dtype -> n of the n x n x n GEMM measured
+    notes: list[str] = field(default_factory=list)  # what was shrunk or skipped, and why
 
     def matmul_peak(self, dtype: str) -> float:
         if dtype not in self.matmul_gflops:
@@ -151,16 +161,37 @@ def read_llc_bytes(path: Path = LLC_SIZE_PATH) -> int | None:
         return None
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
-    """Fastest of ``repeats`` timings of ``inner`` back-to-back calls, per call (after one untimed call)."""
+def _best_seconds(fn: Callable[[], object], repeats: int, inner: int = 1,
+                  budget_s: float = MEASURE_BUDGET_S) -> float:
+    """Fastest of up to ``repeats`` timings of ``inner`` back-to-back calls, per call (after one untimed
+    call); stops early once ``budget_s`` has passed, after at least one timed run."""
     fn()
     best = float("inf")
+    deadline = time.perf_counter() + budget_s
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(inner):
             fn()
-        best = min(best, (time.perf_counter() - start) / inner)
+        end = time.perf_counter()
+        best = min(best, (end - start) / inner)
+        if end > deadline:
+            break
     return best
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); without it bf16 GEMMs crawl."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported()) or bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
+
+
+def pick_gemm_size(probe_gflops: float, target_s: float = GEMM_TARGET_S, sizes: tuple[int, ...] = GEMM_SIZES) -> int:
+    """The largest square size whose GEMM runs in under ``target_s`` at ``probe_gflops`` (else the smallest)."""
+    for n in sizes:
+        if 2 * n**3 / (probe_gflops * 1e9) <= target_s:
+            return n
+    return min(sizes)
 
 
 def measure_machine(threads: int, quick: bool = False) -> MachineLimits:
@@ -169,21 +200,30 @@ def measure_machine(threads: int, quick: bool = False) -> MachineLimits:
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    notes: list[str] = []
     try:
         llc = read_llc_bytes()
         # 4x the LLC so that neither buffer stays in cache between repeats.
         buffer_bytes = QUICK_BUFFER_BYTES if quick else max(4 * (llc or 0), MIN_BUFFER_BYTES)
         repeats = 2 if quick else 5
         copy_gb_s, read_gb_s = _bandwidth(buffer_bytes, repeats)
-        matmul, decode = {}, {}
+        matmul, decode, sizes = {}, {}, {}
         for dtype in MEASURED_DTYPES:
-            matmul[dtype] = _gemm_gflops(LARGE_GEMM if not quick else QUICK_GEMM, dtype, repeats, inner=1)
+            probe = _gemm_gflops((PROBE_GEMM,) * 3, dtype, 1 if quick else 2, inner=1)
+            n = QUICK_GEMM if quick else pick_gemm_size(probe)
+            matmul[dtype] = probe if n == PROBE_GEMM else _gemm_gflops((n, n, n), dtype, repeats, inner=1)
+            sizes[dtype] = n
             decode[dtype] = _gemm_gflops(DECODE_GEMM, dtype, repeats, inner=2 if quick else 20)
+            if not quick and n < max(GEMM_SIZES):
+                slow_bf16 = dtype == "bfloat16" and not native_bf16()
+                why = " (this CPU has no native bf16: no AVX512-BF16 / AMX)" if slow_bf16 else ""
+                notes.append(f"{dtype} GEMM shrunk to {n}^3 to stay under {GEMM_TARGET_S} s at "
+                             f"{probe:.1f} GFLOP/s{why}")
     finally:
         torch.set_num_threads(previous_threads)
     return MachineLimits(cpu=cpu_name(), cores=len(os.sched_getaffinity(0)), threads=threads, llc_bytes=llc,
                          copy_gb_s=copy_gb_s, read_gb_s=read_gb_s,
-                         matmul_gflops=matmul, decode_gemm_gflops=decode)
+                         matmul_gflops=matmul, decode_gemm_gflops=decode, matmul_size=sizes, notes=notes)
 
 
 def _bandwidth(buffer_bytes: int, repeats: int) -> tuple[float, float]:
@@ -198,6 +238,7 @@ def _bandwidth(buffer_bytes: int, repeats: int) -> tuple[float, float]:
 
 
 def _gemm_gflops(shape: tuple[int, int, int], dtype: str, repeats: int, inner: int) -> float:
+    """GFLOP/s of ``torch.mm`` at ``shape``; ``inner`` shrinks so one timed run stays near INNER_TARGET_S."""
     import torch
 
     m, n, k = shape
@@ -205,6 +246,10 @@ def _gemm_gflops(shape: tuple[int, int, int], dtype: str, repeats: int, inner: i
     a = torch.randn(m, k).to(torch_dtype)  # a: [m, k], b: [k, n]
     b = torch.randn(k, n).to(torch_dtype)
     out = torch.empty(m, n, dtype=torch_dtype)
+    start = time.perf_counter()
+    torch.mm(a, b, out=out)  # also the warm-up, and the estimate that sizes `inner`
+    once = time.perf_counter() - start
+    inner = max(1, min(inner, int(INNER_TARGET_S / max(once, 1e-9))))
     seconds = _best_seconds(lambda: torch.mm(a, b, out=out), repeats, inner)
     return 2 * m * n * k / seconds / 1e9
 
@@ -226,15 +271,18 @@ def build_report(limits: MachineLimits, config: ModelConfig, dtype: str, batches
 
 
 def print_markdown(limits: MachineLimits, costs: list[StepCost], model_name: str) -> None:
-    gemm = ", ".join(f"{d} {limits.matmul_gflops[d]:.0f}" for d in limits.matmul_gflops)
     decode = ", ".join(f"{d} {limits.decode_gemm_gflops[d]:.0f}" for d in limits.decode_gemm_gflops)
     llc = f"{limits.llc_bytes / 2**20:.0f} MiB" if limits.llc_bytes else "unknown"
-    m, n, k = LARGE_GEMM
     dm, dn, dk = DECODE_GEMM
+    gemm = ", ".join(f"{d} {limits.matmul_gflops[d]:.0f} ({limits.matmul_size.get(d, 0)}^3)"
+                     for d in limits.matmul_gflops)
     print(f"# Machine limits and decode roofline — {model_name}\n")
     print(f"- CPU: {limits.cpu}, {limits.cores} usable cores, {limits.threads} torch threads, LLC {llc}")
     print(f"- Memory bandwidth: copy {limits.copy_gb_s:.1f} GB/s (read + write), read {limits.read_gb_s:.1f} GB/s")
-    print(f"- GEMM {m}x{n}x{k} GFLOP/s: {gemm}; decode-shaped {dm}x{dn}x{dk}: {decode}")
+    print(f"- GEMM GFLOP/s: {gemm}; decode-shaped {dm}x{dn}x{dk}: {decode}")
+    print(f"- native bf16 (AVX512-BF16 / AMX): {native_bf16()}")
+    for note in limits.notes:
+        print(f"- note: {note}")
     one = costs[0]
     print(f"- Model ({one.dtype}): {one.params / 1e6:.1f} M parameters, {one.weight_bytes / 1e6:.1f} MB of weights "
           f"read per step (batch {one.batch}), KV {one.kv_bytes_per_token} B/token, "

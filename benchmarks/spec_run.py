@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
@@ -27,12 +28,16 @@ class BenchConfig:
 
     @staticmethod
     def parse(text: str) -> BenchConfig:
-        """``ngram:k=8:n=1-4[:fixed]`` or ``layers:k=4:L=8[:fixed]`` (fixed: no adaptive k)."""
+        """``ngram:k=8:n=1-4[:fixed]``, ``layers:k=4:L=8[:fixed]`` or ``draft:k=8:q=int4[:m=MODEL][:fixed]``
+        (fixed: no adaptive k; a draft model is the target itself, quantized ``q``, unless ``m`` names one)."""
         method_name, *options = text.strip().split(":")
-        method = {"ngram": SpeculativeMethod.NGRAM, "layers": SpeculativeMethod.DRAFT_LAYERS}.get(method_name)
+        method = {"ngram": SpeculativeMethod.NGRAM, "layers": SpeculativeMethod.DRAFT_LAYERS,
+                  "draft": SpeculativeMethod.DRAFT_MODEL}.get(method_name)
         if method is None:
-            raise ValueError(f"config {text!r}: method must be ngram or layers, got {method_name!r}")
+            raise ValueError(f"config {text!r}: method must be ngram, layers or draft, got {method_name!r}")
         kwargs: dict[str, Any] = {"method": method}
+        if method is SpeculativeMethod.DRAFT_MODEL:
+            kwargs["draft_model"] = SELF_DRAFT
         for option in options:
             key, _, value = option.partition("=")
             if key == "k":
@@ -42,16 +47,26 @@ class BenchConfig:
                 kwargs["ngram_min_n"], kwargs["ngram_max_n"] = int(low), int(high or low)
             elif key == "L":
                 kwargs["draft_layers"] = int(value)
+            elif key == "q" and method is SpeculativeMethod.DRAFT_MODEL:
+                kwargs["draft_quantization"] = value
+            elif key == "m" and method is SpeculativeMethod.DRAFT_MODEL:
+                kwargs["draft_model"] = value
             elif key == "fixed":
                 kwargs["adaptive"] = False
             else:
-                raise ValueError(f"config {text!r}: unknown option {key!r} (k, n, L, fixed)")
+                raise ValueError(f"config {text!r}: unknown option {key!r} (k, n, L, q, m, fixed)")
         spec = SpeculativeConfig(**kwargs)
         if method is SpeculativeMethod.NGRAM:
             label = f"ngram k={spec.num_speculative_tokens} n={spec.ngram_min_n}-{spec.ngram_max_n}"
+        elif method is SpeculativeMethod.DRAFT_MODEL:
+            who = "self" if spec.draft_model == SELF_DRAFT else spec.draft_model
+            label = f"draft {who} {spec.draft_quantization} k={spec.num_speculative_tokens}"
         else:
             label = f"layers L={spec.draft_layers} k={spec.num_speculative_tokens}"
         return BenchConfig(label + ("" if spec.adaptive else " fixed"), spec)
+
+
+SELF_DRAFT = "<the target>"  # draft:...: without m=, the target's own weights draft (quantized with q=)
 
 
 @dataclass(frozen=True)
@@ -74,10 +89,29 @@ class StepObserver(Protocol):
     def end_step(self, seconds: float, decoding: bool) -> None: ...
 
 
-def make_engine(model: LlamaForCausalLM, config: BenchConfig, max_len: int) -> ColocatedEngine:
+def make_engine(model: LlamaForCausalLM, config: BenchConfig, max_len: int,
+                model_dir: Path | None = None) -> ColocatedEngine:
     # Prefix caching off: every repeat prefills the same way (the prefill is not timed anyway).
     cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=-(-max_len // BLOCK_SIZE) + 8, enable_prefix_caching=False)
-    return ColocatedEngine(model, cache, SchedulerConfig(max_num_seqs=1), speculative=config.speculative)
+    return ColocatedEngine(model, cache, SchedulerConfig(max_num_seqs=1), speculative=config.speculative,
+                           draft_model=_draft_model(config.speculative, model, model_dir))
+
+
+def _draft_model(spec: SpeculativeConfig | None, model: LlamaForCausalLM,
+                 model_dir: Path | None) -> LlamaForCausalLM | None:
+    """A draft config's model: the target's own weights (``m`` unset) or the named model, quantized ``q``."""
+    if spec is None or spec.method is not SpeculativeMethod.DRAFT_MODEL:
+        return None
+    from common.config.settings import ModelSettings, load_settings
+    from common.engine.node_setup import check_same_tokenizer
+    from common.model.loader import load_model
+    from common.model.model_store import resolve_model
+
+    assert model_dir is not None, "a draft-model config needs the target's directory"
+    draft_dir = model_dir if spec.draft_model == SELF_DRAFT else resolve_model(spec.draft_model,
+                                                                               load_settings(ModelSettings).home)
+    check_same_tokenizer(draft_dir, model_dir)
+    return load_model(draft_dir, dtype=model.dtype, quantization=spec.draft_quantization)
 
 
 _next_id = 0

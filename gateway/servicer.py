@@ -8,7 +8,7 @@ converts at its edge: ``GatewayRequest.from_proto`` in, ``_to_proto`` out.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -25,20 +25,21 @@ log = logging.getLogger(__name__)
 
 
 class TandemServicer(generate_pb2_grpc.TandemServicer):
-    """Generate, Tokenize, ModelInfo, Abort, GetLoads; errors are raised and mapped to statuses by the
-    interceptor (whose mapping the runner was given, so that the root span carries the client's status).
+    """Generate, Tokenize, ModelInfo, Abort, GetLoads, SubscribeKvEvents; errors are raised and mapped to
+    statuses by the interceptor (whose mapping the runner was given, so that the root span carries the client's status).
 
     ``router`` is the gateway's view of its nodes (``GetLoads``); the colocated server has none and reports
     its own engine through ``loads`` instead.
     """
 
     def __init__(self, runner: RequestRunner, router: Router | None = None,
-                 loads: LoadsSource | None = None) -> None:
+                 loads: LoadsSource | None = None, kv_events: KvEventsSource | None = None) -> None:
         self._runner = runner
         self._model = runner.model
         self._settings = runner.settings
         self._router = router
         self._loads = loads
+        self._kv_events = kv_events
 
     @property
     def num_inflight(self) -> int:
@@ -64,6 +65,14 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
             nodes = router_loads(self._router) if self._router is not None else []
         return generate_pb2.GetLoadsResponse(nodes=nodes, num_inflight=admission.num_inflight,
                                              num_queued=admission.num_queued)
+
+    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.KvEventBatch]:
+        if self._kv_events is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server publishes no KV events")
+            return
+        async for batch in self._kv_events(request.max_queued_batches):
+            yield batch
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generate_pb2.TokenizeResponse:
@@ -114,6 +123,8 @@ def _to_proto(chunk: OutputChunk, req: GatewayRequest) -> generate_pb2.GenerateR
 
 
 LoadsSource = Callable[[], Awaitable[list[generate_pb2.NodeLoad]]]
+# max_queued_batches -> every node's prefix-cache event batches (gateway.kv_event_merger)
+KvEventsSource = Callable[[int], AsyncIterator[common_pb2.KvEventBatch]]
 
 
 def router_loads(router: Router) -> list[generate_pb2.NodeLoad]:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
 
 from common.engine.commands import AbortRequest, AddRequest, ChunkTiming, KVDestination, ReleaseKV
+from common.engine.kv_event_publisher import KVEventPublisher
 from common.errors import InvalidRequestError
 from common.protocol import logprob_to_proto, sampling_from_proto, stats_to_proto
 from common.serving.status import StatusInterceptor
@@ -46,6 +48,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.engine = engine
         self.block_size = engine.engine.block_size
         self._engine_stats = engine.engine.stats  # read without queueing (see Stats)
+        self.kv_events = KVEventPublisher(engine, node_id, "prefill")
         self.sender = sender
         self.node_id = node_id
         self.transfer_timeout_s = transfer_timeout_s
@@ -186,6 +189,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         # Read without queueing behind the engine: a long step must not make the node look down to the
         # gateway's poller. Counters read mid-step may be one step stale, which routing tolerates.
         return stats_to_proto(self._engine_stats(), self.node_id, "prefill")
+
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        async for batch in self.kv_events.subscribe(request.max_queued_batches):
+            yield batch
 
 
 async def _drain(handle: TransferHandle, reason: str, timeout_s: float) -> None:

@@ -7,7 +7,6 @@ a flag that is given wins over the environment, which wins over the default.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -97,10 +96,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
+    from common.engine.node_setup import speculative_config
+
+    spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers, args.draft_model,
+                              args.draft_quantization)
     llm = LLM(settings.model, dtype=settings.dtype, device=settings.device,
               attention_backend=settings.attention_backend, quantization=settings.quantization,
               quantization_group_size=settings.quantization_group_size,
-              quantization_kernel=settings.quantization_kernel)
+              quantization_kernel=settings.quantization_kernel, speculative=spec if spec.enabled else None)
     # n samples: one prompt each, seeds seed + i (as the servers do), sample 0 streamed, the others after.
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                              seed=None if args.seed is None else args.seed + i, max_tokens=args.max_tokens,
@@ -200,13 +203,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from common.engine.node_setup import speculative_config
             from tandem_cli.colocated_server import run_colocated
 
-            spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers)
+            spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers,
+                                      args.draft_model, args.draft_quantization)
             run_colocated(_model_settings(args), node, _colocated_public_settings(args), spec, security)
         else:
             from common.engine.node_setup import speculative_config
             from decode_service.server import run_decode
 
-            spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers)
+            spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers,
+                                      args.draft_model, args.draft_quantization)
             run_decode(_model_settings(args), node, spec, security)
     finally:
         shutdown_tracing()
@@ -247,88 +252,6 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def _model_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """Model flags forwarded from ``tandem up`` to every process."""
-    out: list[str] = []
-    for name in ("model", "dtype", "attention_backend", "home", "quantization", "quantization_group_size",
-                 "quantization_kernel"):
-        value = getattr(args, name, None)
-        if value is not None:
-            out += ["--" + name.replace("_", "-"), str(value)]
-    return tuple(out)
-
-
-def _decode_args(args: argparse.Namespace) -> tuple[str, ...]:
-    if args.speculative == "none":
-        return ()
-    return ("--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens),
-            "--draft-layers", str(args.draft_layers))
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    import signal
-
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM stops the services as Ctrl-C does
-
-    signal.signal(signal.SIGTERM, on_term)
-    from tandem_cli.launcher import Launcher, RestartPolicy, Topology
-
-    topology = Topology(num_prefill=args.prefill_nodes, num_decode=args.decode_nodes, gateway_port=args.port,
-                        http_port=args.http_port or None, model_args=_model_args(args), decode_args=_decode_args(args),
-                        metrics_base_port=args.metrics_base_port)
-    # Services log to files (the terminal shows only what `tandem up` says, and the demo's text); with
-    # --log-dir - they log to this terminal, in the key=value form that reads better there than JSON.
-    to_terminal = args.log_dir == "-"
-    log_dir = None if to_terminal else Path(args.log_dir) if args.log_dir else _model_settings(args).home / "logs"
-    env = {"TANDEM_LOG_FORMAT": "text"} if to_terminal and "TANDEM_LOG_FORMAT" not in os.environ else {}
-    launcher = Launcher(topology, log_dir=log_dir, env=env, restart=RestartPolicy())
-    print(f"starting {args.prefill_nodes} prefill + {args.decode_nodes} decode nodes and the gateway...",
-          file=sys.stderr)
-    if log_dir is not None:
-        names = ",".join(s.name for s in launcher.specs)
-        print(f"service logs: {log_dir}/{{{names}}}.log", file=sys.stderr)
-    with launcher:
-        print(f"Tandem is up: gateway on {launcher.gateway.target} (Ctrl-C stops everything; a process that "
-              f"exits is restarted)", file=sys.stderr)
-        if launcher.gateway.http_port:
-            scheme = "https" if os.environ.get("TANDEM_TLS_CERT") else "http"
-            print(f"  OpenAI-compatible HTTP API on {scheme}://127.0.0.1:{launcher.gateway.http_port}/v1",
-                  file=sys.stderr)
-        for spec in launcher.specs:
-            metrics = f"  metrics=http://127.0.0.1:{spec.metrics_port}/metrics" if spec.metrics_port else ""
-            print(f"  {spec.name:10s} {spec.target}  cpus={list(spec.cpus) or 'any'}{metrics}", file=sys.stderr)
-        if args.demo:
-            return _demo(launcher.gateway.target)
-        try:
-            while True:  # the launcher's supervisor restarts what exits; only a signal ends the deployment
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            print("\nstopping...", file=sys.stderr)
-            return 0
-
-
-DEMO_PROMPTS = [
-    "Write a haiku about two GPUs working in tandem.",
-    "Explain in two sentences why prefill and decode are served by different machines.",
-    "List three uses of a key-value cache.",
-]
-
-
-def _demo(target: str) -> int:
-    from tandem_cli.client import ClientSecurity, build_request, stream_generate
-
-    security = load_settings(ClientSecurity)  # TANDEM_API_KEY / TANDEM_TLS_*, as the services were given
-    for prompt in DEMO_PROMPTS:
-        print(f"\n>>> {prompt}", flush=True)
-        result = stream_generate(target, build_request(prompt, True, 96, 0.0, 1.0, None, None),
-                                 api_key=security.api_key, credentials=security.channel_credentials())
-        print(f"\n[{result.num_tokens} tokens, finish {result.finish_reason}, time to first token "
-              f"{result.ttft_s * 1000:.0f} ms, {result.num_tokens / max(result.total_s, 1e-9):.1f} tokens/s "
-              f"end to end]", flush=True)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -358,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_settings_flags(gen, ClientSecurity, "with --url: the server's credentials (docs/security.md)")
     _add_model_flags(gen)
+    _add_speculative_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
     from common.telemetry.settings import TelemetrySettings
@@ -404,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                        skip=("internal_token",))
     health.set_defaults(func=cmd_health)
 
+    from tandem_cli.plugins import add_plugin_commands
+
     add_plugin_commands(sub)
 
     up = sub.add_parser("up", help="start gateway + prefill + decode nodes as local processes")
@@ -418,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve /metrics: the gateway on this port, then each prefill and decode node on the next ones")
     _add_model_flags(up)
     _add_speculative_flags(up)
+    from tandem_cli.up_command import cmd_up
+
     up.set_defaults(func=cmd_up)
     return parser
 
@@ -431,46 +359,12 @@ _TELEMETRY_FLAGS = ("telemetry: traces export when OTEL_EXPORTER_OTLP_ENDPOINT i
 
 def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (decode nodes)")
-    g.add_argument("--speculative", default="none", help="none | ngram | draft_layers")
+    g.add_argument("--speculative", default="none", help="none | ngram | draft_layers | draft_model")
     g.add_argument("--num-speculative-tokens", type=int, default=4)
     g.add_argument("--draft-layers", type=int, default=8)
-
-
-# Commands that live above the product and register themselves (`tandem bench` from benchmarks/, through
-# pyproject's `bench = "benchmarks.cli:add_parser"`); the product never imports them.
-COMMAND_ENTRY_POINTS = "tandem.commands"
-
-
-def add_plugin_commands(sub: Any) -> None:
-    """Let each ``tandem.commands`` entry point add its subcommand; one that cannot load, or a ``bench``
-    that nothing provides (the benchmarks are not installed), becomes a command that says so."""
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=COMMAND_ENTRY_POINTS):
-        if ep.name in sub.choices:
-            continue
-        try:
-            add_parser = ep.load()
-        except ImportError as exc:
-            _add_missing_command(sub, ep.name, f"{ep.value} cannot be imported: {exc}")
-            continue
-        add_parser(sub)
-    if "bench" not in sub.choices:
-        _add_missing_command(sub, "bench", f"no {COMMAND_ENTRY_POINTS!r} entry point named 'bench' is registered")
-
-
-def _add_missing_command(sub: Any, name: str, why: str) -> None:
-    hint = (" The benchmarks (benchmarks/) ship with Tandem's source checkout: install that with "
-            "`pip install -e .` or `make venv`." if name == "bench" else "")
-
-    def missing(args: argparse.Namespace) -> int:
-        print(f"tandem {name}: this command is not installed ({why}).{hint}", file=sys.stderr)
-        return 2
-
-    # Any arguments, options included (prefix_chars matches none), so every `tandem bench ...` gets the message.
-    p = sub.add_parser(name, help="(not installed)", add_help=False, prefix_chars="\0")
-    p.add_argument("args", nargs="*")
-    p.set_defaults(func=missing)
+    g.add_argument("--draft-model", default="", help="draft_model: a Llama-family directory with the target's "
+                   "tokenizer, or the bundled model's name (with --draft-quantization int4: the target as its draft)")
+    g.add_argument("--draft-quantization", default="none", help="the draft's weights: none | int8 | int4 | ...")
 
 
 def main(argv: list[str] | None = None) -> int:

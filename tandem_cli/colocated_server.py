@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from common.engine.async_engine import AsyncEngine
 from common.engine.commands import AbortRequest, AddRequest
+from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.request import RequestCounters, RequestOutput
 from common.protocol import finish_reason_to_proto, logprob_to_proto
 from common.serving.server import RunningServer, serve_until_signal
@@ -116,11 +117,17 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
     ``node`` sizes the engine (KV cache, batch limits); ``settings`` is the public side (address, limits).
     """
     from common.engine.engine_core import ColocatedEngine
-    from common.engine.node_setup import engine_configs, load_node_model, prepare_decode_attention
+    from common.engine.node_setup import (
+        engine_configs,
+        load_draft_model,
+        load_node_model,
+        prepare_decode_attention,
+    )
 
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node)
-    core = ColocatedEngine(loaded.model, cache, scheduler, speculative=speculative)
+    core = ColocatedEngine(loaded.model, cache, scheduler, speculative=speculative,
+                           draft_model=load_draft_model(speculative, model_settings, loaded.model_dir))
     engine = AsyncEngine(core, name="colocated-engine")
     await prepare_decode_attention(model_settings, engine)
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
@@ -138,7 +145,8 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
     try:
         # The gateway's public fronts (gRPC, HTTP, /metrics) over this process's engine.
         running = await serve_fronts(model, ColocatedCoordinator(model, engine, node_id), settings, loads=loads,
-                                     security=security)
+                                     security=security,
+                                     kv_events=KVEventPublisher(engine, node_id, "colocated").subscribe)
     except BaseException:
         engine.shutdown()
         raise

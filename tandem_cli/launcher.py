@@ -126,17 +126,25 @@ class ColocatedTopology:
     model_args: tuple[str, ...] = ()
     node_args: tuple[str, ...] = ()  # engine flags (KV cache size, batch limits) for every replica
     cpus: tuple[int, ...] = field(default_factory=lambda: tuple(sorted(os.sched_getaffinity(0))))
+    # Each replica also serves the OpenAI HTTP API (free ports, or HTTP_PORT + i without free_ports).
+    serve_http: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("replicas must be >= 1")
 
     def nodes(self) -> list[NodeSpec]:
-        ports = _free_ports(self.replicas) if self.free_ports else [self.base_port + i for i in range(self.replicas)]
-        return [NodeSpec(f"colocated-{i}", "colocated", port,
-                         ("--node-id", f"colocated-{i}", *self.model_args, *self.node_args),
-                         split_cores(self.cpus, i, self.replicas))
-                for i, port in enumerate(ports)]
+        n = self.replicas
+        ports = _free_ports(2 * n) if self.free_ports else [self.base_port + i for i in range(n)] + [
+            HTTP_PORT + i for i in range(n)]
+        specs = []
+        for i in range(n):
+            http_port = ports[n + i] if self.serve_http else None
+            http = ("--http-port", str(http_port)) if http_port else ()
+            specs.append(NodeSpec(f"colocated-{i}", "colocated", ports[i],
+                                  ("--node-id", f"colocated-{i}", *self.model_args, *self.node_args, *http),
+                                  split_cores(self.cpus, i, n), http_port=http_port))
+        return specs
 
 
 def split_cores(cpus: tuple[int, ...], k: int, n: int) -> tuple[int, ...]:

@@ -5,6 +5,11 @@ extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``
 several processes wait on torch's file lock). Where the build is impossible the torch backend keeps its
 pure-PyTorch path: ``paged_decode_kernel()`` returns None and says why once in the log.
 ``TANDEM_CPU_KERNELS=0`` turns the compiled path off (the benchmark's baseline, or to rule it out).
+
+It is built with explicit instruction-set flags into a module named after that instruction set
+(``tandem_cpu_decode_avx512``, ``_avx2``, ``_generic``; the CPU's flags pick one, as for the quantized
+kernels), never ``-march=native`` under one fixed name: the machines change between sessions, and a
+cached AVX-512 build loaded on an AVX2 machine dies with SIGILL.
 """
 
 from __future__ import annotations
@@ -43,14 +48,18 @@ def _build() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
+        from common.quant.cpu_kernels import ISA_FLAGS, best_isa
+
+        isa = best_isa()
         # -fopenmp: at::parallel_for is inline OpenMP; the library it needs (libgomp.so.1) is the one torch
-        # already loaded, so kernel and torch share one thread pool. -march=native: built where it runs.
+        # already loaded, so kernel and torch share one thread pool. The ISA flags are explicit and part of
+        # the module's name, so a cached build only ever loads on a CPU that has its instructions.
         # -ffast-math (compile only, never at link, so the process keeps IEEE denormals): vectorised exp
         # from glibc's vector math library and reassociated fp32 sums; scores are finite (only rows
         # < seq_len are read), so finite-math assumptions hold.
-        flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+        flags = ["-O3", "-fopenmp", "-ffast-math", *ISA_FLAGS[isa]]
         module = load_inline(
-            name="tandem_cpu_decode", cpp_sources=[_SOURCE.read_text()], functions=["paged_decode"],
+            name=f"tandem_cpu_decode_{isa}", cpp_sources=[_SOURCE.read_text()], functions=["paged_decode"],
             extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch path serves instead

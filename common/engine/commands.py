@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from common.engine.request import RequestOutput
 
 if TYPE_CHECKING:
+    from common.kv.kv_events import KVEventBatch
     from common.sampling.params import SamplingParams
 
 R = TypeVar("R")
@@ -32,6 +33,12 @@ class ChunkTiming:
     start_token: int
     num_tokens: int
     step_tokens: int  # tokens of every request batched in that step
+
+
+class KVEventSink(Protocol):
+    """Receives each drained batch of prefix-cache events on the engine thread; ``publish`` must not block."""
+
+    def publish(self, batch: KVEventBatch) -> None: ...
 
 
 class KVPushTarget(Protocol):
@@ -120,3 +127,11 @@ class ReleaseKV(EngineCommand[None]):
 @dataclass(frozen=True)
 class PrepareKernels(EngineCommand[bool]):
     """Build or load the compiled CPU decode kernel on the engine thread. Answers whether it is in use."""
+
+
+@dataclass(frozen=True)
+class SetKVEventSink(EngineCommand[None]):
+    """Record prefix-cache events and hand them to ``sink`` after every step and command (None: stop)."""
+
+    sink: KVEventSink | None
+    capacity: int = 4096

@@ -23,6 +23,7 @@ from common.engine.commands import (
     ReleaseKV,
     Reservation,
     ReserveKV,
+    SetKVEventSink,
 )
 from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner, kv_cache_spec
@@ -32,6 +33,7 @@ from common.errors import InvalidRequestError, QueueFullError
 from common.kv.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
+    from common.engine.commands import KVEventSink
     from common.model.llama import LlamaForCausalLM
     from common.sampling.params import SamplingParams
 
@@ -44,12 +46,15 @@ class EngineCore:
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig | None = None,
                  scheduler: SchedulerConfig | None = None, speculative: SpeculativeConfig | None = None,
-                 connector: KVConnector | None = None) -> None:
+                 connector: KVConnector | None = None, draft_model: LlamaForCausalLM | None = None) -> None:
         cache = cache or CacheConfig()
         scheduler = scheduler or SchedulerConfig()
-        spec = kv_cache_spec(model, cache.block_size)
-        element_size = model.dtype.itemsize  # the KV dtype is the activations', whatever the weights are packed in
-        num_blocks = cache.resolve_num_blocks(spec.bytes_per_block(element_size))
+        # The KV dtype is the activations', whatever the weights are packed in; a draft model's KV shares the
+        # target's block ids, so each block costs both.
+        block_bytes = kv_cache_spec(model, cache.block_size).bytes_per_block(model.dtype.itemsize)
+        if draft_model is not None:
+            block_bytes += kv_cache_spec(draft_model, cache.block_size).bytes_per_block(draft_model.dtype.itemsize)
+        num_blocks = cache.resolve_num_blocks(block_bytes)
         self.model_config = model.config
         self.block_size = cache.block_size
         # A sequence must fit in the cache on its own, or it could only ever preempt itself.
@@ -58,13 +63,17 @@ class EngineCore:
         self.connector = connector or KVConnector()
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, self.connector, speculative)
-        self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative)
+        self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative, draft_model)
+        self._kv_event_sink: KVEventSink | None = None  # set by SetKVEventSink while someone subscribes
 
     # ---- commands --------------------------------------------------------------------------------
 
     def handle(self, command: EngineCommand[R]) -> R:
         """Apply one command between steps (on the engine thread) and return its typed reply."""
-        return cast(R, self._dispatch(command))
+        try:
+            return cast(R, self._dispatch(command))
+        finally:
+            self._publish_kv_events()  # a reservation or a release can evict or free cached blocks
 
     def _dispatch(self, command: EngineCommand[Any]) -> object:
         match command:
@@ -84,6 +93,9 @@ class EngineCore:
             case ReleaseKV():
                 self.connector.forget(command.request_id)
                 self.scheduler.free_held(command.request_id)
+                return None
+            case SetKVEventSink():
+                self._set_kv_event_sink(command)
                 return None
             case PrepareKernels():
                 from common.attention.cpu_kernels import paged_decode_kernel
@@ -155,7 +167,22 @@ class EngineCore:
         for out in outputs:
             if out.finished:
                 self.runner.forget(out.request_id)
+        self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        # One attribute test per step when nobody subscribes.
+        if self._kv_event_sink is not None:
+            batch = self.kv.drain_events()
+            if batch is not None:
+                self._kv_event_sink.publish(batch)
+
+    def _set_kv_event_sink(self, command: SetKVEventSink) -> None:
+        self._kv_event_sink = command.sink
+        if command.sink is None:
+            self.kv.disable_events()
+        else:
+            self.kv.enable_events(command.capacity)
 
     def reap(self, now: float | None = None) -> list[RequestOutput]:
         """Abort requests whose remote KV never came within ``kv_lease_s`` (the reaper of leaked reservations)."""

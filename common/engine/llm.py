@@ -15,10 +15,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config.engine_config import CacheConfig, SchedulerConfig
+from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from common.config.settings import ModelSettings, load_settings
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.engine_core import ColocatedEngine
+from common.engine.node_setup import load_draft_model
 from common.engine.request import FinishReason
 from common.model.loader import load_model
 from common.model.model_store import resolve_model
@@ -55,7 +56,7 @@ class LLM:
                  device: str | None = None, attention_backend: str | None = None,
                  quantization: str | None = None, quantization_group_size: int | None = None,
                  quantization_kernel: str | None = None, cache: CacheConfig | None = None,
-                 scheduler: SchedulerConfig | None = None) -> None:
+                 scheduler: SchedulerConfig | None = None, speculative: SpeculativeConfig | None = None) -> None:
         self.settings = load_settings(ModelSettings, {
             "model": None if model is None else str(model), "dtype": dtype, "device": device,
             "attention_backend": attention_backend, "quantization": quantization,
@@ -65,7 +66,8 @@ class LLM:
         s = self.settings
         self.model = load_model(model_dir, s.dtype, s.device, s.attention_backend, s.quantization,
                                 s.quantization_group_size, s.quantization_kernel)
-        self.engine = ColocatedEngine(self.model, cache, scheduler)
+        self.engine = ColocatedEngine(self.model, cache, scheduler, speculative,
+                                      draft_model=load_draft_model(speculative, s, model_dir))
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:

@@ -21,6 +21,7 @@ from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
 from common.engine.scheduler_output import StepResult
 from common.kv.kv_cache import KVCache, KVCacheSpec
 from common.sampling.sampler import RequestSamplingState, Sampler, target_probs
+from common.spec_decode.draft_model import DraftModelProposer
 from common.spec_decode.ngram import NgramProposer
 from common.spec_decode.rejection import verify
 
@@ -42,7 +43,7 @@ class ModelRunner:
     """Owns the model, its paged KV tensors and the sampler."""
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, draft_model: LlamaForCausalLM | None = None) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size = block_size
@@ -52,12 +53,19 @@ class ModelRunner:
         self.ngram = NgramProposer(self.speculative.ngram_min_n, self.speculative.ngram_max_n,
                                    drafts_per_matched_token=self.speculative.ngram_drafts_per_matched_token,
                                    continue_past_end=True)
+        # DRAFT_MODEL: a separate model with its own KV, read through the target's block tables
+        self.draft: DraftModelProposer | None = None
+        if self.speculative.method is SpeculativeMethod.DRAFT_MODEL:
+            assert draft_model is not None, "speculative draft_model needs the draft model loaded"
+            self.draft = DraftModelProposer(draft_model, num_blocks, block_size, self.device)
         self._sampling: dict[str, RequestSamplingState] = {}
         self.draft_seconds = 0.0  # time spent proposing (speculative decoding)
         self.forward_seconds = 0.0  # time in the target's forward + sampling / verification
 
     def forget(self, request_id: str) -> None:
         """Drop per-request sampling state (seeded generator) of a request that ended."""
+        if self.draft is not None:
+            self.draft.forget(request_id)
         self._sampling.pop(request_id, None)
 
     def _sampling_state(self, request: Request) -> RequestSamplingState:
@@ -78,6 +86,11 @@ class ModelRunner:
         """Run the step's forward; return tokens for the chunks that reach their request's end."""
         if output.block_copies:
             self.kv_cache.copy_blocks(output.block_copies)
+            if self.draft is not None:
+                self.draft.kv_cache.copy_blocks(output.block_copies)
+        if self.draft is not None:
+            for request_id in output.preempted:  # its blocks, and the draft's KV in them, are gone
+                self.draft.forget(request_id)
         start = time.perf_counter()
         drafts, draft_probs = self._propose(output.chunks)
         self.draft_seconds += time.perf_counter() - start
@@ -94,6 +107,10 @@ class ModelRunner:
                 self.sampler(logits, [self._sampling_state(output.chunks[i].request) for i in sampling]))
         else:
             result = self._verify(output.chunks, sampling, drafts, draft_probs, hidden, ends)
+            if self.draft is not None:
+                for row, i in enumerate(sampling):
+                    if drafts[i]:
+                        self.draft.accept(output.chunks[i].request.request_id, result.num_accepted[row])
         self.forward_seconds += time.perf_counter() - start
         return result
 
@@ -133,6 +150,8 @@ class ModelRunner:
                 drafts[i] = self.ngram.propose(chunks[i].request.all_token_ids, chunks[i].num_draft_slots)
         elif method is SpeculativeMethod.DRAFT_LAYERS:
             self._draft_with_early_layers(chunks, slots, drafts, probs)
+        elif self.draft is not None:
+            self.draft.propose(chunks, slots, drafts, probs, self._sampling_state)
         return drafts, probs
 
     def _draft_with_early_layers(self, chunks: list[ScheduledChunk], slots: list[int],

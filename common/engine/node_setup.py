@@ -65,7 +65,8 @@ def engine_configs(node: NodeSettings) -> tuple[CacheConfig, SchedulerConfig]:
     return cache, scheduler
 
 
-def speculative_config(method: str, num_tokens: int, draft_layers: int) -> SpeculativeConfig:
+def speculative_config(method: str, num_tokens: int, draft_layers: int, draft_model: str = "",
+                       draft_quantization: str = "none") -> SpeculativeConfig:
     from common.config.engine_config import SpeculativeMethod
 
     try:
@@ -73,4 +74,40 @@ def speculative_config(method: str, num_tokens: int, draft_layers: int) -> Specu
     except ValueError:
         names = ", ".join(m.value for m in SpeculativeMethod)
         raise ValueError(f"speculative method {method!r} is unknown; choose one of {names}") from None
-    return SpeculativeConfig(method=chosen, num_speculative_tokens=num_tokens, draft_layers=draft_layers)
+    return SpeculativeConfig(method=chosen, num_speculative_tokens=num_tokens, draft_layers=draft_layers,
+                             draft_model=draft_model, draft_quantization=draft_quantization)
+
+
+def load_draft_model(spec: SpeculativeConfig | None, settings: ModelSettings,
+                     target_dir: Path) -> LlamaForCausalLM | None:
+    """The draft model of ``--speculative draft_model`` (None for other methods), loaded like the target
+    (dtype, device, attention backend) with its own quantization; refused unless it has the target's tokenizer."""
+    from common.config.engine_config import SpeculativeMethod
+
+    if spec is None or spec.method is not SpeculativeMethod.DRAFT_MODEL:
+        return None
+    from common.model.loader import load_model
+    from common.model.model_store import resolve_model
+
+    draft_dir = resolve_model(spec.draft_model, settings.home, progress=False)
+    check_same_tokenizer(draft_dir, target_dir)
+    draft = load_model(draft_dir, settings.dtype, settings.device, settings.attention_backend,
+                       spec.draft_quantization, settings.quantization_group_size, settings.quantization_kernel)
+    log.info("draft model %s (quantization %s, %.0f MB of weights)", draft_dir.name, spec.draft_quantization,
+             draft.weight_bytes / 1e6)
+    return draft
+
+
+def check_same_tokenizer(draft_dir: Path, target_dir: Path) -> None:
+    """A draft proposes token ids: its vocabulary must be the target's, id for id."""
+    from tokenizers import Tokenizer
+
+    if draft_dir.resolve() == target_dir.resolve():
+        return
+    for d in (draft_dir, target_dir):
+        if not (d / "tokenizer.json").is_file():
+            raise ValueError(f"--draft-model: {d} has no tokenizer.json to check the draft's vocabulary against")
+    draft, target = (Tokenizer.from_file(str(d / "tokenizer.json")) for d in (draft_dir, target_dir))
+    if draft.get_vocab(with_added_tokens=True) != target.get_vocab(with_added_tokens=True):
+        raise ValueError(f"--draft-model {draft_dir}: its tokenizer differs from the target's ({target_dir}); "
+                         "a draft model must share the target's vocabulary")

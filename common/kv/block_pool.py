@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from common.kv.block_hash import BlockHash
+from common.kv.kv_events import KVEventLog
 
 
 @dataclass(slots=True)
@@ -44,6 +45,8 @@ class BlockPool:
         # the middle (a cache hit on a free cached block). Values are unused.
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        # Prefix-cache events for external routers; None (the default) records nothing and allocates nothing.
+        self.events: KVEventLog | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -87,16 +90,21 @@ class BlockPool:
             f"asked for {num_blocks} blocks with {len(self._free_queue)} free"
         )
         block_ids: list[int] = []
+        evicted: list[BlockHash] | None = [] if self.events is not None else None
         for _ in range(num_blocks):
             block_id, _unused = self._free_queue.popitem(last=False)
             block = self._blocks[block_id]
             assert block.ref_cnt == 0, f"free block {block_id} has ref count {block.ref_cnt}"
             if block.block_hash is not None:
                 # Eviction: the memory is about to be overwritten, so the hash must stop pointing at it.
+                if evicted is not None:
+                    evicted.append(block.block_hash)
                 del self._cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
             block_ids.append(block_id)
+        if evicted and self.events is not None:
+            self.events.removed(evicted)
         return block_ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -139,6 +147,8 @@ class BlockPool:
         """Remove ``block_id`` from the hash map (its contents are about to change); no-op if not cached."""
         block = self._blocks[block_id]
         if block.block_hash is not None:
+            if self.events is not None:
+                self.events.removed([block.block_hash])
             del self._cached[block.block_hash]
             block.block_hash = None
 
@@ -149,6 +159,8 @@ class BlockPool:
         for block in self._blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     # ------------------------------------------------------------------ invariants

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from common.kv.block_hash import BlockHash, hash_block
 from common.kv.block_pool import BlockPool
+from common.kv.kv_events import DEFAULT_LOG_CAPACITY, KVEventBatch, KVEventLog
 
 BlockCopy = tuple[int, int]
 """(src_block_id, dst_block_id): copy the KV of ``src`` into ``dst`` before the next write to ``dst``."""
@@ -110,6 +111,21 @@ class KVCacheManager:
         block_ids, _ = self._match_prefix(token_ids, salt)
         return block_ids, len(block_ids) * self.block_size
 
+    # ------------------------------------------------------------------ prefix-cache events
+
+    def enable_events(self, capacity: int = DEFAULT_LOG_CAPACITY) -> None:
+        """Start recording prefix-cache events (``common.kv.kv_events``); a no-op when already recording."""
+        if self.pool.events is None:
+            self.pool.events = KVEventLog(capacity)
+
+    def disable_events(self) -> None:
+        """Stop recording and drop what was not drained."""
+        self.pool.events = None
+
+    def drain_events(self) -> KVEventBatch | None:
+        """The events recorded since the last drain (None when none, or when not recording)."""
+        return self.pool.events.drain() if self.pool.events is not None else None
+
     # ------------------------------------------------------------------ mutations
 
     def allocate(self, request_id: str, token_ids: Sequence[int], salt: bytes | None = None) -> Allocation | None:
@@ -158,17 +174,23 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        first = len(req.block_hashes)
         parent = req.block_hashes[-1] if req.block_hashes else None
-        for index in range(len(req.block_hashes), len(token_ids) // bs):
+        events = self.pool.events
+        stored: list[int] | None = [] if events is not None else None  # indexes of blocks newly cached here
+        for index in range(first, len(token_ids) // bs):
             parent = hash_block(parent, token_ids[index * bs : (index + 1) * bs], req.salt)
             req.block_hashes.append(parent)
             block_id = req.block_ids[index]
             existing = self.pool.get_block_hash(block_id)
             if existing is None:
-                self.pool.cache_block(block_id, parent)
+                if self.pool.cache_block(block_id, parent) and stored is not None:
+                    stored.append(index)
             else:
                 # A forked sibling sharing this block committed it first.
                 assert existing == parent, f"block {block_id} is cached under a different hash"
+        if stored and events is not None:
+            self._record_stored(events, req, token_ids, stored)
 
     def fork(self, parent_id: str, child_id: str) -> list[BlockCopy] | None:
         """Give ``child_id`` the parent's tokens: full blocks shared, the partial last block copied on write."""
@@ -232,6 +254,22 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(req.block_ids))
 
     # ------------------------------------------------------------------ internals
+
+    def _record_stored(self, events: KVEventLog, req: _RequestBlocks, token_ids: Sequence[int],
+                       indexes: list[int]) -> None:
+        # One event per contiguous run of newly cached blocks: a block another request cached first (same
+        # hash, other block id) is already known to routers and splits the run.
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for index in indexes:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            start, end = run[0], run[-1] + 1
+            parent = req.block_hashes[start - 1] if start > 0 else None
+            events.stored(req.block_hashes[start:end], parent, tuple(token_ids[start * bs : end * bs]), bs)
 
     def _match_prefix(self, token_ids: Sequence[int], salt: bytes | None) -> tuple[list[int], list[BlockHash]]:
         # Stop at the first miss: chained hashes mean no later block can hit once one block misses.

@@ -54,6 +54,10 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = table
         return table
 
+    def table(self, device: torch.device, dtype: torch.dtype, needed: int) -> torch.Tensor:
+        """The cos/sin table, [>= needed, head_dim] = cat(cos, sin) halves, in ``dtype`` on ``device``."""
+        return self._table(device, dtype, needed)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, max_position: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ chosen ``AttentionBackend``, the only place that knows about the paged KV cache.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from common.attention.metadata import AttentionMetadata
     from common.config.model_config import ModelConfig
     from common.kv.kv_cache import KVCache
+    from common.model.fused_ops import FusedOps
 
 
 class LlamaAttention(nn.Module):
@@ -52,6 +53,19 @@ class LlamaAttention(nn.Module):
         out = self.backend.forward(q, k, v, layer_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
+    def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                      kv_cache: KVCache | None, ops: FusedOps) -> torch.Tensor:
+        """``forward`` with rotary applied in place on the qkv projection's output (no split copies)."""
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        ops.rotary_(q, k, self.rotary.table(qkv.device, qkv.dtype, meta.max_seq_len), positions)
+        layer_cache = kv_cache.layer(self.layer_idx) if kv_cache is not None else None
+        out = self.backend.forward(q, k, v, layer_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
@@ -66,6 +80,17 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                      meta: AttentionMetadata, kv_cache: KVCache | None,
+                      ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the residual stream carried beside the output: (x, residual) ->
+        (this layer's MLP output, the stream before it), so each add rides in the next norm's pass."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        x = self.self_attn.forward_fused(positions, h, meta, kv_cache, ops)
+        h, residual = ops.add_rms_norm(x, residual, norm2.weight, norm2.eps)
+        return self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -85,6 +110,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Module | None = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        # None: the reference forward. The loader sets the fused ops (common/model/fused_ops.py) on CPU.
+        self.fused_ops: FusedOps | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -111,6 +138,12 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        ops = self.fused_ops
+        if ops is not None:
+            residual: torch.Tensor | None = None
+            for fused_layer in cast("list[LlamaDecoderLayer]", layers):
+                x, residual = fused_layer.forward_fused(positions, x, residual, meta, kv_cache, ops)
+            return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
         for layer in layers:
             x = layer(positions, x, meta, kv_cache)
         return self.norm(x)

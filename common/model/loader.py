@@ -33,13 +33,23 @@ DTYPES: dict[str, torch.dtype] = {
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
-    """``auto`` picks bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX), else fp32."""
+def resolve_dtype(name: str, device: torch.device | str = "cpu", config: ModelConfig | None = None,
+                  home: Path | None = None) -> torch.dtype:
+    """``auto`` is bf16 on CUDA; on CPU it is measured (``common.model.dtype_choice``: the faster decode
+    GEMV of fp32 and bf16 at the model's sizes, unless its prefill GEMM is pathologically slow), once
+    per machine, torch version and thread count, and cached in ``home`` (default: TANDEM_HOME)."""
     if name == "auto":
         dev = torch.device(device)
         if dev.type == "cuda":
             return torch.bfloat16
-        return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+        from common.model.dtype_choice import DEFAULT_SHAPE, auto_cpu_dtype
+
+        if home is None:
+            from common.config.settings import ModelSettings, load_settings
+
+            home = load_settings(ModelSettings).home
+        shape = DEFAULT_SHAPE if config is None else (config.hidden_size, config.intermediate_size)
+        return DTYPES[auto_cpu_dtype(home, shape)]
     try:
         return DTYPES[name]
     except KeyError:
@@ -81,7 +91,7 @@ def load_model(
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
-    torch_dtype = resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype
+    torch_dtype = resolve_dtype(dtype, device, config) if isinstance(dtype, str) else dtype
     backend = get_backend(attention_backend)
     quant = None
     if quantization != "none":
@@ -99,6 +109,9 @@ def load_model(
         _quantize(model, model_dir, quant, quantization_kernel)
     model.eval()
     model.requires_grad_(False)
+    from common.model.fused_ops import fused_ops_for
+
+    model.fused_ops = fused_ops_for(torch.device(device))  # TANDEM_FUSED_OPS=auto|on|off
     return model
 
 

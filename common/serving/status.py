@@ -4,7 +4,8 @@ Servicers raise; they never build statuses themselves. ``InvalidRequestError`` b
 a ``ServiceError`` its own ``code``, a service's own exception types whatever ``extra`` says, and anything
 else INTERNAL with a generic message (the traceback goes to the log, never to the client).
 ``grpc.aio.AbortError`` (a handler that aborted on purpose) and ``asyncio.CancelledError`` (the client went
-away) pass through untouched.
+away) pass through untouched. A unary request whose bytes do not parse (corrupt wire format, a string
+field that is not UTF-8) is INVALID_ARGUMENT too: gRPC itself would answer UNKNOWN.
 """
 
 from __future__ import annotations
@@ -26,6 +27,26 @@ log = logging.getLogger(__name__)
 _PASS_THROUGH: tuple[type[BaseException], ...] = (grpc.aio.AbortError,)
 
 _Handle = Callable[[BaseException, Any], Awaitable[None]]
+
+
+class _Undecodable:
+    """What a unary request that failed to parse becomes, so that the handler's wrapper can answer it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = InvalidRequestError("request", f"cannot be parsed: {error}")
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError and friends: the caller's bytes, not our bug
+            return _Undecodable(exc)
+
+    return parse
 
 
 class StatusInterceptor(grpc.aio.ServerInterceptor):
@@ -83,10 +104,16 @@ def wrap_handler(handler: grpc.RpcMethodHandler, handle: _Handle) -> grpc.RpcMet
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
+    unary_kwargs = {**kwargs, "request_deserializer": _tolerant(handler.request_deserializer)}
+    if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
+        return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, handle), **unary_kwargs)
     if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, handle), **kwargs)
+        return handler
+    if handler.unary_stream is not None and (inspect.isasyncgenfunction(handler.unary_stream)
+                                             or inspect.iscoroutinefunction(handler.unary_stream)):
+        return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, handle), **unary_kwargs)
     if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, handle), **kwargs)
+        return handler
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, handle), **kwargs)
     return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, handle), **kwargs)
@@ -99,6 +126,8 @@ def _wrap_unary(behavior: Callable[..., Any], handle: _Handle) -> Callable[..., 
 
     async def call(request: Any, context: Any) -> Any:
         try:
+            if isinstance(request, _Undecodable):
+                raise request.error
             return await behavior(request, context)
         except _PASS_THROUGH:
             raise
@@ -116,6 +145,8 @@ def _wrap_stream(behavior: Callable[..., Any], handle: _Handle) -> Callable[...,
 
     async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
         try:
+            if isinstance(request, _Undecodable):
+                raise request.error
             # aclosing: when gRPC closes us (client cancelled), the handler's own finally blocks run now.
             async with contextlib.aclosing(behavior(request, context)) as responses:
                 async for response in responses:

@@ -100,7 +100,7 @@ def test_a_system_that_fails_to_start_is_reported_and_the_json_and_report_carry_
     args = parse("--workload", "mixed", "--quick", "--cpus", "0-1", "--local-prefill-max-tokens", "128")
     args.rate = 1.0
     workload = configure_workload(args)
-    summary, recs = bench_system(SYSTEMS["conditional"], args, workload, 1000, (), tmp_path, SLO_1S)
+    [(summary, recs)] = bench_system(SYSTEMS["conditional"], args, workload, 1000, (), tmp_path, SLO_1S)
     assert seen == [("conditional", 128)] and recs == []
     assert (summary.started, summary.completed, summary.failed) == (False, 0, 12)
     assert summary.errors == ("failed to start: gateway exited with code 2 during start-up",)

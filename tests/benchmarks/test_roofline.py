@@ -117,10 +117,31 @@ def test_cli_writes_the_report_schema(tmp_path: Path, capsys: pytest.CaptureFixt
     doc = json.loads(out.read_text())
     assert set(doc) == {"machine", "model", "roofline"}
     assert set(doc["machine"]) == {"cpu", "cores", "threads", "llc_bytes", "copy_gb_s", "read_gb_s",
-                                   "matmul_gflops", "decode_gemm_gflops"}
+                                   "matmul_gflops", "decode_gemm_gflops", "matmul_size", "notes"}
     assert doc["model"] == {"name": "tiny", "dtype": "bfloat16", "params": 78144,
                             "weight_bytes_per_step": (READ_PER_STEP + 64) * 2, "kv_bytes_per_token": 256,
                             "flops_per_token": 2 * LINEAR_WEIGHTS + 4 * 2 * 4 * 16 * 8}
     assert [(r["batch"], r["context"]) for r in doc["roofline"]] == [(1, 8), (4, 8)]
     assert all(r["tokens_per_s"] > 0 and r["bound"] in ("memory", "compute") for r in doc["roofline"])
     assert "| 4 | 8 |" in capsys.readouterr().out
+
+
+def test_gemm_size_fits_the_time_target_at_the_probed_rate() -> None:
+    from benchmarks.roofline import pick_gemm_size
+
+    # 2 * 2048^3 = 17.2 GFLOP: 0.17 s at 100 GFLOP/s; at 0.3 GFLOP/s (bf16 without native support)
+    # only 512^3 (0.27 GFLOP, 0.89 s) is too slow too, so the smallest size is used.
+    assert pick_gemm_size(100.0, target_s=0.3) == 2048
+    assert pick_gemm_size(10.0, target_s=0.3) == 1024
+    assert pick_gemm_size(1.0, target_s=0.3) == 512
+    assert pick_gemm_size(0.3, target_s=0.3) == 256
+
+
+def test_repeats_stop_at_the_time_budget() -> None:
+    import time
+
+    from benchmarks.roofline import _best_seconds
+
+    calls: list[float] = []
+    _best_seconds(lambda: (calls.append(0.0), time.sleep(0.02)), repeats=1000, budget_s=0.05)
+    assert len(calls) < 10  # warm-up + a few repeats, not 1000

@@ -34,6 +34,7 @@ SCHEMA = _object({
     "cpus": {"type": "array", "items": {"type": "integer"}},
     "slo": _object({"ttft_s": {"type": "number"}, "tpot_s": {"type": "number"}}),
     "local_prefill_max_tokens": {"type": "integer"},
+    "apis": {"type": "array", "items": {"enum": ["grpc", "openai"]}},
     "systems": {"type": "array", "items": _object({
         "system": {"type": "string"}, "placement": {"type": "string"},
         **{k: {"type": "integer"} for k in ("completed", "failed", "wrong_length", "input_tokens", "output_tokens")},

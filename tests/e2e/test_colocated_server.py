@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.serve_client import drive
+from benchmarks.serve_client import Api, drive
 from benchmarks.serve_stats import summarize
 from benchmarks.workloads import MixedWorkload
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
@@ -128,6 +128,13 @@ def test_benchmark_client_drives_the_server(server: Launcher) -> None:
     assert {kind: k.completed for kind, k in summary.by_kind.items()} == {"short": 7, "long": 1}
     closed, _ = asyncio.run(drive([target(server)], requests, concurrency=3, timeout_s=60.0))
     assert [r.num_tokens for r in closed] == [r.output_len for r in requests]
+    # The same workload over the OpenAI HTTP front (tandem bench serve --api openai).
+    over_http, duration = asyncio.run(drive([f"http://127.0.0.1:{HTTP_PORT}"], requests, concurrency=3,
+                                            timeout_s=60.0, api=Api.OPENAI))
+    assert [r.num_tokens for r in over_http] == [r.output_len for r in requests]
+    http_summary = summarize("colocated/openai", "here", over_http, duration)
+    assert (http_summary.completed, http_summary.failed, http_summary.wrong_length) == (8, 0, 0)
+    assert http_summary.ttft_s is not None
 
 
 def test_openai_client_streams_a_chat_from_the_http_api(server: Launcher) -> None:

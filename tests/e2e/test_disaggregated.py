@@ -303,3 +303,22 @@ def test_kv_load_failure_policy_recompute_prefills_on_the_decode_node(tiny_serve
             assert tokens == want
             assert last.timings.prefill_node == "decode-0" and last.timings.kv_transfer_bytes == 0
         wait_all_blocks_free(launcher)
+
+
+def test_decode_node_speculates_with_a_draft_model(tiny_served_model_dir: Path, tmp_path: Path) -> None:
+    """--speculative draft_model on a disaggregated decode node: the draft's prompt KV is computed there (no
+    transfer of it), and the greedy streams equal the colocated engine's."""
+    topology = Topology(num_prefill=1, num_decode=1, free_ports=True,
+                        model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
+                        node_args=("--num-blocks", "64", "--kv-timeout-s", "20", "--grace-s", "1"),
+                        decode_args=("--speculative", "draft_model", "--draft-model", str(tiny_served_model_dir),
+                                     "--num-speculative-tokens", "4"),
+                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
+    ps = prompts(3, seed=13)
+    expected = reference(tiny_served_model_dir, ps, 12)
+    with Launcher(topology, log_dir=tmp_path) as launcher:
+        for p, want in zip(ps, expected, strict=True):
+            tokens, last = generate(launcher.gateway.target, request(p, 12))
+            assert tokens == want and last.timings.kv_transfer_bytes > 0
+        wait_all_blocks_free(launcher)
+    assert "draft model" in (tmp_path / "decode-0.log").read_text()

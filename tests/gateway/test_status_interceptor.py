@@ -175,3 +175,43 @@ def test_client_cancel_reaches_the_handler_as_cancelled_error() -> None:
             await server.stop(0)
 
     run_async(scenario())
+
+
+def test_a_request_that_does_not_parse_is_invalid_argument() -> None:
+    """Corrupt wire bytes or a string field that is not UTF-8: INVALID_ARGUMENT naming the request (gRPC's own
+    answer would be UNKNOWN with a protobuf exception's name); the service keeps serving."""
+    from tandem.v1 import generate_pb2
+
+    async def echo(request: generate_pb2.GenerateRequest, context: Any) -> bytes:
+        return request.text.encode()
+
+    async def echo_stream(request: generate_pb2.GenerateRequest, context: Any) -> AsyncIterator[bytes]:
+        yield request.text.encode()
+
+    def add(server: grpc.aio.Server) -> None:
+        parse = generate_pb2.GenerateRequest.FromString
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Parse", {
+            "Unary": grpc.unary_unary_rpc_method_handler(echo, request_deserializer=parse),
+            "Stream": grpc.unary_stream_rpc_method_handler(echo_stream, request_deserializer=parse),
+        }),))
+
+    async def scenario() -> None:
+        server = await start_server([add], ["test.Parse"], "127.0.0.1", 0)
+        try:
+            async with open_channel(server.address) as channel:
+                unary_call = channel.unary_unary("/test.Parse/Unary")
+                for bad in (b"\x12\x03\xff\xfe\xfd", b"\xff\xff\xff\xff"):  # text not UTF-8; corrupt wire format
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await unary_call(bad)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert (err.value.details() or "").startswith("request: cannot be parsed: ")
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await channel.unary_stream("/test.Parse/Stream")(bad).read()
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                good = generate_pb2.GenerateRequest(text="hé").SerializeToString()
+                assert await unary_call(good) == "hé".encode()
+                assert [m async for m in channel.unary_stream("/test.Parse/Stream")(good)] == ["hé".encode()]
+        finally:
+            await server.stop(0)
+
+    run_async(scenario())

@@ -46,14 +46,16 @@ def _value(v: common_pb2.AnyValue) -> Any:
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """Collects every exported span in memory; ``endpoint`` is what OTEL_EXPORTER_OTLP_ENDPOINT takes."""
+    """Collects every exported span in memory; ``endpoint`` is what OTEL_EXPORTER_OTLP_ENDPOINT takes.
 
-    def __init__(self) -> None:
+    ``host``: the interface it listens on (loopback; "0.0.0.0" for exporters in containers on this host)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self._lock = threading.Lock()
         self._spans: list[CollectedSpan] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self.port = self._server.add_insecure_port(f"{host}:0")
 
     @property
     def endpoint(self) -> str:

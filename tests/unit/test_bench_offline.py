@@ -31,6 +31,9 @@ def test_tandem_produces_every_token(tiny_model_factory: Callable[..., Path], se
     # The parts of a step add up to the step.
     per_step = profile.seconds["step"] / profile.num_steps
     assert sum(seconds for _, seconds in profile.breakdown()) == pytest.approx(per_step)
+    # The forward is split into its linear layers, attention and the rest (norms, rotary, ...).
+    assert profile.seconds["matmul"] > 0 and profile.seconds["attention"] > 0
+    assert profile.seconds["matmul"] + profile.seconds["attention"] < profile.seconds["model"]
 
 
 def test_hf_baseline_counts_tokens(tiny_model_factory: Callable[..., Path]) -> None:

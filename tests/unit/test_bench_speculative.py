@@ -28,6 +28,9 @@ def test_config_parsing_and_labels() -> None:
         BenchConfig.parse("medusa:k=2")
     with pytest.raises(ValueError, match="unknown option"):
         BenchConfig.parse("ngram:q=2")
+    draft = BenchConfig.parse("draft:k=8:q=int4")
+    assert draft.label == "draft self int4 k=8" and draft.speculative is not None
+    assert draft.speculative.draft_quantization == "int4" and draft.speculative.num_speculative_tokens == 8
 
 
 def test_generate_counts_tokens_and_the_profile_adds_up(tiny_model_factory: Callable[..., Path]) -> None:

@@ -1,0 +1,206 @@
+// Fused elementwise ops of a Llama decoder layer on CPU: one pass over the activations where the eager
+// path makes two to six (and allocates as many temporaries). The eager ops in common/model/fused_ops.py
+// are the reference; these kernels round to the activation dtype at the same points the eager path does
+// (so bf16 results differ only by summation order and exp), and accumulate in fp32.
+//
+// Rows (tokens) are split over torch's intra-op threads; within a row the loops are plain and
+// `omp simd`, vectorised by the compiler for the instruction set named by the module's build flags.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// Storage <-> fp32 conversions the compiler can vectorise. bf16 is the top half of an fp32, rounded to
+// nearest even exactly as c10::BFloat16 rounds (whose own conversion is an opaque scalar call).
+struct F32 {
+  using storage = float;
+  static inline float in(float v) { return v; }
+  static inline float out(float v) { return v; }
+};
+struct BF16 {
+  using storage = uint16_t;
+  static inline float in(uint16_t v) {
+    const uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static inline uint16_t out(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return f != f ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+  }
+};
+struct F16 {
+  using storage = at::Half;
+  static inline float in(at::Half v) { return static_cast<float>(v); }
+  static inline at::Half out(float v) { return static_cast<at::Half>(v); }
+};
+
+// exp(x) for fp32 in a form that vectorises (Cephes' expf: range reduction by ln 2, degree-5
+// polynomial, exponent by bit shift); within 2 ulp of libm over the clamped range.
+inline float exp_f32(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  // round to nearest by adding and removing 1.5 * 2^23 (plain adds: vectorise without -ffast-math)
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+
+// Grain: rows per task, so a batch-1 step does not pay for waking threads.
+constexpr int64_t kGrain = 16;
+
+// residual += x (rounded to the dtype, as `x + residual` is); out = weight * dtype(norm(residual)).
+// x, residual, out: [n, h] contiguous rows; weight [h]. With add=false residual is only read.
+template <typename C, typename T = typename C::storage>
+void add_rms_norm_impl(const T* x, T* residual, const T* w, T* out, int64_t n, int64_t h, float eps, bool add) {
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* res = residual + r * h;
+      const T* xr = x + r * h;
+      T* o = out + r * h;
+      float ss = 0.f;
+      if (add) {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < h; ++i) {
+          const float s = C::in(C::out(C::in(xr[i]) + C::in(res[i])));  // rounded, as `x + residual` is
+          res[i] = C::out(s);
+          ss += s * s;
+        }
+      } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < h; ++i) ss += C::in(res[i]) * C::in(res[i]);
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) {
+        const float normed = C::in(C::out(C::in(res[i]) * inv));
+        o[i] = C::out(C::in(w[i]) * normed);
+      }
+    }
+  });
+}
+
+// out[r, i] = dtype(silu(gate)) * up, gate_up: [n, 2 * inter] (gate first), out: [n, inter].
+template <typename C, typename T = typename C::storage>
+void silu_mul_impl(const T* gu, T* out, int64_t n, int64_t inter, int64_t gu_stride) {
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * gu_stride;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = C::in(g[i]);
+        const float s = C::in(C::out(gv / (1.f + exp_f32(-gv))));
+        o[i] = C::out(s * C::in(u[i]));
+      }
+    }
+  });
+}
+
+// In place, half-split ("rotate_half") rotary over the heads of one row: x1' = x1 c - x2 s, x2' = x2 c + x1 s.
+// x: [n, heads, D] with row stride `row_stride` and unit head stride D; cos_sin: [P, D] = cat(cos, sin).
+template <typename C, typename T = typename C::storage>
+void rotary_impl(T* x, int64_t n, int64_t heads, int64_t D, int64_t row_stride, const T* cos_sin,
+                 const int64_t* positions) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos_sin + positions[r] * D;
+      const T* s = c + half;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* x1 = x + r * row_stride + hd * D;
+        T* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = C::in(x1[i]), b = C::in(x2[i]), cv = C::in(c[i]), sv = C::in(s[i]);
+          // The eager path rounds each product to the dtype before the sum; so do we.
+          x1[i] = C::out(C::in(C::out(a * cv)) - C::in(C::out(b * sv)));
+          x2[i] = C::out(C::in(C::out(b * cv)) + C::in(C::out(a * sv)));
+        }
+      }
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && t.stride(0) == t.size(1), name, " must be contiguous [n, h]");
+}
+
+// Calls fn.template operator()<Traits>() for the tensor's dtype.
+template <typename Fn>
+void dispatch(const torch::Tensor& t, Fn&& fn) {
+  switch (t.scalar_type()) {
+    case at::kFloat: fn(F32{}); break;
+    case at::kBFloat16: fn(BF16{}); break;
+    case at::kHalf: fn(F16{}); break;
+    default: TORCH_CHECK(false, "fused ops support float32, bfloat16 and float16, not ", t.scalar_type());
+  }
+}
+
+template <typename C>
+typename C::storage* ptr(const torch::Tensor& t) { return reinterpret_cast<typename C::storage*>(t.data_ptr()); }
+
+}  // namespace
+
+// Returns out; residual is updated in place when add is true.
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, bool add) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.dtype() == residual.dtype() && weight.dtype() == x.dtype(),
+              "x, residual and weight must agree in shape and dtype");
+  auto w = weight.contiguous();
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(0), h = x.size(1);
+  dispatch(x, [&](auto traits) {
+    using C = decltype(traits);
+    add_rms_norm_impl<C>(ptr<C>(x), ptr<C>(residual), ptr<C>(w), ptr<C>(out), n, h, static_cast<float>(eps), add);
+  });
+  return out;
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.stride(1) == 1, "gate_up: [n, 2 * inter]");
+  const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({n, inter}, gate_up.options());
+  dispatch(gate_up, [&](auto traits) {
+    using C = decltype(traits);
+    silu_mul_impl<C>(ptr<C>(gate_up), ptr<C>(out), n, inter, gate_up.stride(0));
+  });
+  return out;
+}
+
+// q: [n, H, D], k: [n, Hkv, D] (views into the qkv projection's output: any row stride, unit head stride D).
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin, torch::Tensor positions) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && k.dim() == 3, "q, k: [n, heads, head_dim]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              "q, k: unit stride over head_dim, heads adjacent");
+  TORCH_CHECK(cos_sin.is_contiguous() && cos_sin.dtype() == q.dtype() && k.dtype() == q.dtype(),
+              "cos_sin: contiguous [P, head_dim] of q's dtype");
+  auto pos = positions.to(torch::kInt64).contiguous();
+  const int64_t n = q.size(0), D = q.size(2);
+  dispatch(q, [&](auto traits) {
+    using C = decltype(traits);
+    rotary_impl<C>(ptr<C>(q), n, q.size(1), D, q.stride(0), ptr<C>(cos_sin), pos.data_ptr<int64_t>());
+    rotary_impl<C>(ptr<C>(k), n, k.size(1), D, k.stride(0), ptr<C>(cos_sin), pos.data_ptr<int64_t>());
+  });
+}

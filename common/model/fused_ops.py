@@ -1,0 +1,141 @@
+"""The fused elementwise ops of a decoder layer, behind one small interface: eager (the reference) or C++.
+
+A decode step of a small model is dominated, after the matmuls, by ~10 small eager ops per layer
+(RMSNorm alone is six: cast, square, mean, rsqrt, multiply, cast back), each a Python call, a dispatch
+and a temporary. ``FusedOps`` does each group in one pass:
+
+- ``add_rms_norm(x, residual, weight, eps)``: ``residual += x`` then RMSNorm of it (the residual stream
+  is carried beside the hidden state, as vLLM's layers do, so the add costs no extra pass);
+- ``silu_mul(gate_up)``: ``silu(gate) * up`` over the fused gate/up projection's output;
+- ``rotary_(q, k, cos_sin, positions)``: rotary embedding in place on the qkv projection's views.
+
+``EagerOps`` is the reference (the same torch ops ``layers.py`` runs) and every kernel is tested against
+it. ``CppOps`` is ``cpu_fused.cpp``, built per instruction set like the quantized kernels
+(``tandem_fused_avx512`` / ``_avx2`` / ``_generic``). ``torch.compile`` of the same functions was measured
+too and is slower at decode sizes on CPU (see the README): its per-call guard and launch overhead is as
+large as the ops it replaces.
+
+``TANDEM_FUSED_OPS=auto|on|off`` (auto: the C++ ops on CPU where they build, else eager; on: the C++
+ops or a start-up error; off: the unfused layer forward, exactly the reference path).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_fused.cpp")
+_FUNCTIONS = ["add_rms_norm", "silu_mul", "rotary_"]
+FUSED_MODES = ("auto", "on", "off")
+_lock = threading.Lock()
+_modules: dict[str, ModuleType | None] = {}
+
+
+class EagerOps:
+    """The reference: plain torch ops, rounding to the activation dtype where ``layers.py`` does."""
+
+    name = "eager"
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [n, hidden] -> (weight * norm(x + residual), x + residual)
+        res = x if residual is None else x + residual
+        r32 = res.float()
+        r32 = r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * r32.to(res.dtype), res
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # gate_up: [n, 2 * inter] -> [n, inter]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:
+        # q: [n, H, D], k: [n, Hkv, D], in place; cos_sin: [P, D] = cat(cos, sin)
+        cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        for x in (q, k):
+            x1, x2 = x.chunk(2, dim=-1)
+            x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+
+
+class CppOps:
+    """``cpu_fused.cpp``: one pass per group, fp32 accumulation; CPU tensors only."""
+
+    name = "cpp"
+
+    def __init__(self, module: ModuleType) -> None:
+        self._m = module
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: the embedding is the residual stream (copied, as x + 0 would)
+            residual = x.contiguous().clone()
+            return self._m.add_rms_norm(residual, residual, weight, eps, False), residual
+        # residual is the stream this model owns (made above), so updating it in place is safe.
+        return self._m.add_rms_norm(x.contiguous(), residual, weight, eps, True), residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._m.silu_mul(gate_up)
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:
+        self._m.rotary_(q, k, cos_sin, positions)
+
+
+FusedOps = EagerOps | CppOps
+
+
+def fused_mode() -> str:
+    mode = os.environ.get("TANDEM_FUSED_OPS", "auto").strip().lower() or "auto"
+    if mode not in FUSED_MODES:
+        raise ValueError(f"TANDEM_FUSED_OPS={mode!r}; choose one of {', '.join(FUSED_MODES)}")
+    return mode
+
+
+def fused_ops_for(device: torch.device, mode: str | None = None) -> FusedOps | None:
+    """The ops the layer forward uses on ``device``; None: the unfused reference forward."""
+    mode = fused_mode() if mode is None else mode
+    if mode == "off" or device.type != "cpu":
+        return None  # CUDA: the unfused path (CUDA graphs are the lever there, not this)
+    module = cpp_module()
+    if module is None:
+        if mode == "on":
+            raise RuntimeError("TANDEM_FUSED_OPS=on but the fused CPU kernels could not be built (see the log)")
+        return None
+    return CppOps(module)
+
+
+def cpp_module(isa: str | None = None) -> ModuleType | None:
+    """The extension for ``isa`` (default: the widest this CPU runs), built once; None if unbuildable."""
+    from common.quant.cpu_kernels import best_isa
+
+    isa = best_isa() if isa is None else isa
+    if isa in _modules:
+        return _modules[isa]
+    with _lock:
+        if isa not in _modules:
+            _modules[isa] = _build(isa)
+        return _modules[isa]
+
+
+def _build(isa: str) -> ModuleType | None:
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        from common.quant.cpu_kernels import ISA_FLAGS
+
+        # -fopenmp: at::parallel_for shares torch's OpenMP pool. -fno-math-errno lets exp vectorise
+        # (glibc's vector math) without -ffast-math's reassociation of the dtype roundings.
+        flags = ["-O3", "-fopenmp", "-fno-math-errno", *ISA_FLAGS[isa]]
+        module = load_inline(name=f"tandem_fused_{isa}", cpp_sources=[_SOURCE.read_text()], functions=_FUNCTIONS,
+                             extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler or ninja: the unfused forward serves
+        log.warning("fused CPU ops unavailable (%s: %s); using the unfused forward", type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    return module

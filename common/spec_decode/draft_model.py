@@ -1,0 +1,113 @@
+"""A separate draft model with its own paged KV cache, proposing tokens for the target (vLLM's draft model).
+
+The draft's KV tensor has the target's block layout (same number of blocks, same block size; its own layer
+count, heads and dtype), and the draft reads and writes it through the *target's* block tables. So a
+request's draft KV lives in the blocks the target holds for it: when the target frees, truncates or is
+preempted, the draft's KV goes with it, and no second block manager is needed.
+
+Per request the proposer remembers ``computed``: how many leading tokens have draft KV. Each step it
+catches up (one ragged forward over the tokens since then — the whole prompt the first time, which is how a
+decode node gets the draft's prompt KV without any transfer) ending at the request's last token, whose logits
+give the first draft; then k - 1 single-token steps. After verification ``accept`` keeps what the target
+kept: the last token, the accepted drafts that the draft itself fed (its own KV for them is right), no more.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from common.attention.metadata import AttentionMetadata
+from common.kv.kv_cache import KVCache, KVCacheSpec
+from common.sampling.sampler import RequestSamplingState, target_probs
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from common.engine.request import Request
+    from common.engine.scheduler_output import ScheduledChunk
+    from common.model.llama import LlamaForCausalLM
+
+
+class DraftModelProposer:
+    """Proposes up to ``num_draft_slots`` tokens per speculating chunk with ``model``."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device) -> None:
+        cfg = model.config
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
+                           str(model.dtype).removeprefix("torch."))
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = KVCache(spec, num_blocks, device)
+        self._computed: dict[str, int] = {}  # request id -> leading tokens with valid draft KV
+        self._fed: dict[str, int] = {}  # request id -> drafts this step whose own KV the draft wrote
+
+    @torch.inference_mode()
+    def propose(self, chunks: list[ScheduledChunk], slots: list[int], drafts: list[list[int]],
+                probs: list[torch.Tensor | None], sampling_state: Callable[[Request], RequestSamplingState]) -> None:
+        """Fill ``drafts[i]`` (and ``probs[i]``, the draft's distributions) for every chunk index in ``slots``."""
+        bs = self.block_size
+        # Catch up: tokens computed..start (the chunk's own, the request's last) in one ragged forward.
+        starts = {i: min(self._computed.get(chunks[i].request.request_id, 0), chunks[i].start) for i in slots}
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for i in slots:
+            c = chunks[i]
+            input_ids += c.request.token_slice(starts[i], c.start + 1)
+            positions += range(starts[i], c.start + 1)
+        query_lens = [chunks[i].start + 1 - starts[i] for i in slots]
+        tables = [chunks[i].block_ids[: chunks[i].start // bs + 1] for i in slots]
+        meta = AttentionMetadata.build(query_lens, [starts[i] for i in slots], tables, bs, self.device)
+        hidden = self.model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                            meta, self.kv_cache)
+        last_rows = meta.query_start_loc[1:] - 1
+        step_probs: dict[int, list[torch.Tensor]] = {i: [] for i in slots}
+        last = self._sample(chunks, slots, hidden[last_rows], drafts, step_probs, sampling_state)
+        for i in slots:
+            self._computed[chunks[i].request.request_id] = chunks[i].start + 1
+            self._fed[chunks[i].request.request_id] = 0
+        active = list(slots)
+        for j in range(1, max(chunks[i].num_draft_slots for i in slots)):
+            active = [i for i in active if chunks[i].num_draft_slots > j]
+            if not active:
+                break
+            pos = [chunks[i].start + j for i in active]
+            tables = [chunks[i].block_ids[: p // bs + 1] for i, p in zip(active, pos, strict=True)]
+            meta = AttentionMetadata.build([1] * len(active), pos, tables, bs, self.device)
+            hidden = self.model(torch.tensor([last[i] for i in active], device=self.device),
+                                torch.tensor(pos, device=self.device), meta, self.kv_cache)
+            last = self._sample(chunks, active, hidden, drafts, step_probs, sampling_state)
+            for i in active:
+                self._fed[chunks[i].request.request_id] = j
+        for i in slots:
+            probs[i] = torch.stack(step_probs[i])
+
+    def _sample(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor, drafts: list[list[int]],
+                step_probs: dict[int, list[torch.Tensor]],
+                sampling_state: Callable[[Request], RequestSamplingState]) -> dict[int, int]:
+        """One draft token per row from the draft's distribution (greedy requests: its argmax)."""
+        params = [chunks[i].request.params for i in rows]
+        p = target_probs(self.model.compute_logits(hidden), params)
+        out = {}
+        for row, i in enumerate(rows):
+            if params[row].greedy:
+                token = int(p[row].argmax())
+            else:
+                token = int(torch.multinomial(p[row], 1, generator=sampling_state(chunks[i].request).generator))
+            drafts[i].append(token)
+            step_probs[i].append(p[row])
+            out[i] = token
+        return out
+
+    def accept(self, request_id: str, num_accepted: int) -> None:
+        """After verification: the target kept ``num_accepted`` drafts; the draft's KV is valid for those it
+        fed itself (all but its last proposal)."""
+        if request_id in self._computed:
+            self._computed[request_id] += min(num_accepted, self._fed.pop(request_id, 0))
+
+    def forget(self, request_id: str) -> None:
+        """The request ended or lost its blocks (preempted): its draft KV is gone with them."""
+        self._computed.pop(request_id, None)
+        self._fed.pop(request_id, None)

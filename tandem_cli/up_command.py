@@ -1,0 +1,95 @@
+"""`tandem up`: the whole system on this machine (the launcher, supervised), and its `--demo`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from common.config.settings import ModelSettings, load_settings
+
+
+def _model_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """Model flags forwarded from ``tandem up`` to every process."""
+    out: list[str] = []
+    for name in ("model", "dtype", "attention_backend", "home", "quantization", "quantization_group_size",
+                 "quantization_kernel"):
+        value = getattr(args, name, None)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return tuple(out)
+
+
+def _decode_args(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.speculative == "none":
+        return ()
+    return ("--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens),
+            "--draft-layers", str(args.draft_layers), "--draft-model", args.draft_model,
+            "--draft-quantization", args.draft_quantization)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import signal
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the services as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, on_term)
+    from tandem_cli.launcher import Launcher, RestartPolicy, Topology
+
+    topology = Topology(num_prefill=args.prefill_nodes, num_decode=args.decode_nodes, gateway_port=args.port,
+                        http_port=args.http_port or None, model_args=_model_args(args), decode_args=_decode_args(args),
+                        metrics_base_port=args.metrics_base_port)
+    # Services log to files (the terminal shows only what `tandem up` says, and the demo's text); with
+    # --log-dir - they log to this terminal, in the key=value form that reads better there than JSON.
+    to_terminal = args.log_dir == "-"
+    home = load_settings(ModelSettings, {"home": getattr(args, "home", None)}).home
+    log_dir = None if to_terminal else Path(args.log_dir) if args.log_dir else home / "logs"
+    env = {"TANDEM_LOG_FORMAT": "text"} if to_terminal and "TANDEM_LOG_FORMAT" not in os.environ else {}
+    launcher = Launcher(topology, log_dir=log_dir, env=env, restart=RestartPolicy())
+    print(f"starting {args.prefill_nodes} prefill + {args.decode_nodes} decode nodes and the gateway...",
+          file=sys.stderr)
+    if log_dir is not None:
+        names = ",".join(s.name for s in launcher.specs)
+        print(f"service logs: {log_dir}/{{{names}}}.log", file=sys.stderr)
+    with launcher:
+        print(f"Tandem is up: gateway on {launcher.gateway.target} (Ctrl-C stops everything; a process that "
+              f"exits is restarted)", file=sys.stderr)
+        if launcher.gateway.http_port:
+            scheme = "https" if os.environ.get("TANDEM_TLS_CERT") else "http"
+            print(f"  OpenAI-compatible HTTP API on {scheme}://127.0.0.1:{launcher.gateway.http_port}/v1",
+                  file=sys.stderr)
+        for spec in launcher.specs:
+            metrics = f"  metrics=http://127.0.0.1:{spec.metrics_port}/metrics" if spec.metrics_port else ""
+            print(f"  {spec.name:10s} {spec.target}  cpus={list(spec.cpus) or 'any'}{metrics}", file=sys.stderr)
+        if args.demo:
+            return _demo(launcher.gateway.target)
+        try:
+            while True:  # the launcher's supervisor restarts what exits; only a signal ends the deployment
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            print("\nstopping...", file=sys.stderr)
+            return 0
+
+
+DEMO_PROMPTS = [
+    "Write a haiku about two GPUs working in tandem.",
+    "Explain in two sentences why prefill and decode are served by different machines.",
+    "List three uses of a key-value cache.",
+]
+
+
+def _demo(target: str) -> int:
+    from tandem_cli.client import ClientSecurity, build_request, stream_generate
+
+    security = load_settings(ClientSecurity)  # TANDEM_API_KEY / TANDEM_TLS_*, as the services were given
+    for prompt in DEMO_PROMPTS:
+        print(f"\n>>> {prompt}", flush=True)
+        result = stream_generate(target, build_request(prompt, True, 96, 0.0, 1.0, None, None),
+                                 api_key=security.api_key, credentials=security.channel_credentials())
+        print(f"\n[{result.num_tokens} tokens, finish {result.finish_reason}, time to first token "
+              f"{result.ttft_s * 1000:.0f} ms, {result.num_tokens / max(result.total_s, 1e-9):.1f} tokens/s "
+              f"end to end]", flush=True)
+    return 0

@@ -1,0 +1,99 @@
+"""Speculative decoding with a separate draft model: exact (greedy output = plain decoding), leak-free under
+preemption, the draft's KV kept in step with the target's, and a draft with another vocabulary refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
+from common.engine.engine_core import ColocatedEngine
+from common.engine.node_setup import check_same_tokenizer
+from common.model.llama import LlamaForCausalLM
+from common.model.loader import load_model
+from common.sampling.params import SamplingParams
+from tests.engine.test_colocated_engine import contiguous_greedy, prompts, run_staggered
+
+SPEC = SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL, draft_model="(loaded by the test)",
+                         num_speculative_tokens=4, max_batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_factory: Callable[..., Path]) -> LlamaForCausalLM:
+    return load_model(tiny_model_factory("llama", num_hidden_layers=3), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny_model_factory: Callable[..., Path]) -> LlamaForCausalLM:
+    """Another random model with the same vocabulary: its drafts are mostly rejected."""
+    return load_model(tiny_model_factory("llama", seed=7, num_hidden_layers=1), dtype="float32")
+
+
+def test_the_target_as_its_own_draft_is_exact_and_accepts_its_drafts(target: LlamaForCausalLM) -> None:
+    ps = prompts(5, target.config.vocab_size, seed=11)
+    work = [(p, SamplingParams(temperature=0.0, max_tokens=16 + 3 * i, ignore_eos=True)) for i, p in enumerate(ps)]
+    engine = ColocatedEngine(target, CacheConfig(num_blocks=64, block_size=8),
+                             SchedulerConfig(max_num_batched_tokens=96), speculative=SPEC, draft_model=target)
+    got = run_staggered(engine, work, arrivals=[0, 0, 1, 3, 5])
+    for i, (p, params) in enumerate(work):
+        assert got[f"r{i}"] == contiguous_greedy(target, p, params.max_tokens), i
+    s = engine.scheduler
+    assert s.num_draft_tokens > 20
+    # the same weights propose what the target then picks: nearly every draft is accepted (float ties aside)
+    assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens
+    engine.kv.check_integrity()
+    assert engine.kv.num_used_blocks == 0 and engine.runner.draft is not None
+    assert engine.runner.draft._computed == {}  # every finished request was forgotten
+
+
+def test_another_draft_model_stays_exact_and_leak_free_under_preemption(target: LlamaForCausalLM,
+                                                                         other_draft: LlamaForCausalLM) -> None:
+    ps = prompts(6, target.config.vocab_size, seed=12)
+    work = [(p, SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=24, ignore_eos=True))
+            for i, p in enumerate(ps)]
+    engine = ColocatedEngine(target, CacheConfig(num_blocks=20, block_size=4),
+                             SchedulerConfig(max_num_batched_tokens=64, watermark=0.0), speculative=SPEC,
+                             draft_model=other_draft)
+    got = run_staggered(engine, work, arrivals=[0, 0, 0, 1, 1, 2])
+    assert all(len(v) == 24 for v in got.values())
+    for i, (p, params) in enumerate(work):
+        if params.greedy:
+            assert got[f"r{i}"] == contiguous_greedy(target, p, params.max_tokens), i
+    assert engine.scheduler.num_draft_tokens > 0 and engine.scheduler.num_preemptions > 0
+    engine.kv.check_integrity()
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_kv_memory_counts_the_draft(target: LlamaForCausalLM, other_draft: LlamaForCausalLM) -> None:
+    cache = CacheConfig(kv_cache_memory_gb=0.001, block_size=8)
+    alone = ColocatedEngine(target, cache).kv.pool.num_blocks
+    with_draft = ColocatedEngine(target, cache, speculative=SPEC, draft_model=other_draft).kv.pool.num_blocks
+    assert with_draft < alone  # each block also holds the draft's KV
+
+
+def test_a_draft_needs_the_targets_vocabulary(tiny_served_model_dir: Path, tmp_path: Path) -> None:
+    check_same_tokenizer(tiny_served_model_dir, tiny_served_model_dir)
+    same = tmp_path / "same"
+    shutil.copytree(tiny_served_model_dir, same)
+    check_same_tokenizer(same, tiny_served_model_dir)  # another directory, the same vocabulary
+    other = tmp_path / "other"
+    shutil.copytree(tiny_served_model_dir, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first = next(iter(vocab))
+    vocab["<a-token-the-target-lacks>"] = vocab.pop(first)
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match=r"--draft-model .* tokenizer differs"):
+        check_same_tokenizer(other, tiny_served_model_dir)
+    (other / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
+        check_same_tokenizer(other, tiny_served_model_dir)
+
+
+def test_draft_model_method_needs_a_model() -> None:
+    with pytest.raises(ValueError, match="--draft-model"):
+        SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL)

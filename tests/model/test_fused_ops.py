@@ -1,0 +1,127 @@
+"""The fused decode ops (common/model/fused_ops.py) against the eager reference, and the whole model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.attention.metadata import AttentionMetadata
+from common.config.engine_config import CacheConfig, SchedulerConfig
+from common.engine.engine_core import ColocatedEngine
+from common.model.fused_ops import CppOps, EagerOps, cpp_module, fused_ops_for
+from common.model.loader import load_model
+from common.quant.cpu_kernels import runnable_isas
+from common.sampling.params import SamplingParams
+
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", params=runnable_isas()[:2])
+def cpp(request: pytest.FixtureRequest) -> CppOps:
+    module = cpp_module(request.param)
+    if module is None:
+        pytest.skip("no C++ compiler / ninja here")
+    return CppOps(module)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 64])
+def test_add_rms_norm_matches_eager(cpp: CppOps, dtype: torch.dtype, n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    x, res = (torch.randn(n, 96, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    want_out, want_res = EagerOps().add_rms_norm(x, res, w, 1e-5)
+    got_out, got_res = cpp.add_rms_norm(x, res.clone(), w, 1e-5)
+    torch.testing.assert_close(got_res, want_res, atol=0, rtol=0)  # one rounding, either way
+    torch.testing.assert_close(got_out, want_out, **TOL[dtype])
+    first_out, first_res = cpp.add_rms_norm(x, None, w, 1e-5)  # first layer: no residual yet
+    torch.testing.assert_close(first_out, EagerOps().add_rms_norm(x, None, w, 1e-5)[0], **TOL[dtype])
+    assert torch.equal(first_res, x) and first_res.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_silu_mul_matches_eager(cpp: CppOps, dtype: torch.dtype, n: int) -> None:
+    gate_up = (3 * torch.randn(n, 2 * 40, generator=torch.Generator().manual_seed(n))).to(dtype)
+    torch.testing.assert_close(cpp.silu_mul(gate_up), EagerOps().silu_mul(gate_up), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_qkv_views_matches_eager(cpp: CppOps, dtype: torch.dtype) -> None:
+    from common.config.model_config import RopeScaling
+    from common.model.layers import RotaryEmbedding
+
+    n, heads, kv_heads, d = 7, 6, 2, 16
+    rope = RotaryEmbedding(d, 10000.0, 64, RopeScaling())
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(0)).to(dtype)
+    positions = torch.tensor([0, 3, 9, 1, 40, 63, 2])
+    table = rope.table(qkv.device, dtype, 64)
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t[:, : heads * d].view(n, heads, d), t[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
+
+    want_q, want_k = rope(positions, *views(qkv.clone()))  # the layer's own rotary: the reference
+    got = qkv.clone()
+    cpp.rotary_(*views(got), table, positions)
+    torch.testing.assert_close(views(got)[0], want_q, **TOL[dtype])
+    torch.testing.assert_close(views(got)[1], want_k, **TOL[dtype])
+    assert torch.equal(got[:, (heads + kv_heads) * d :], qkv[:, (heads + kv_heads) * d :])  # v untouched
+    eager = qkv.clone()
+    EagerOps().rotary_(*views(eager), table, positions)
+    torch.testing.assert_close(views(eager)[0], want_q, atol=0, rtol=0)
+
+
+def test_mode_off_and_cuda_use_the_reference_forward() -> None:
+    assert fused_ops_for(torch.device("cpu"), "off") is None
+    assert fused_ops_for(torch.device("cuda"), "on") is None
+    with pytest.raises(ValueError, match="TANDEM_FUSED_OPS"):
+        import os
+
+        os.environ["TANDEM_FUSED_OPS"] = "fast"
+        try:
+            fused_ops_for(torch.device("cpu"))
+        finally:
+            del os.environ["TANDEM_FUSED_OPS"]
+
+
+def _greedy(model: torch.nn.Module, prompt_sets: list[list[int]], n: int) -> dict[str, list[int]]:
+    engine = ColocatedEngine(model, CacheConfig(block_size=4, num_blocks=128),  # type: ignore[arg-type]
+                             SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=16))
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompt_sets):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        out[str(i)] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["eager", "cpp"])
+def test_fused_model_matches_the_reference_forward(tiny_model_factory: Callable[..., Path], mode: str) -> None:
+    model_dir = tiny_model_factory("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    model = load_model(model_dir, dtype="float32")
+    ops = EagerOps() if mode == "eager" else fused_ops_for(torch.device("cpu"), "auto")
+    if ops is None:
+        pytest.skip("no C++ compiler / ninja here")
+    lengths = [5, 1, 17]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (sum(lengths),), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    meta = AttentionMetadata.build(lengths, [0] * len(lengths))
+    with torch.inference_mode():
+        model.fused_ops = None
+        want = model(ids, positions, meta)
+        model.fused_ops = ops
+        got = model(ids, positions, meta)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    prompt_sets = [ids[:5].tolist(), ids[5:6].tolist(), ids[6:].tolist()]
+    model.fused_ops = None
+    reference = _greedy(model, prompt_sets, 12)
+    model.fused_ops = ops
+    assert _greedy(model, prompt_sets, 12) == reference  # greedy output unchanged in fp32
