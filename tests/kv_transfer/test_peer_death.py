@@ -22,13 +22,13 @@ SPEC = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "dty
 DETECT_S = 5.0  # how long the survivor may take to notice (gloo reports a closed peer within ~1 s)
 
 
-def _prompt(seed: int, length: int = 40) -> list[int]:
+def prompt_tokens(seed: int, length: int = 40) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000) for _ in range(length)]
 
 
-def _transfer_ok(decode: Any, prefill: Any, request_id: str, seed: int) -> None:
-    tokens = _prompt(seed)
+def transfer_ok(decode: Any, prefill: Any, request_id: str, seed: int) -> None:
+    tokens = prompt_tokens(seed)
     reservation = decode.call("reserve", request_id=request_id, token_ids=tokens)
     wait = decode.send("wait", request_id=request_id, timeout_s=20)
     pushed = prefill.call("transfer", transfer_id=request_id, token_ids=tokens, blocks_per_push=3,
@@ -45,7 +45,7 @@ def test_prefill_killed_mid_transfer(spawn: Callable[..., list[Any]]) -> None:
         ("prefill", {**SPEC, "node_id": "prefill-fresh"}),
     )
     free_blocks = decode.info["free_blocks"]
-    tokens = _prompt(1)
+    tokens = prompt_tokens(1)
     reservation = decode.call("reserve", request_id="r1", token_ids=tokens)
     wait = decode.send("wait", request_id="r1", timeout_s=30)
     doomed.send("transfer", transfer_id="r1", token_ids=tokens, blocks_per_push=3,
@@ -60,7 +60,7 @@ def test_prefill_killed_mid_transfer(spawn: Callable[..., list[Any]]) -> None:
     assert time.monotonic() - killed_at < DETECT_S
     assert reply["free_blocks"] == free_blocks
 
-    _transfer_ok(decode, fresh, "r2", seed=2)  # a new pair (new epoch) on the same decode node
+    transfer_ok(decode, fresh, "r2", seed=2)  # a new pair (new epoch) on the same decode node
     assert decode.call("state")["free_blocks"] == free_blocks
 
 
@@ -70,7 +70,7 @@ def test_decode_killed_mid_transfer(spawn: Callable[..., list[Any]]) -> None:
         ("prefill", {**SPEC, "node_id": "prefill-0"}),
     )
     free_blocks = prefill.info["free_blocks"]
-    tokens = _prompt(3)
+    tokens = prompt_tokens(3)
     reservation = doomed.call("reserve", request_id="r1", token_ids=tokens)
     doomed.send("wait", request_id="r1", timeout_s=30)
     push = prefill.send("transfer", transfer_id="r1", token_ids=tokens, blocks_per_push=3, timeout_s=30,
@@ -89,7 +89,7 @@ def test_decode_killed_mid_transfer(spawn: Callable[..., list[Any]]) -> None:
     port = int(doomed.info["kv_endpoint"].rsplit(":", 1)[1])
     (restarted,) = spawn(("decode", {**SPEC, "node_id": "decode-restarted", "grpc_port": port}))
     assert restarted.info["kv_endpoint"] == doomed.info["kv_endpoint"]
-    _transfer_ok(restarted, prefill, "r2", seed=4)
+    transfer_ok(restarted, prefill, "r2", seed=4)
     assert prefill.call("state")["free_blocks"] == free_blocks
 
 
@@ -100,7 +100,7 @@ def test_silent_decode_fails_the_transfer_within_the_group_timeout(spawn: Callab
         ("prefill", {**SPEC, "node_id": "prefill-0"}),
     )
     free_blocks = prefill.info["free_blocks"]
-    tokens = _prompt(5, length=160)  # 40 blocks, one per push every 50 ms
+    tokens = prompt_tokens(5, length=160)  # 40 blocks, one per push every 50 ms
     reservation = frozen.call("reserve", request_id="r1", token_ids=tokens)
     frozen.send("wait", request_id="r1", timeout_s=30)
     push = prefill.send("transfer", transfer_id="r1", token_ids=tokens, blocks_per_push=1, push_interval_s=0.05,

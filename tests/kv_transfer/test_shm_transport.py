@@ -8,7 +8,6 @@ the grant fence (a revoke waits out a copy in progress), and real processes dyin
 from __future__ import annotations
 
 import asyncio
-import random
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from kv_transfer import KVReceiver, KVSender, TransferFailed, make_layout
 from kv_transfer.block_grants import BlockGrants
 from kv_transfer.transport import choose_transport
 from tandem.v1 import prefill_pb2
+from tests.kv_transfer.test_peer_death import prompt_tokens, transfer_ok
 
 torch.set_num_threads(1)
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype_name="bfloat16")
@@ -188,23 +188,6 @@ PSPEC = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "dt
 DETECT_S = 5.0
 
 
-def _prompt(seed: int, length: int = 40) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(length)]
-
-
-def _transfer_ok(decode: Any, prefill: Any, request_id: str, seed: int) -> None:
-    tokens = _prompt(seed)
-    reservation = decode.call("reserve", request_id=request_id, token_ids=tokens)
-    wait = decode.send("wait", request_id=request_id, timeout_s=20)
-    pushed = prefill.call("transfer", transfer_id=request_id, token_ids=tokens, blocks_per_push=3,
-                          destination=decode.destination(reservation, request_id))
-    landed = decode.reply(wait)
-    assert "failed" not in pushed and "failed" not in landed, (pushed, landed)
-    assert landed["mismatched_blocks"] == []
-
-
-@pytest.mark.e2e
 def test_prefill_killed_mid_copy_releases_its_grant_lock(spawn: Callable[..., list[Any]]) -> None:
     decode, doomed, fresh = spawn(
         ("decode", {**PSPEC, "node_id": "decode-0"}),
@@ -212,7 +195,7 @@ def test_prefill_killed_mid_copy_releases_its_grant_lock(spawn: Callable[..., li
         ("prefill", {**PSPEC, "node_id": "prefill-fresh"}),
     )
     free_blocks = decode.info["free_blocks"]
-    tokens = _prompt(1)
+    tokens = prompt_tokens(1)
     reservation = decode.call("reserve", request_id="r1", token_ids=tokens)
     wait = decode.send("wait", request_id="r1", timeout_s=30)
     doomed.send("transfer", transfer_id="r1", token_ids=tokens, blocks_per_push=3,
@@ -226,7 +209,7 @@ def test_prefill_killed_mid_copy_releases_its_grant_lock(spawn: Callable[..., li
     assert "connection to prefill node prefill-doomed lost" in reply["failed"], reply
     assert time.monotonic() - killed_at < DETECT_S
     assert reply["free_blocks"] == free_blocks
-    _transfer_ok(decode, fresh, "r2", seed=2)
+    transfer_ok(decode, fresh, "r2", seed=2)
     assert decode.call("state")["transports"] == ["shm"]
 
 
@@ -235,7 +218,7 @@ def test_decode_killed_mid_transfer_and_its_segment_swept(spawn: Callable[..., l
     doomed, prefill = spawn(("decode", {**PSPEC, "node_id": "decode-doomed"}),
                             ("prefill", {**PSPEC, "node_id": "prefill-0"}))
     free_blocks = prefill.info["free_blocks"]
-    tokens = _prompt(3, length=80)  # 20 blocks, one per push every 50 ms
+    tokens = prompt_tokens(3, length=80)  # 20 blocks, one per push every 50 ms
     reservation = doomed.call("reserve", request_id="r1", token_ids=tokens)
     doomed.send("wait", request_id="r1", timeout_s=30)
     push = prefill.send("transfer", transfer_id="r1", token_ids=tokens, blocks_per_push=1, push_interval_s=0.05,
@@ -251,7 +234,7 @@ def test_decode_killed_mid_transfer_and_its_segment_swept(spawn: Callable[..., l
     segment = doomed.info["segment"]
     (restarted,) = spawn(("decode", {**PSPEC, "node_id": "decode-restarted"}))  # sweeps the dead one's segment
     assert not (SHM_DIR / segment).exists()
-    _transfer_ok(restarted, prefill, "r2", seed=4)
+    transfer_ok(restarted, prefill, "r2", seed=4)
 
 
 @pytest.mark.e2e
@@ -260,7 +243,7 @@ def test_silent_decode_fails_the_transfer_within_the_group_timeout(spawn: Callab
     frozen, prefill = spawn(("decode", {**PSPEC, "group_timeout_s": group_timeout_s, "node_id": "decode-frozen"}),
                             ("prefill", {**PSPEC, "node_id": "prefill-0"}))
     free_blocks = prefill.info["free_blocks"]
-    tokens = _prompt(5, length=160)
+    tokens = prompt_tokens(5, length=160)
     reservation = frozen.call("reserve", request_id="r1", token_ids=tokens)
     frozen.send("wait", request_id="r1", timeout_s=30)
     push = prefill.send("transfer", transfer_id="r1", token_ids=tokens, blocks_per_push=1, push_interval_s=0.05,
