@@ -1,10 +1,14 @@
-# syntax=docker/dockerfile:1
 # One image for every Tandem role (gateway, prefill, decode, colocated): the command picks the role.
 #
 #   docker build -t tandem:cpu .                                   CPU torch (the default)
 #   docker build -t tandem:gpu --build-arg TORCH_FLAVOUR=cuda .    CUDA torch (+ triton, its dependency)
 #   docker build -t tandem:cpu --build-arg BASE_IMAGE=my-python:3.11 .   another Debian-based Python 3.11 base
 #                                                                  (a locally made one where no registry is reachable)
+#
+# Offline or behind a TLS-inspecting proxy: put wheels (the CPU torch wheel) and/or a CA bundle named
+# ca-certificates.crt into docker/local/ (git ignores them): pip then finds the wheels there first and
+# trusts that bundle. tests/deploy/test_compose_docker.py does this with the host's own.
+# No `# syntax=` line and no RUN --mount: the file builds with BuildKit, the legacy builder and buildah.
 #
 # The CUDA image carries the CUDA runtime inside torch's wheels; the driver comes from the host through
 # the NVIDIA Container Toolkit (compose.yaml's gpu profile). flash-attn has no wheel for every torch/CUDA
@@ -31,7 +35,8 @@ ARG TORCH_FLAVOUR=cpu
 ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV TANDEM_HOME=/opt/tandem/cache \
     PATH=/opt/tandem/.venv/bin:$PATH \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1
 
 # Dependencies first, from only the files that pin them, so that a code change does not reinstall torch.
 # The one install path is scripts/setup-venv.sh (the same pins as `make test`, CI and every developer).
@@ -40,9 +45,12 @@ COPY --chown=tandem:tandem requirements/ requirements/
 COPY --chown=tandem:tandem scripts/ scripts/
 COPY --chown=tandem:tandem protos/ protos/
 COPY --chown=tandem:tandem tandem/ tandem/
-RUN --mount=type=cache,target=/home/tandem/.cache/pip,uid=10001,gid=10001 \
-    if [ "$TORCH_FLAVOUR" = cpu ]; then export PIP_EXTRA_INDEX_URL="$CPU_TORCH_INDEX"; fi \
-    && TORCH_FLAVOUR="$TORCH_FLAVOUR" bash scripts/setup-venv.sh
+COPY --chown=tandem:tandem docker/local/ docker/local/
+RUN if ls docker/local/*.whl >/dev/null 2>&1; then export PIP_FIND_LINKS="$PWD/docker/local"; fi \
+    && if [ -f docker/local/ca-certificates.crt ]; then export PIP_CERT="$PWD/docker/local/ca-certificates.crt"; fi \
+    && if [ "$TORCH_FLAVOUR" = cpu ] && [ -n "$CPU_TORCH_INDEX" ]; then export PIP_EXTRA_INDEX_URL="$CPU_TORCH_INDEX"; fi \
+    && TORCH_FLAVOUR="$TORCH_FLAVOUR" bash scripts/setup-venv.sh \
+    && rm -f docker/local/*.whl
 
 # The code, installed in place (editable, as setup-venv.sh does); then the bundled SmolLM2 is converted
 # into TANDEM_HOME once, at build time, so that containers start in seconds.

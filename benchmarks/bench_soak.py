@@ -215,11 +215,14 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"Restart: {restart['node']} killed (SIGKILL) at {restart['killed_at_s']:.0f} s, "
                   + (f"serving again at {back:.0f} s." if back is not None else "**not serving again**."), ""]
     lines += ["| process | pid | samples | RSS start (MiB) | RSS end (MiB) | peak (MiB) | growth | "
-              f"flat within {FLAT_WITHIN_PCT:g}% |", "|---|---|---|---|---|---|---|---|"]
+              f"flat within {FLAT_WITHIN_PCT:g}% | own (RssAnon) start -> end | shared KV (RssShmem) start -> end |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for g in result["rss"]:
         lines.append(f"| {g['process']} | {g['pid']} | {g['num_samples']} | {g['start_mib']:.0f} | "
                      f"{g['end_mib']:.0f} | {g['peak_mib']:.0f} | {g['growth_pct']:+.1f}% | "
-                     f"{'yes' if g['flat'] else '**no**'} |")
+                     f"{'yes' if g['flat'] else '**no**'} | {g.get('anon_start_mib', 0):.0f} -> "
+                     f"{g.get('anon_end_mib', 0):.0f} | {g.get('shmem_start_mib', 0):.0f} -> "
+                     f"{g.get('shmem_end_mib', 0):.0f} |")
     lines += ["", "| node | used blocks after the load | requests left |", "|---|---|---|"]
     lines += [f"| {name} | {v['used_blocks']} | {v['requests']} |" for name, v in result["nodes_after"].items()]
     return "\n".join(lines) + "\n"

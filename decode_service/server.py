@@ -39,7 +39,8 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node)
     core = EngineCore(loaded.model, cache, scheduler, speculative=speculative, connector=KVConsumer(),
-                      draft_model=load_draft_model(speculative, model_settings, loaded.model_dir))
+                      draft_model=load_draft_model(speculative, model_settings, loaded.model_dir),
+                      parallel=loaded.parallel)
     engine = AsyncEngine(core, name="decode-engine")
     await prepare_decode_attention(model_settings, engine)
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
@@ -76,6 +77,7 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
             await metrics_server.stop()
 
     running.add_shutdown_hook(shutdown)
+    running.engine = engine
     log.info("decode node %s serving on %s", node_id, running.address)
     return running
 

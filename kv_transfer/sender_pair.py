@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ class SenderPair:
         self.writer = writer  # same host: we copy into the decode node's blocks ourselves
         self.group: PairGroup | LocalPlane = (LocalPlane(epoch_prefix) if writer is not None
                                               else PairGroup(epoch_prefix, self.device, self._broken))
+        self._release_lock = threading.Lock()
+        self._writer_closed = False
         self._copier = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kv-copy-{epoch_prefix}")
                         if writer is not None else None)
         self.transport = SHM if writer is not None else SOCKET
@@ -91,9 +94,18 @@ class SenderPair:
     def join(self, timeout_s: float) -> bool:
         """Wait (blocking) until no data op of this pair runs anymore: the group's threads, the copy thread."""
         done = self.group.join(timeout_s)
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
+        self._release_writer()
         return done
+
+    def _release_writer(self) -> None:
+        """Blocking: wait for the copy thread to end, then unmap the decode node's KV (once)."""
+        if self._copier is None or self.writer is None:
+            return
+        self._copier.shutdown(wait=True)
+        with self._release_lock:
+            if not self._writer_closed:
+                self._writer_closed = True
+                self.writer.close()
 
     def enqueue(self, handle: TransferHandle, item: Chunk | kv_transfer_pb2.TransferComplete) -> None:
         self._outbox.put_nowait((handle, item))
@@ -257,8 +269,10 @@ class SenderPair:
         self.sender.forget(self)
         self.group.close(reason)
         if self._copier is not None:
-            # Queued copies are dropped (their transfers fail); one in progress finishes and reports by itself.
+            # Queued copies are dropped (their transfers fail); one in progress finishes and reports by itself,
+            # then the decode node's KV is unmapped (off the loop: it waits for that copy).
             self._copier.shutdown(wait=False, cancel_futures=True)
+            self.sender.background(asyncio.to_thread(self._release_writer))
         for handle in list(self.handles.values()):
             handle.on_failure(f"connection to decode node {self.receiver_id} lost: {reason}")
         current = asyncio.current_task()

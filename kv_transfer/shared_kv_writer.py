@@ -86,4 +86,10 @@ class SharedKVWriter:
         self._stream.synchronize()  # landed before the grant's lock is released and the chunk announced
 
     def close(self) -> None:
+        """Close the segment and unmap it: call once no copy runs anymore (the pair's copy thread ended).
+
+        The mapping of a decode node's whole KV counts in this process's RSS (RssShmem); a pair that broke
+        (its decode node died and came back with a new segment) must not keep the old one mapped."""
+        self.blocks = self.blocks.new_empty(0)  # our only lasting view of the mapping
         self.segment.close()
+        self.segment.unmap()

@@ -34,7 +34,8 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
     credentials = server_credentials(security, internal=True)  # fails fast on a bad TLS setup, before the model loads
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node)
-    core = EngineCore(loaded.model, cache, scheduler, connector=KVProducer(cache.block_size))
+    core = EngineCore(loaded.model, cache, scheduler, connector=KVProducer(cache.block_size),
+                      parallel=loaded.parallel)
     engine = AsyncEngine(core, name="prefill-engine")
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
     node_id = node.node_id or f"prefill-{node.port}"
@@ -65,6 +66,7 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
             await metrics_server.stop()
 
     running.add_shutdown_hook(shutdown)
+    running.engine = engine
     log.info("prefill node %s serving on %s", node_id, running.address)
     return running
 

@@ -36,11 +36,18 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization-kernel", dest="quantization_kernel",
                    help="auto | tandem_cpu | torch | int_mm | triton | scaled_mm | reference "
                    "[TANDEM_QUANTIZATION_KERNEL, auto]")
+    g.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int,
+                   help="split each layer over T rank processes [TANDEM_TENSOR_PARALLEL_SIZE, 1]")
+    g.add_argument("--pipeline-parallel-size", "-pp", dest="pipeline_parallel_size", type=int,
+                   help="split the layer stack into P stages [TANDEM_PIPELINE_PARALLEL_SIZE, 1]")
+    g.add_argument("--parallel-collective", dest="parallel_collective", choices=["shm", "gloo"],
+                   help="tensor-parallel all-reduce between ranks on one host [TANDEM_PARALLEL_COLLECTIVE, shm]")
 
 
 def _model_settings(args: argparse.Namespace) -> ModelSettings:
     keys = ("model", "dtype", "device", "attention_backend", "home", "num_threads", "quantization",
-            "quantization_group_size", "quantization_kernel")
+            "quantization_group_size", "quantization_kernel", "tensor_parallel_size", "pipeline_parallel_size",
+            "parallel_collective")
     return load_settings(ModelSettings, {k: getattr(args, k, None) for k in keys})
 
 
@@ -103,7 +110,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(settings.model, dtype=settings.dtype, device=settings.device,
               attention_backend=settings.attention_backend, quantization=settings.quantization,
               quantization_group_size=settings.quantization_group_size,
-              quantization_kernel=settings.quantization_kernel, speculative=spec if spec.enabled else None)
+              quantization_kernel=settings.quantization_kernel, speculative=spec if spec.enabled else None,
+              tensor_parallel_size=settings.tensor_parallel_size,
+              pipeline_parallel_size=settings.pipeline_parallel_size,
+              parallel_collective=settings.parallel_collective)
     # n samples: one prompt each, seeds seed + i (as the servers do), sample 0 streamed, the others after.
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                              seed=None if args.seed is None else args.seed + i, max_tokens=args.max_tokens,
@@ -115,14 +125,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     first: float | None = None
     count = 0
     others: list[list[str]] = [[] for _ in range(args.n)]
-    for delta in llm.stream([prompt_ids] * args.n, params):
-        first = first or time.perf_counter()
-        count += len(delta.token_ids)
-        if delta.index:
-            others[delta.index].append(delta.text)
-            continue
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
+    with llm:  # a T x P engine stops its ranks at the end
+        for delta in llm.stream([prompt_ids] * args.n, params):
+            first = first or time.perf_counter()
+            count += len(delta.token_ids)
+            if delta.index:
+                others[delta.index].append(delta.text)
+                continue
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
     end = time.perf_counter()
     for i in range(1, args.n):
         sys.stdout.write(f"\n[sample {i}]\n{''.join(others[i])}")
@@ -131,7 +142,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"[{count} tokens, prompt {len(prompt_ids)} tokens, time to first token "
           f"{((first or end) - start) * 1000:.0f} ms, decode {decode_rate:.1f} tokens/s, "
           f"dtype {llm.model.dtype}, quantization {settings.quantization}, "
-          f"{llm.model.weight_bytes / 1e6:.0f} MB of weights]", file=sys.stderr)
+          f"{getattr(llm.engine.runner, 'weight_bytes', llm.model.weight_bytes) / 1e6:.0f} MB of weights"
+          + (f", tensor parallel {settings.tensor_parallel_size} x pipeline {settings.pipeline_parallel_size}"
+             if settings.parallel else "") + "]", file=sys.stderr)
     return 0
 
 
@@ -343,6 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-base-port", type=int, default=None,
                     help="serve /metrics: the gateway on this port, then each prefill and decode node on the next ones")
     _add_model_flags(up)
+    g = up.add_argument_group("parallel nodes (each node's model over T x P rank processes; --tensor-parallel-size "
+                              "and --pipeline-parallel-size set both roles)")
+    for role in ("prefill", "decode"):
+        g.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None, help=f"T of {role} nodes")
+        g.add_argument(f"--{role}-pipeline-parallel-size", type=int, default=None, help=f"P of {role} nodes")
     _add_speculative_flags(up)
     from tandem_cli.up_command import cmd_up
 

@@ -127,7 +127,8 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node)
     core = ColocatedEngine(loaded.model, cache, scheduler, speculative=speculative,
-                           draft_model=load_draft_model(speculative, model_settings, loaded.model_dir))
+                           draft_model=load_draft_model(speculative, model_settings, loaded.model_dir),
+                           parallel=loaded.parallel)
     engine = AsyncEngine(core, name="colocated-engine")
     await prepare_decode_attention(model_settings, engine)
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
@@ -155,6 +156,7 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
         engine.shutdown()
 
     running.add_shutdown_hook(shutdown)
+    running.engine = engine
     log.info("colocated server %s (%s, %s) on %s", node_id, model.name, dtype, running.address)
     return running
 

@@ -60,7 +60,8 @@ class Topology:
     free_ports: bool = False  # tests: pick free ports instead of the fixed ones
     model_args: tuple[str, ...] = ()  # flags for every process: --model, --home, --dtype...
     node_args: tuple[str, ...] = ()  # extra flags for every prefill/decode node
-    decode_args: tuple[str, ...] = ()  # extra flags for decode nodes only (speculative decoding)
+    decode_args: tuple[str, ...] = ()  # extra flags for decode nodes only (speculative decoding, parallel layout)
+    prefill_args: tuple[str, ...] = ()  # extra flags for prefill nodes only (their parallel layout)
     gateway_args: tuple[str, ...] = ()
     cpus: tuple[int, ...] = field(default_factory=lambda: tuple(sorted(os.sched_getaffinity(0))))
     # Prometheus /metrics: the gateway on metrics_base_port, prefill nodes on the next ports, then decode
@@ -84,7 +85,7 @@ class Topology:
         for k, (role, i) in enumerate(workers):
             base = PREFILL_BASE_PORT if role == "prefill" else DECODE_BASE_PORT
             port = ports[k] if ports else base + i
-            extra = self.decode_args if role == "decode" else ()
+            extra = self.decode_args if role == "decode" else self.prefill_args
             metrics_port = metrics_ports[k + 1] if metrics_ports else None
             metrics = ("--metrics-port", str(metrics_port)) if metrics_port else ()
             specs.append(NodeSpec(f"{role}-{i}", role, port,

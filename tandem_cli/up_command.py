@@ -15,17 +15,28 @@ def _model_args(args: argparse.Namespace) -> tuple[str, ...]:
     """Model flags forwarded from ``tandem up`` to every process."""
     out: list[str] = []
     for name in ("model", "dtype", "attention_backend", "home", "quantization", "quantization_group_size",
-                 "quantization_kernel"):
+                 "quantization_kernel", "parallel_collective"):
         value = getattr(args, name, None)
         if value is not None:
             out += ["--" + name.replace("_", "-"), str(value)]
     return tuple(out)
 
 
+def _parallel_args(args: argparse.Namespace, role: str) -> tuple[str, ...]:
+    """A role's layout: --{role}-tensor/pipeline-parallel-size, else --tensor/pipeline-parallel-size."""
+    out: list[str] = []
+    for kind in ("tensor", "pipeline"):
+        value = getattr(args, f"{role}_{kind}_parallel_size", None) or getattr(args, f"{kind}_parallel_size", None)
+        if value is not None:
+            out += [f"--{kind}-parallel-size", str(value)]
+    return tuple(out)
+
+
 def _decode_args(args: argparse.Namespace) -> tuple[str, ...]:
+    parallel = _parallel_args(args, "decode")
     if args.speculative == "none":
-        return ()
-    return ("--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens),
+        return parallel
+    return (*parallel, "--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens),
             "--draft-layers", str(args.draft_layers), "--draft-model", args.draft_model,
             "--draft-quantization", args.draft_quantization)
 
@@ -41,6 +52,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     topology = Topology(num_prefill=args.prefill_nodes, num_decode=args.decode_nodes, gateway_port=args.port,
                         http_port=args.http_port or None, model_args=_model_args(args), decode_args=_decode_args(args),
+                        prefill_args=_parallel_args(args, "prefill"),
                         metrics_base_port=args.metrics_base_port)
     # Services log to files (the terminal shows only what `tandem up` says, and the demo's text); with
     # --log-dir - they log to this terminal, in the key=value form that reads better there than JSON.

@@ -43,6 +43,10 @@ class ModelSettings:
     quantization: str = "none"
     quantization_group_size: int = 32  # int4: weights per scale/zero group, 32 | 64 | 128
     quantization_kernel: str = "auto"  # auto | tandem_cpu | torch | int_mm | triton | scaled_mm | reference
+    # One node's model over T x P rank processes (common/parallel/): T splits each layer, P the layer stack.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    parallel_collective: str = "shm"  # the tensor-parallel all-reduce on one host: shm | gloo
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -57,6 +61,18 @@ class ModelSettings:
                              f"got {self.quantization_group_size}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        for flag, value in (("--tensor-parallel-size", self.tensor_parallel_size),
+                            ("--pipeline-parallel-size", self.pipeline_parallel_size)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.parallel_collective not in ("shm", "gloo"):
+            raise ValueError(f"--parallel-collective (TANDEM_PARALLEL_COLLECTIVE) must be shm or gloo; "
+                             f"got {self.parallel_collective!r}")
+
+    @property
+    def parallel(self) -> bool:
+        """The model spans several rank processes."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size > 1
 
 
 @dataclass(frozen=True)

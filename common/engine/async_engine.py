@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from common.engine.commands import AbortRequest, EngineCommand
+from common.engine.heap import HeapTrimmer
 from common.engine.request import RequestOutput
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.engine.close()  # a parallel node's ranks stop with it
 
     @property
     def alive(self) -> bool:
@@ -114,11 +117,13 @@ class AsyncEngine:
 
     def _run(self) -> None:
         next_reap = time.monotonic() + _REAP_INTERVAL_S
+        trimmer = HeapTrimmer()  # freed forward temporaries go back to the OS (common/engine/heap.py)
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
+                trimmer.maybe_trim()
                 if time.monotonic() >= next_reap:
                     self._deliver(self.engine.reap())
                     next_reap = time.monotonic() + _REAP_INTERVAL_S

@@ -35,6 +35,7 @@ from common.kv.kv_cache_manager import KVCacheManager
 if TYPE_CHECKING:
     from common.engine.commands import KVEventSink
     from common.model.llama import LlamaForCausalLM
+    from common.parallel.executor import ParallelLaunch
     from common.sampling.params import SamplingParams
 
 R = TypeVar("R")
@@ -46,7 +47,9 @@ class EngineCore:
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig | None = None,
                  scheduler: SchedulerConfig | None = None, speculative: SpeculativeConfig | None = None,
-                 connector: KVConnector | None = None, draft_model: LlamaForCausalLM | None = None) -> None:
+                 connector: KVConnector | None = None, draft_model: LlamaForCausalLM | None = None,
+                 parallel: ParallelLaunch | None = None) -> None:
+        """``parallel``: the model runs in T x P rank processes (``model`` is then its weightless skeleton)."""
         cache = cache or CacheConfig()
         scheduler = scheduler or SchedulerConfig()
         # The KV dtype is the activations', whatever the weights are packed in; a draft model's KV shares the
@@ -63,7 +66,13 @@ class EngineCore:
         self.connector = connector or KVConnector()
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, self.connector, speculative)
-        self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative, draft_model)
+        if parallel is not None:
+            from common.parallel.executor import ParallelModelRunner
+
+            self.runner: ModelRunner = ParallelModelRunner(parallel, model, cache.block_size, num_blocks,
+                                                           scheduler.max_num_seqs, speculative)
+        else:
+            self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative, draft_model)
         self._kv_event_sink: KVEventSink | None = None  # set by SetKVEventSink while someone subscribes
 
     # ---- commands --------------------------------------------------------------------------------
@@ -192,6 +201,10 @@ class EngineCore:
             self.abort(rid)
             outputs.append(RequestOutput(rid, [], True, FinishReason.ABORT))
         return outputs
+
+    def close(self) -> None:
+        """Stop what the engine started (a parallel node's rank processes)."""
+        self.runner.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -56,19 +56,43 @@ class LLM:
                  device: str | None = None, attention_backend: str | None = None,
                  quantization: str | None = None, quantization_group_size: int | None = None,
                  quantization_kernel: str | None = None, cache: CacheConfig | None = None,
-                 scheduler: SchedulerConfig | None = None, speculative: SpeculativeConfig | None = None) -> None:
+                 scheduler: SchedulerConfig | None = None, speculative: SpeculativeConfig | None = None,
+                 tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
+                 parallel_collective: str | None = None) -> None:
+        """``tensor_parallel_size`` / ``pipeline_parallel_size``: run the model in T x P rank processes
+        (common/parallel/); ``close()`` (or the end of a ``with`` block) stops them."""
         self.settings = load_settings(ModelSettings, {
             "model": None if model is None else str(model), "dtype": dtype, "device": device,
             "attention_backend": attention_backend, "quantization": quantization,
-            "quantization_group_size": quantization_group_size, "quantization_kernel": quantization_kernel})
+            "quantization_group_size": quantization_group_size, "quantization_kernel": quantization_kernel,
+            "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+            "parallel_collective": parallel_collective})
         model_dir = resolve_model(self.settings.model, self.settings.home, progress=True)
         self.tokenizer = Tokenizer(model_dir)
         s = self.settings
-        self.model = load_model(model_dir, s.dtype, s.device, s.attention_backend, s.quantization,
-                                s.quantization_group_size, s.quantization_kernel)
+        parallel = None
+        if s.parallel:
+            from common.engine.node_setup import parallel_launch
+            from common.model.loader import load_skeleton
+
+            self.model = load_skeleton(model_dir, s.dtype)
+            parallel = parallel_launch(s, model_dir, self.model.dtype)
+        else:
+            self.model = load_model(model_dir, s.dtype, s.device, s.attention_backend, s.quantization,
+                                    s.quantization_group_size, s.quantization_kernel)
         self.engine = ColocatedEngine(self.model, cache, scheduler, speculative,
-                                      draft_model=load_draft_model(speculative, s, model_dir))
+                                      draft_model=load_draft_model(speculative, s, model_dir), parallel=parallel)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's rank processes, if any (idempotent)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         if isinstance(prompt, list):

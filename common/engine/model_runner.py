@@ -62,6 +62,9 @@ class ModelRunner:
         self.draft_seconds = 0.0  # time spent proposing (speculative decoding)
         self.forward_seconds = 0.0  # time in the target's forward + sampling / verification
 
+    def close(self) -> None:
+        """Nothing to stop in one process (a parallel runner stops its ranks)."""
+
     def forget(self, request_id: str) -> None:
         """Drop per-request sampling state (seeded generator) of a request that ended."""
         if self.draft is not None:

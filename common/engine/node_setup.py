@@ -10,30 +10,56 @@ from typing import TYPE_CHECKING
 from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from common.config.settings import ModelSettings, NodeSettings
     from common.engine.async_engine import AsyncEngine
     from common.model.llama import LlamaForCausalLM
+    from common.parallel.executor import ParallelLaunch
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM  # a weightless skeleton when ``parallel`` is set: the ranks hold the weights
     model_dir: Path
     name: str
+    parallel: ParallelLaunch | None = None
+
+
+def parallel_launch(settings: ModelSettings, model_dir: Path, dtype: torch.dtype) -> ParallelLaunch:
+    """What the ranks of a T x P node load; the layout is checked against the model here, at start-up."""
+    from common.config.model_config import ModelConfig
+    from common.parallel.executor import ParallelLaunch
+    from common.parallel.layout import ParallelLayout
+
+    if settings.device != "cpu":
+        raise ValueError(f"--tensor-parallel-size / --pipeline-parallel-size > 1 runs on CPU ranks so far; "
+                         f"--device {settings.device} is not supported with them yet")
+    ParallelLayout(settings.tensor_parallel_size, settings.pipeline_parallel_size).validate(
+        ModelConfig.from_pretrained(model_dir))
+    return ParallelLaunch(model_dir, str(dtype).removeprefix("torch."), settings.tensor_parallel_size,
+                          settings.pipeline_parallel_size, settings.attention_backend, settings.quantization,
+                          settings.quantization_group_size, settings.quantization_kernel,
+                          settings.parallel_collective)
 
 
 def load_node_model(settings: ModelSettings) -> LoadedModel:
-    """Set torch's thread count (one per pinned core), resolve and load the model."""
+    """Set torch's thread count (one per pinned core), resolve and load the model (a T x P node: its
+    skeleton; the ranks load their shards when the engine starts them)."""
     import torch
 
-    from common.model.loader import load_model
+    from common.model.loader import load_model, load_skeleton
     from common.model.model_store import resolve_model
 
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     model_dir = resolve_model(settings.model, settings.home, progress=False)
+    if settings.parallel:
+        skeleton = load_skeleton(model_dir, settings.dtype)
+        launch = parallel_launch(settings, model_dir, skeleton.dtype)
+        return LoadedModel(skeleton, model_dir, model_dir.name, launch)
     model = load_model(model_dir, settings.dtype, settings.device, settings.attention_backend,
                        settings.quantization, settings.quantization_group_size, settings.quantization_kernel)
     log.info("loaded %s (%s, %s, quantization %s, %.0f MB of weights, %d threads)", model_dir.name, model.dtype,

@@ -145,6 +145,12 @@ class SharedSegment:
     def unlock_slots(self, start: int, count: int) -> None:
         unlock(self.fd, self.table_offset + start * 8, count * 8)
 
+    def unmap(self) -> None:
+        """Unmap the segment now instead of when its last tensor is freed. Every tensor viewing it (``table``,
+        ``data`` and their views) must be dead or never used again: they would point at unmapped memory."""
+        with contextlib.suppress(BufferError, ValueError):
+            self._map.close()
+
     def unlink(self) -> None:
         """Remove the segment's name (owner only; idempotent). Mappings, ours and the peers', stay valid."""
         if self.owner and not self._unlinked:

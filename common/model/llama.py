@@ -8,7 +8,7 @@ chosen ``AttentionBackend``, the only place that knows about the paged KV cache.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
@@ -19,8 +19,14 @@ if TYPE_CHECKING:
     from common.attention.backend import AttentionBackend
     from common.attention.metadata import AttentionMetadata
     from common.config.model_config import ModelConfig
-    from common.kv.kv_cache import KVCache
     from common.model.fused_ops import FusedOps
+
+
+class LayerKV(Protocol):
+    """What attention reads the paged cache through: a node's ``KVCache``, or one parallel rank's part of it
+    (``common.parallel.tp_model.KVCacheShard``: its KV heads, as strided views)."""
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class LlamaAttention(nn.Module):
@@ -41,7 +47,7 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv_cache: LayerKV | None
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -54,7 +60,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-                      kv_cache: KVCache | None, ops: FusedOps) -> torch.Tensor:
+                      kv_cache: LayerKV | None, ops: FusedOps) -> torch.Tensor:
         """``forward`` with rotary applied in place on the qkv projection's output (no split copies)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
@@ -76,13 +82,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv_cache: LayerKV | None
     ) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                      meta: AttentionMetadata, kv_cache: KVCache | None,
+                      meta: AttentionMetadata, kv_cache: LayerKV | None,
                       ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer with the residual stream carried beside the output: (x, residual) ->
         (this layer's MLP output, the stream before it), so each add rides in the next norm's pass."""
@@ -128,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: KVCache | None = None,
+        kv_cache: LayerKV | None = None,
         num_layers: int | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden].

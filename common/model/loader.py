@@ -109,10 +109,24 @@ def load_model(
         _quantize(model, model_dir, quant, quantization_kernel)
     model.eval()
     model.requires_grad_(False)
+    from common.model.row_buckets import bucket_linears, wanted
+
+    if wanted(torch.device(device), torch_dtype):  # bounded oneDNN shapes: no per-shape memory growth
+        bucket_linears(model)
     from common.model.fused_ops import fused_ops_for
 
     model.fused_ops = fused_ops_for(torch.device(device))  # TANDEM_FUSED_OPS=auto|on|off
     return model
+
+
+def load_skeleton(model_dir: str | Path, dtype: str | torch.dtype = "auto") -> LlamaForCausalLM:
+    """The model without weights (on the meta device): its config and activation dtype, for a node whose
+    ranks hold the weights (common/parallel/executor.py)."""
+    config = ModelConfig.from_pretrained(Path(model_dir))
+    torch_dtype = resolve_dtype(dtype, "cpu", config) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, get_backend("torch"))
+    return model.to(torch_dtype).eval().requires_grad_(False)
 
 
 def _quantize(model: LlamaForCausalLM, model_dir: Path, quant: QuantConfig, kernel: str) -> None:

@@ -10,15 +10,31 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_soak import Restart, SoakRequest, markdown, summarize
-from benchmarks.rss import RssSample, RssSampler, parse_vmrss_kib, read_rss_kib, rss_growth
+from benchmarks.rss import RssReading, RssSample, RssSampler, parse_rss, parse_vmrss_kib, read_rss_kib, rss_growth
 from tandem_cli.cli import main
 
-STATUS = "Name:\tpython\nState:\tS (sleeping)\nVmPeak:\t  900000 kB\nVmRSS:\t  123456 kB\nThreads:\t4\n"
+STATUS = ("Name:\tpython\nState:\tS (sleeping)\nVmPeak:\t  900000 kB\nVmRSS:\t  123456 kB\n"
+          "RssAnon:\t  100000 kB\nRssFile:\t   3456 kB\nRssShmem:\t  20000 kB\nThreads:\t4\n")
 
 
 def test_parse_vmrss() -> None:
     assert parse_vmrss_kib(STATUS) == 123456
     assert parse_vmrss_kib("Name:\tzombie\nState:\tZ (zombie)\n") is None
+    assert parse_rss(STATUS) == RssReading(123456, 100000, 20000)
+    assert parse_rss("VmRSS:\t 10 kB\n") == RssReading(10, 0, 0)  # an old kernel without the parts
+
+
+def test_shared_memory_shows_in_rssshmem() -> None:
+    import mmap
+
+    from benchmarks.rss import read_rss
+
+    before = read_rss(os.getpid())
+    with mmap.mmap(-1, 64 * 2**20, flags=mmap.MAP_SHARED) as shared:
+        shared.write(b"x" * (64 * 2**20))  # touch every page
+        during = read_rss(os.getpid())
+    assert before is not None and during is not None
+    assert during.shmem_kib - before.shmem_kib >= 60 * 1024
 
 
 def test_read_rss_of_this_process_and_of_a_gone_one(tmp_path: Path) -> None:
@@ -31,7 +47,7 @@ def test_read_rss_of_this_process_and_of_a_gone_one(tmp_path: Path) -> None:
 
 def test_sampler_follows_a_restarted_process_and_skips_gone_ones() -> None:
     pids = {"gateway": 10, "decode-0": 20}
-    rss = {10: 1000, 20: 2000, 21: 500}
+    rss = {pid: RssReading(kib, kib // 2, 0) for pid, kib in {10: 1000, 20: 2000, 21: 500}.items()}
     sampler = RssSampler(lambda: dict(pids), interval_s=60.0, read=rss.get)
     sampler.sample_once()
     pids["decode-0"] = 21  # restarted

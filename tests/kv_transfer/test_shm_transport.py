@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -232,6 +233,13 @@ def test_decode_killed_mid_transfer_and_its_segment_swept(spawn: Callable[..., l
     assert reply["free_blocks"] == free_blocks
 
     segment = doomed.info["segment"]
+    # The broken pair unmaps the dead node's KV: a restarted decode node must not leave a copy of its whole
+    # cache resident in every prefill process (RssShmem grew by one KV cache per restart).
+    maps = Path(f"/proc/{prefill.proc.pid}/maps")
+    deadline = time.monotonic() + 10
+    while segment in maps.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert segment not in maps.read_text()
     (restarted,) = spawn(("decode", {**PSPEC, "node_id": "decode-restarted"}))  # sweeps the dead one's segment
     assert not (SHM_DIR / segment).exists()
     transfer_ok(restarted, prefill, "r2", seed=4)

@@ -1,0 +1,236 @@
+"""One rank's shard of a Llama-family model under tensor (T) and pipeline (P) parallelism, and how it runs.
+
+``shard_model`` turns a fully loaded float model into rank ``placement.rank``'s shard in place:
+
+- its stage's layers only (``model.layers`` holds ``[l0, l1)``; each attention keeps its global
+  ``layer_idx``, which is what indexes the KV cache), the others freed;
+- with T > 1, in each layer: this rank's query heads, KV heads and MLP columns (column-parallel
+  ``qkv_proj`` and ``gate_up_proj``), and row-parallel ``o_proj`` and ``down_proj`` that all-reduce over
+  ``tp_comm`` (``common/parallel/tp_layers.py``). The attention's head counts become this rank's, so
+  ``LlamaAttention`` (reference and fused paths alike) runs unchanged on its heads;
+- the embedding on the first stage only (vocab-parallel with T > 1), the LM head on the last stage only
+  (this rank's vocabulary rows; tied to the embedding's rows when the model ties them and one stage holds
+  both). A stage without them holds empty (0-row) modules. The final norm stays on every stage: it is one
+  vector, and ``model.dtype`` reads it.
+
+``stage_forward`` runs a stage; ``shard_logits`` gives this rank's logit columns and ``gather_logits`` the
+full vocabulary. Vocabulary padding: rank r holds real ids ``placement.vocab``; the padded columns exist only
+inside ``gather_logits`` (filled with -inf, and cut off before it returns), so no padded id can be sampled.
+
+``quantize_shard`` quantizes a shard with the existing ``quantize_model`` (from the shard's float weights:
+per-output-channel int8 of a column-parallel slice is exactly the slice of the unsharded quantization; a
+row-parallel layer's scales are computed over this rank's columns only, so its rounding differs slightly).
+Call it instead of ``quantize_model``: the row-parallel reduce wraps the matmul that gets packed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from common.parallel.tp_layers import RowParallelLinear, VocabParallelEmbedding, column_parallel, new_linear
+
+if TYPE_CHECKING:
+    from common.attention.metadata import AttentionMetadata
+    from common.config.model_config import ModelConfig
+    from common.kv.kv_cache import KVCache
+    from common.model.layers import SwiGLUMLP
+    from common.model.llama import LayerKV, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+    from common.parallel.comm import Communicator
+    from common.parallel.layout import RankPlacement
+    from common.quant.config import QuantConfig
+
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+class KVCacheShard:
+    """The part of the node's whole KV cache one rank reads and writes: its KV heads, its stage's layers.
+
+    ``layer(i)`` returns strided views ``[num_blocks, block_size, head_stop - head_start, head_dim]`` of
+    ``cache.data`` (``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``); the attention
+    backends take any block, token and head stride with a unit stride over head_dim, so nothing is copied.
+    Ranks that share a replicated KV head write bit-identical values (the same hidden states through the same
+    weight rows) into the same slots; the race is benign and the result deterministic.
+    """
+
+    def __init__(self, cache: KVCache, head_start: int, head_stop: int, layers: tuple[int, int] | None = None) -> None:
+        assert 0 <= head_start < head_stop <= cache.spec.num_kv_heads
+        self.cache = cache  # views are taken per call: ``KVCache.share_memory`` may rebind ``cache.data``
+        self.head_start, self.head_stop = head_start, head_stop
+        self.layers = layers if layers is not None else (0, cache.spec.num_layers)
+
+    @classmethod
+    def for_rank(cls, cache: KVCache, placement: RankPlacement) -> KVCacheShard:
+        return cls(cache, *placement.kv_heads, layers=placement.layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.head_stop - self.head_start
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) of this rank's heads in ``layer_idx`` (a global layer index)."""
+        assert self.layers[0] <= layer_idx < self.layers[1], f"layer {layer_idx} is not in stage {self.layers}"
+        kv = self.cache.data[:, layer_idx, :, :, self.head_start : self.head_stop]
+        return kv[:, 0], kv[:, 1]
+
+
+def shard_model(model: LlamaForCausalLM, placement: RankPlacement, tp_comm: Communicator) -> LlamaForCausalLM:
+    """Keep only what ``placement`` holds of a fully loaded float ``model`` (in place); returns ``model``."""
+    config = model.config
+    assert tp_comm.world_size == placement.tp_size and tp_comm.rank == placement.tp_rank, "tp_comm is not this group"
+    assert len(model.layers) == config.num_layers, "shard_model takes the whole model, once"
+    l0, l1 = placement.layers
+    layers = list(model.layers)[l0:l1]
+    if placement.tp_size > 1:
+        for layer in layers:
+            _shard_layer(layer, config, placement, tp_comm)
+    model.layers = nn.ModuleList(layers)
+    _shard_vocab(model, placement, tp_comm)
+    return model
+
+
+def _shard_layer(layer: nn.Module, config: ModelConfig, placement: RankPlacement, comm: Communicator) -> None:
+    d, q, kv, inter = config.head_dim, config.q_size, config.kv_size, config.intermediate_size
+    (q0, q1), (k0, k1), (i0, i1) = placement.q_heads, placement.kv_heads, placement.intermediate
+    for name in ("self_attn.qkv_proj", *ROW_PARALLEL, "mlp.gate_up_proj"):
+        if not isinstance(layer.get_submodule(name), nn.Linear):
+            raise TypeError(f"shard_model needs float weights ({name} is packed): quantize the shard after "
+                            f"sharding (quantize_shard)")
+    attn = cast("LlamaAttention", layer.get_submodule("self_attn"))
+    mlp = cast("SwiGLUMLP", layer.get_submodule("mlp"))
+    # qkv rows: this rank's q heads, then its k heads, then its v heads (the fused matrix's order).
+    qkv_rows = [(q0 * d, q1 * d), (q + k0 * d, q + k1 * d), (q + kv + k0 * d, q + kv + k1 * d)]
+    layer.set_submodule("self_attn.qkv_proj", column_parallel(attn.qkv_proj, qkv_rows))
+    layer.set_submodule("self_attn.o_proj", RowParallelLinear.from_linear(attn.o_proj, (q0 * d, q1 * d), comm))
+    attn.num_heads, attn.num_kv_heads = q1 - q0, k1 - k0
+    attn.q_size, attn.kv_size = (q1 - q0) * d, (k1 - k0) * d
+    # gate_up rows: this rank's gate columns, then the same up columns, so silu_mul pairs them locally.
+    layer.set_submodule("mlp.gate_up_proj", column_parallel(mlp.gate_up_proj, [(i0, i1), (inter + i0, inter + i1)]))
+    layer.set_submodule("mlp.down_proj", RowParallelLinear.from_linear(mlp.down_proj, (i0, i1), comm))
+    mlp.intermediate_size = i1 - i0
+
+
+def _shard_vocab(model: LlamaForCausalLM, placement: RankPlacement, comm: Communicator) -> None:
+    hidden = model.config.hidden_size
+    like = model.norm.weight
+    embed, head = model.embed_tokens, model.lm_head  # head None: tied to the embedding
+    if placement.tp_size == 1:
+        if placement.is_last_stage and head is None and not placement.is_first_stage:
+            assert isinstance(embed, nn.Embedding)
+            model.lm_head = new_linear(embed.weight, None)  # the tied matrix, held by the head alone
+        elif not placement.is_last_stage:
+            model.lm_head = new_linear(like.new_empty(0, hidden), None)
+        if not placement.is_first_stage:
+            model.embed_tokens = _no_embedding(like, hidden)
+        return
+    if not isinstance(embed, nn.Embedding) or not isinstance(head, nn.Linear | None):
+        raise TypeError("shard_model needs a float embedding and LM head: quantize the shard after sharding")
+    v0, v1 = placement.vocab
+    rows = embed.weight.detach()[v0:v1].clone()
+    if placement.is_first_stage:
+        model.embed_tokens = VocabParallelEmbedding(rows, v0, comm)
+    else:
+        model.embed_tokens = _no_embedding(like, hidden)
+    if not placement.is_last_stage:
+        model.lm_head = new_linear(like.new_empty(0, hidden), None)
+    elif head is None:  # tied: one stage holding both shares one parameter
+        model.lm_head = new_linear(model.embed_tokens.weight if placement.is_first_stage else rows, None)
+    else:
+        model.lm_head = new_linear(head.weight.detach()[v0:v1].clone(), None)
+
+
+def _no_embedding(like: torch.Tensor, hidden: int) -> nn.Embedding:
+    # A stage past the first holds no token table: a 0-row one (any lookup fails) costs nothing.
+    return nn.Embedding(0, hidden, _weight=like.new_empty(0, hidden), _freeze=True)
+
+
+def _stage_ends(model: LlamaForCausalLM) -> tuple[bool, bool]:
+    """(holds the first layer, holds the last layer): whether this stage embeds, and whether it norms."""
+    layers = cast("list[LlamaDecoderLayer]", list(model.layers))
+    return layers[0].self_attn.layer_idx == 0, layers[-1].self_attn.layer_idx == model.config.num_layers - 1
+
+
+def stage_forward(model: LlamaForCausalLM, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  kv_cache: LayerKV | None, residual: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run this rank's stage over a ragged batch.
+
+    inputs: token ids [num_tokens] on the first stage, else the previous stage's hidden [num_tokens, hidden];
+    residual: what the previous stage returned beside it (None on the first stage and on the reference path).
+    Returns (hidden, residual): on the last stage the final-normed hidden [num_tokens, hidden] and None;
+    elsewhere what the next stage takes — on the fused path (``model.fused_ops``) the last layer's MLP output
+    and the residual stream (which the fused ops update in place: pass a tensor the stage may own), on the
+    reference path the hidden state and None. Every rank of a stage returns the same tensors.
+    """
+    first, last = _stage_ends(model)
+    if first:
+        assert not inputs.is_floating_point(), "the first stage takes token ids"
+        x = model.embed_tokens(inputs)
+    else:
+        x = inputs
+    ops = model.fused_ops
+    if ops is not None:
+        for fused_layer in cast("list[LlamaDecoderLayer]", model.layers):
+            x, residual = fused_layer.forward_fused(positions, x, residual, meta, kv_cache, ops)
+        if last:
+            return ops.add_rms_norm(x, residual, model.norm.weight, model.norm.eps)[0], None
+        return x, residual
+    assert residual is None, "the reference forward carries no residual"
+    for layer in model.layers:
+        x = layer(positions, x, meta, kv_cache)
+    return (model.norm(x), None) if last else (x, None)
+
+
+def shard_logits(model: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [n, hidden] -> this rank's logit columns [n, v1 - v0] fp32 (``placement.vocab``); last stage only."""
+    if not _stage_ends(model)[1]:
+        raise ValueError("only the last pipeline stage holds the LM head")
+    return model.compute_logits(hidden)
+
+
+def gather_logits(model: LlamaForCausalLM, hidden: torch.Tensor, tp_comm: Communicator) -> torch.Tensor:
+    """The full vocabulary's logits [n, vocab_size] fp32 on every rank of the last stage (a TP all-gather)."""
+    part = shard_logits(model, hidden)
+    t = tp_comm.world_size
+    if t == 1:
+        return part
+    vocab = model.config.vocab_size
+    width = -(-vocab // t)  # placement.padded_vocab_per_rank: all_gather takes equal shapes
+    if part.shape[1] < width:  # the padded ids' columns: -inf, and cut off below
+        part = nn.functional.pad(part, (0, width - part.shape[1]), value=float("-inf"))
+    return tp_comm.all_gather(part.contiguous(), dim=-1)[:, :vocab]
+
+
+def quantize_shard(model: LlamaForCausalLM, quant: QuantConfig, kernel: str = "auto") -> None:
+    """``quantize_model`` for a shard (from its float weights; GGUF blocks as published do not apply).
+
+    Raises ``QuantizationError`` when a rank's slice does not fit the packed format (e.g. o_proj's
+    ``num_heads * head_dim / T`` input columns not a multiple of 32).
+    """
+    from common.quant.config import QuantizationError
+    from common.quant.quantizer import check_quantization, quantize_model
+
+    if not quant.enabled:
+        return
+    first = cast("LlamaDecoderLayer", model.layers[0])
+    attn, mlp = first.self_attn, first.mlp
+    per_rank = dataclasses.replace(model.config, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                                   intermediate_size=mlp.intermediate_size)
+    try:
+        check_quantization(quant, per_rank, model.norm.weight.device)
+    except QuantizationError as exc:
+        raise QuantizationError(f"{exc} (one tensor-parallel rank's slice)") from exc
+    # The quantizer swaps ``nn.Linear`` modules: show it the row-parallel matmuls, then wrap the packed ones.
+    rows = [(layer, name, layer.get_submodule(name)) for layer in model.layers for name in ROW_PARALLEL]
+    wrapped = [(layer, name, row) for layer, name, row in rows if isinstance(row, RowParallelLinear)]
+    for layer, name, row in wrapped:
+        layer.set_submodule(name, row.linear)
+    try:
+        quantize_model(model, quant, None, kernel)
+    finally:
+        for layer, name, row in wrapped:
+            row.linear = layer.get_submodule(name)
+            layer.set_submodule(name, row)

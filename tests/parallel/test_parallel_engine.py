@@ -1,0 +1,193 @@
+"""Nodes whose model spans T x P rank processes (common/parallel/executor.py, worker.py): real processes,
+real shared memory, gloo; greedy fp32 outputs equal to one rank's, a dead rank fails the node, bad layouts
+fail at start-up, and KV moves between disaggregated nodes of different layouts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.engine.llm import LLM
+from common.parallel.executor import ParallelModelRunner, RankFailed, rank_cpus
+from common.parallel.worker import micro_batches
+from common.sampling.params import SamplingParams
+from tandem_cli.launcher import Launcher, Topology
+from tests.conftest import make_tiny_model
+from tests.e2e.test_disaggregated import generate, request, wait_all_blocks_free
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY_16 = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(20, 49000, (int(k),), generator=g).tolist() for k in torch.randint(3, 40, (n,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def three_kv_heads_dir(tmp_path_factory: pytest.TempPathFactory, tiny_served_model_dir: Path) -> Path:
+    """Like the tiny served model, with 6 heads over 3 KV heads (T = 3, as the bundled model) and 4 layers."""
+    directory = tmp_path_factory.mktemp("tiny-kv3")
+    make_tiny_model(directory, "llama", seed=5, vocab_size=49152, hidden_size=96, intermediate_size=192,
+                    num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=1024,
+                    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_served_model_dir / name).exists():
+            shutil.copy(tiny_served_model_dir / name, directory / name)
+    return directory
+
+
+def outputs(model_dir: Path, batch: list[list[int]], params: SamplingParams = GREEDY,
+            **layout: object) -> list[list[int]]:
+    with LLM(model_dir, dtype="float32", **layout) as llm:  # type: ignore[arg-type]
+        return [c.token_ids for c in llm.generate(batch, params)]
+
+
+@pytest.fixture(scope="module")
+def single_rank(three_kv_heads_dir: Path) -> list[list[int]]:
+    return outputs(three_kv_heads_dir, prompts(5))
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2},
+                                    {"tensor_parallel_size": 3, "pipeline_parallel_size": 2},
+                                    {"tensor_parallel_size": 3, "parallel_collective": "gloo"},
+                                    {"tensor_parallel_size": 6}],  # 6 > 3 KV heads: replicated
+                         ids=["T3", "P2", "T3xP2", "T3-gloo", "T6"])
+def test_greedy_outputs_equal_one_rank(three_kv_heads_dir: Path, single_rank: list[list[int]],
+                                       layout: dict[str, object]) -> None:
+    assert outputs(three_kv_heads_dir, prompts(5), **layout) == single_rank
+
+
+def test_a_long_prompt_in_chunks_with_micro_batches(three_kv_heads_dir: Path) -> None:
+    """A prompt prefilled in several chunks beside decodes (mixed steps) through 2 stages x 2 micro-batches."""
+    from common.config.engine_config import SchedulerConfig
+
+    batch = prompts(3, seed=2) + [list(range(100, 400))]
+
+    def run(**layout: object) -> list[list[int]]:
+        with LLM(three_kv_heads_dir, dtype="float32", scheduler=SchedulerConfig(max_prefill_chunk=64),
+                 **layout) as llm:  # type: ignore[arg-type]
+            return [c.token_ids for c in llm.generate(batch, GREEDY)]
+
+    assert run(pipeline_parallel_size=2, tensor_parallel_size=3) == run()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 3}, {"pipeline_parallel_size": 2}], ids=["T3", "P2"])
+def test_bundled_model_layouts_equal_one_rank(smollm2_dir: Path, layout: dict[str, object]) -> None:
+    with LLM(smollm2_dir, dtype="float32") as llm:
+        batch = [llm.encode("The capital of France is"), llm.encode("def fibonacci(n):")]
+        expected = [c.token_ids for c in llm.generate(batch, GREEDY_16)]
+    assert outputs(smollm2_dir, batch, GREEDY_16, **layout) == expected
+
+
+def test_quantized_shards_run(three_kv_heads_dir: Path, single_rank: list[list[int]]) -> None:
+    got = outputs(three_kv_heads_dir, prompts(5), tensor_parallel_size=3, quantization="int8")
+    agree = sum(a == b for g, s in zip(got, single_rank, strict=True) for a, b in zip(g, s, strict=True))
+    assert agree >= 0.8 * sum(len(s) for s in single_rank)  # int8 of a random model: most tokens agree
+
+
+def test_a_dead_rank_fails_the_node_with_its_name(three_kv_heads_dir: Path) -> None:
+    llm = LLM(three_kv_heads_dir, dtype="float32", tensor_parallel_size=3)
+    try:
+        runner = llm.engine.runner
+        assert isinstance(runner, ParallelModelRunner)
+        assert llm.generate([prompts(1)[0]], GREEDY)[0].token_ids
+        os.kill(runner.pids[1], signal.SIGKILL)
+        with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) .*killed by signal 9"):
+            llm.generate([prompts(1, seed=3)[0]], GREEDY)
+    finally:
+        llm.close()
+    assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in runner.pids)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return " Z " in Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    ({"tensor_parallel_size": 4}, "--tensor-parallel-size 4"),
+    ({"pipeline_parallel_size": 5}, "--pipeline-parallel-size 5"),
+    ({"tensor_parallel_size": 0}, "--tensor-parallel-size must be >= 1"),
+])
+def test_bad_layouts_fail_at_start_naming_the_flag(three_kv_heads_dir: Path, layout: dict[str, object],
+                                                    message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(three_kv_heads_dir, dtype="float32", **layout)  # type: ignore[arg-type]
+
+
+def test_speculative_decoding_is_refused_with_ranks(three_kv_heads_dir: Path) -> None:
+    from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
+
+    with pytest.raises(ValueError, match="--speculative is not supported"):
+        LLM(three_kv_heads_dir, dtype="float32", tensor_parallel_size=3,
+            speculative=SpeculativeConfig(method=SpeculativeMethod.NGRAM))
+
+
+def test_micro_batches_and_core_placement() -> None:
+    assert micro_batches([5, 5, 5, 5], 2) == [(0, 2), (2, 4)]
+    assert micro_batches([100, 1, 1, 1], 2) == [(0, 1), (1, 4)]
+    assert micro_batches([3], 4) == [(0, 1)]
+    assert micro_batches([1, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]
+    for lens in ([7, 1, 9, 2, 2], [1] * 9, [50, 50]):
+        for k in (1, 2, 3, 4):
+            groups = micro_batches(lens, k)
+            assert groups[0][0] == 0 and groups[-1][1] == len(lens) and len(groups) <= k
+            assert all(a < b for a, b in groups) and all(groups[i][1] == groups[i + 1][0]
+                                                         for i in range(len(groups) - 1))
+    assert rank_cpus([0, 1, 2, 3], 2) == ([[0, 1], [2, 3]], False)
+    assert rank_cpus([0, 1], 3) == ([[0], [1], [0]], True)  # more ranks than cores: round-robin, shared
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(three_kv_heads_dir: Path) -> list[list[int]]:
+    return outputs(three_kv_heads_dir, prompts(4, seed=7))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("prefill_layout", "decode_layout"), [((), ("--tensor-parallel-size", "3")),
+                                                             (("--tensor-parallel-size", "3"), ()),
+                                                             (("--pipeline-parallel-size", "2"),
+                                                              ("--tensor-parallel-size", "3"))],
+                         ids=["T1-to-T3", "T3-to-T1", "P2-to-T3"])
+def test_kv_moves_between_nodes_of_different_layouts(three_kv_heads_dir: Path, tmp_path: Path,
+                                                     reference_tokens: list[list[int]],
+                                                     prefill_layout: tuple[str, ...],
+                                                     decode_layout: tuple[str, ...]) -> None:
+    """Each decode rank finds exactly its KV heads in the blocks the transfer filled, whatever the layouts."""
+    topology = Topology(num_prefill=1, num_decode=1, free_ports=True, http_port=None,
+                        model_args=("--model", str(three_kv_heads_dir), "--dtype", "float32"),
+                        node_args=("--num-blocks", "128", "--kv-timeout-s", "20", "--grace-s", "1"),
+                        prefill_args=prefill_layout, decode_args=decode_layout,
+                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1",
+                                      "--local-prefill-max-tokens", "0"))
+    with Launcher(topology, log_dir=tmp_path) as launcher:
+        got = [generate(launcher.gateway.target, request(p, 8))[0] for p in prompts(4, seed=7)]
+        wait_all_blocks_free(launcher)  # every node's blocks back once the requests ended
+    assert got == reference_tokens
+
+
+@pytest.fixture
+def _no_leftover_segments() -> Iterator[None]:
+    from common.kv.shared_segment import PREFIX, SHM_DIR
+
+    before = {p.name for p in SHM_DIR.glob(PREFIX + "*")}
+    yield
+    after = {p.name for p in SHM_DIR.glob(PREFIX + "*")}
+    assert after <= before, f"segments left behind: {sorted(after - before)}"
+
+
+@pytest.mark.usefixtures("_no_leftover_segments")
+def test_close_unlinks_every_segment(three_kv_heads_dir: Path) -> None:
+    with LLM(three_kv_heads_dir, dtype="float32", tensor_parallel_size=3) as llm:
+        llm.generate([prompts(1)[0]], GREEDY)
