@@ -152,6 +152,12 @@ def quant_command(cfg: SuiteConfig) -> list[str]:
                *(["--quick"] if cfg.quick else []), "--json", _json(cfg, "quantization"))
 
 
+def parallel_command(cfg: SuiteConfig) -> list[str]:
+    # T x P layouts in fp32 (greedy tokens checked against 1x1) and the all-reduce latency, gloo vs shm.
+    return _py("benchmarks.bench_parallel", "--model", str(cfg.model_dir),
+               *(["--quick"] if cfg.quick else []), "--collectives", "--json", _json(cfg, "parallel"))
+
+
 SECTIONS: tuple[Section, ...] = (
     Section("roofline", "Machine limits and the decode roofline", roofline_command, (20, 10)),
     Section("offline", "Offline throughput: Tandem vs Hugging Face generate", offline_command, (130, 45)),
@@ -166,6 +172,8 @@ SECTIONS: tuple[Section, ...] = (
             serve_command("shared-prefix", "disaggregated,disaggregated-nocache", 1.5, 32), (130, 60)),
     Section("serve-mixed", "Mixed workload (long prompts during decoding): disaggregated vs conditional vs "
             "colocated", serve_command("mixed", "disaggregated,conditional,colocated", 1.0, 32), (240, 90)),
+    Section("parallel", "Tensor / pipeline parallel layouts and the all-reduce (gloo vs shared memory)",
+            parallel_command, (420, 150)),
     Section("quantization", "Quantized weights: none / int8 / int4 / w8a8 beside llama.cpp", quant_command,
             (420, 170)),
 )

@@ -1,4 +1,5 @@
-"""Errors the engines raise to callers: their mistakes (INVALID_ARGUMENT) and a full queue (RESOURCE_EXHAUSTED).
+"""Errors the engines raise to callers: their mistakes (INVALID_ARGUMENT), a full queue (RESOURCE_EXHAUSTED)
+and a dead engine (UNAVAILABLE: the node stops and its supervisor restarts it; another node can serve).
 
 Services map both in one interceptor (``common.serving.status``); the engines import no gRPC.
 """
@@ -16,3 +17,7 @@ class InvalidRequestError(ValueError):
 
 class QueueFullError(RuntimeError):
     """The admission queue is at its limit; the message names the limit. Load beyond it is refused."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread crashed (a parallel node's rank died, a bug); every pending request fails with this."""

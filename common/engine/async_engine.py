@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from common.engine.commands import AbortRequest, EngineCommand
 from common.engine.heap import HeapTrimmer
 from common.engine.request import RequestOutput
+from common.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from common.engine.engine_core import EngineCore
@@ -31,10 +32,6 @@ log = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.05
 # How often the engine thread looks for reservations whose KV never came (EngineCore.reap).
 _REAP_INTERVAL_S = 1.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread crashed; every pending request fails with this."""
 
 
 class AsyncEngine:
@@ -104,6 +101,11 @@ class AsyncEngine:
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self.engine.close()  # a parallel node's ranks stop with it
+
+    @property
+    def failed(self) -> bool:
+        """The engine thread crashed (not: it was shut down)."""
+        return self._error is not None
 
     @property
     def alive(self) -> bool:

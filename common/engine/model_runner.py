@@ -61,6 +61,7 @@ class ModelRunner:
         self._sampling: dict[str, RequestSamplingState] = {}
         self.draft_seconds = 0.0  # time spent proposing (speculative decoding)
         self.forward_seconds = 0.0  # time in the target's forward + sampling / verification
+        self.num_steps = 0
 
     def close(self) -> None:
         """Nothing to stop in one process (a parallel runner stops its ranks)."""
@@ -87,6 +88,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult | None:
         """Run the step's forward; return tokens for the chunks that reach their request's end."""
+        self.num_steps += 1
         if output.block_copies:
             self.kv_cache.copy_blocks(output.block_copies)
             if self.draft is not None:

@@ -118,6 +118,8 @@ class ParallelModelRunner(ModelRunner):
         self.draft_seconds = 0.0
         self.forward_seconds = 0.0
         self.collective_seconds = 0.0  # the slowest rank's time in collectives, summed over steps
+        self.rank_seconds = 0.0  # the slowest rank's whole step, summed over steps
+        self.num_steps = 0
         self.max_rows = max_rows
         self.vocab_size = skeleton.config.vocab_size
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -252,6 +254,8 @@ class ParallelModelRunner(ModelRunner):
                 raise RankFailed(self._describe_exit(rank, f"cannot be reached ({exc})")) from None
         replies = self._wait_replies(self._step_id, STEP_TIMEOUT_S, "running a step")
         self.collective_seconds += max(r.collective_seconds for r in replies)
+        self.rank_seconds += max(r.forward_seconds for r in replies)
+        self.num_steps += 1
         if not sampling:
             self.forward_seconds += time.perf_counter() - start
             return None
@@ -303,6 +307,9 @@ class ParallelModelRunner(ModelRunner):
 
     def _describe_exit(self, rank: int, what: str) -> str:
         proc = self._procs[rank]
-        code = proc.poll()
+        try:
+            code = proc.wait(2.0) if proc.stdout is not None else proc.poll()  # its stdout closed: it is exiting
+        except subprocess.TimeoutExpired:
+            code = None
         how = "" if code is None else (f" (killed by signal {-code})" if code < 0 else f" (exit code {code})")
         return f"rank {rank} (pid {proc.pid}) {what}{how}"

@@ -52,6 +52,37 @@ def micro_batches(query_lens: list[int], count: int) -> list[tuple[int, int]]:
     return [g for g in groups if g[0] < g[1]]
 
 
+class TimedComm:
+    """The tensor-parallel communicator, adding the time of each collective to ``owner.collective_seconds``."""
+
+    def __init__(self, comm: Communicator, owner: Rank) -> None:
+        self.comm = comm
+        self.owner = owner
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.comm.all_reduce_(tensor)
+        self.owner.collective_seconds += time.perf_counter() - start
+        return out
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.comm.all_gather(tensor, dim)
+        self.owner.collective_seconds += time.perf_counter() - start
+        return out
+
+    def close(self) -> None:
+        self.comm.close()
+
+
 class Rank:
     """This process's shard of the model and what it needs to run a step."""
 
@@ -87,7 +118,8 @@ class Rank:
         else:
             self.tp_comm = GlooComm(tp_groups[stage], list(range(stage * t, (stage + 1) * t)))
         self.model = load_model(init.model_dir, init.dtype, "cpu", init.attention_backend)
-        shard_model(self.model, self.placement, self.tp_comm)
+        self.collective_seconds = 0.0
+        shard_model(self.model, self.placement, TimedComm(self.tp_comm, self))
         if init.quantization not in ("", "none"):
             from common.parallel.tp_model import quantize_shard
             from common.quant.config import QuantConfig
@@ -110,7 +142,6 @@ class Rank:
         self.prev_rank = init.rank - t if not self.first else None
         self.next_rank = init.rank + t if not self.last else None
         self.weight_bytes = self.model.weight_bytes
-        self.collective_seconds = 0.0
 
     def step(self, step: worker_pb2.WorkerStep) -> None:
         import torch

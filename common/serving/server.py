@@ -50,7 +50,7 @@ class RunningServer:
     port: int
     service_names: tuple[str, ...]
     http_url: str = ""  # the OpenAI-compatible HTTP API beside it (http://host:port), when the process serves one
-    engine: object | None = None  # the node's engine (an ``alive`` property): serve_until_signal watches it
+    engine: object | None = None  # the node's engine (a ``failed`` property): serve_until_signal watches it
     _hooks: list[ShutdownHook] = field(default_factory=list)
     _stopping: bool = False
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -166,7 +166,7 @@ ENGINE_WATCH_INTERVAL_S = 1.0
 async def serve_until_signal(running: RunningServer, grace_s: float, engine: object | None = None) -> None:
     """Install the signal handlers, freeze the start-up heap, and return once the server has stopped.
 
-    ``engine`` (default ``running.engine``; anything with an ``alive`` property, an AsyncEngine): when its
+    ``engine`` (default ``running.engine``; anything with a ``failed`` property, an AsyncEngine): when its
     thread dies (a parallel node's rank died, a bug), the server reports NOT_SERVING, stops, and this raises
     SystemExit(1), so that a supervisor (``tandem up``, compose's ``restart``) starts the node afresh instead
     of it failing every call.
@@ -178,12 +178,12 @@ async def serve_until_signal(running: RunningServer, grace_s: float, engine: obj
     await running.wait_for_termination()
     if watch is not None:
         watch.cancel()
-        if not getattr(engine, "alive", True):
+        if getattr(engine, "failed", False):
             raise SystemExit(1)
 
 
 async def _stop_when_dead(running: RunningServer, engine: object) -> None:
-    while getattr(engine, "alive", True):
+    while not getattr(engine, "failed", False):
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
     log.error("the engine died; the node stops (its supervisor restarts it)")
     await running.set_serving(False)

@@ -1,6 +1,7 @@
 """One server interceptor per service that turns exceptions into gRPC statuses.
 
 Servicers raise; they never build statuses themselves. ``InvalidRequestError`` becomes INVALID_ARGUMENT,
+``EngineDeadError`` UNAVAILABLE (the node is going down),
 a ``ServiceError`` its own ``code``, a service's own exception types whatever ``extra`` says, and anything
 else INTERNAL with a generic message (the traceback goes to the log, never to the client).
 ``grpc.aio.AbortError`` (a handler that aborted on purpose) and ``asyncio.CancelledError`` (the client went
@@ -18,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from common.errors import InvalidRequestError, QueueFullError
+from common.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from common.serving.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, extra: Mapping[type[Exception], grpc.StatusCode] | None = None) -> None:
         self._table: dict[type[Exception], grpc.StatusCode] = {InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
-                                                               QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED}
+                                                               QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                               EngineDeadError: grpc.StatusCode.UNAVAILABLE}
         self._table.update(extra or {})
 
     def status_for(self, exc: BaseException) -> tuple[grpc.StatusCode, str]:

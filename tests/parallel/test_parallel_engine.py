@@ -191,3 +191,90 @@ def _no_leftover_segments() -> Iterator[None]:
 def test_close_unlinks_every_segment(three_kv_heads_dir: Path) -> None:
     with LLM(three_kv_heads_dir, dtype="float32", tensor_parallel_size=3) as llm:
         llm.generate([prompts(1)[0]], GREEDY)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.e2e
+def test_a_killed_rank_fails_its_requests_and_the_node_comes_back(three_kv_heads_dir: Path, tmp_path: Path,
+                                                                  reference_tokens: list[list[int]]) -> None:
+    """Under the launcher: SIGKILL of one decode rank -> requests on that node end UNAVAILABLE, the node exits
+    (its engine is dead), the supervisor starts it again and it serves the same greedy tokens."""
+    import time
+
+    import grpc
+
+    from tandem_cli.launcher import RestartPolicy
+
+    topology = Topology(num_prefill=1, num_decode=1, free_ports=True, http_port=None,
+                        model_args=("--model", str(three_kv_heads_dir), "--dtype", "float32"),
+                        node_args=("--num-blocks", "128", "--kv-timeout-s", "20", "--grace-s", "1"),
+                        decode_args=("--tensor-parallel-size", "3"),
+                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1",
+                                      "--local-prefill-max-tokens", "0"))
+    with Launcher(topology, log_dir=tmp_path, restart=RestartPolicy(initial_backoff_s=0.5)) as launcher:
+        gateway = launcher.gateway.target
+        ps = prompts(4, seed=7)
+        assert generate(gateway, request(ps[0], 8))[0] == reference_tokens[0]
+        node = launcher.procs["decode-0"]
+        ranks = _children(node.pid)
+        assert len(ranks) == 3
+        os.kill(ranks[2], signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as failed:
+            generate(gateway, request(ps[1], 64))
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        node.wait(30)  # the node stops once its engine died...
+        deadline = time.monotonic() + 90
+        while True:  # ... and its supervisor starts it again
+            try:
+                assert generate(gateway, request(ps[1], 8))[0] == reference_tokens[1]
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, f"decode-0 did not serve again; see {launcher.log_path('decode-0')}"
+                time.sleep(0.5)
+        assert launcher.restarts["decode-0"] == 1
+        wait_all_blocks_free(launcher)
+
+
+@pytest.mark.slow
+def test_tandem_generate_at_t2_equals_t1_and_transformers(tiny_served_model_dir: Path) -> None:
+    """The issue's check: `tandem generate --model <tiny> --tensor-parallel-size 2 --dtype float32
+    --temperature 0` prints T=1's text, and the tokens are transformers' greedy ones."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    def cli(*extra: str) -> str:
+        argv = [sys.executable, "-m", "tandem_cli", "generate", "--model", str(tiny_served_model_dir), "--dtype",
+                "float32", "--temperature", "0", "--max-tokens", "10", "--ignore-eos", "--prompt",
+                "The capital of France is", *extra]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    single = cli()
+    assert cli("--tensor-parallel-size", "2") == single
+    with LLM(tiny_served_model_dir, dtype="float32", tensor_parallel_size=2) as llm:
+        ids = llm.encode("The capital of France is")
+        ours = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].token_ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_served_model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    assert ours == out[0, len(ids):].tolist()
+
+
+def test_tandem_up_passes_each_roles_layout() -> None:
+    import argparse
+
+    from tandem_cli.up_command import _decode_args, _parallel_args
+
+    args = argparse.Namespace(tensor_parallel_size=None, pipeline_parallel_size=2, prefill_tensor_parallel_size=None,
+                              prefill_pipeline_parallel_size=None, decode_tensor_parallel_size=3,
+                              decode_pipeline_parallel_size=1, speculative="none")
+    assert _parallel_args(args, "prefill") == ("--pipeline-parallel-size", "2")
+    assert _parallel_args(args, "decode") == ("--tensor-parallel-size", "3", "--pipeline-parallel-size", "1")
+    assert _decode_args(args) == ("--tensor-parallel-size", "3", "--pipeline-parallel-size", "1")
