@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {"benchmark": "collectives", "iters": args.iters, "world_sizes": args.world_size,
               "max_bytes": args.max_bytes, "cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)),
               "cpu_flags": cpu_flags(), "machine": machine, "load_average_end": load_average(), "rows": rows}
-    print(markdown(result))
+    if getattr(args, "print_table", True):
+        print(markdown(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result

@@ -148,7 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from benchmarks.bench_collectives import run as run_collectives
 
         result["collectives"] = run_collectives(argparse.Namespace(world_size=[2, 3], iters=50 if args.quick else 200,
-                                                                   max_bytes=4 << 20, out=None))
+                                                                   max_bytes=4 << 20, out=None,
+                                                                   print_table=False))
     print(markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
