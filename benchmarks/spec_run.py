@@ -28,8 +28,9 @@ class BenchConfig:
 
     @staticmethod
     def parse(text: str) -> BenchConfig:
-        """``ngram:k=8:n=1-4[:fixed]``, ``layers:k=4:L=8[:fixed]`` or ``draft:k=8:q=int4[:m=MODEL][:fixed]``
-        (fixed: no adaptive k; a draft model is the target itself, quantized ``q``, unless ``m`` names one)."""
+        """``ngram:k=8:n=1-4[:fixed]``, ``layers:k=4:L=8[:fixed]`` or ``draft:k=8:q=int4[:m=MODEL][:ngram][:fixed]``
+        (fixed: no adaptive k; ngram: n-gram lookup first, the draft where it finds nothing; a draft model is
+        the target itself, quantized ``q``, unless ``m`` names one)."""
         method_name, *options = text.strip().split(":")
         method = {"ngram": SpeculativeMethod.NGRAM, "layers": SpeculativeMethod.DRAFT_LAYERS,
                   "draft": SpeculativeMethod.DRAFT_MODEL}.get(method_name)
@@ -51,16 +52,19 @@ class BenchConfig:
                 kwargs["draft_quantization"] = value
             elif key == "m" and method is SpeculativeMethod.DRAFT_MODEL:
                 kwargs["draft_model"] = value
+            elif key == "ngram" and method is SpeculativeMethod.DRAFT_MODEL:
+                kwargs["ngram_first"] = True
             elif key == "fixed":
                 kwargs["adaptive"] = False
             else:
-                raise ValueError(f"config {text!r}: unknown option {key!r} (k, n, L, q, m, fixed)")
+                raise ValueError(f"config {text!r}: unknown option {key!r} (k, n, L, q, m, ngram, fixed)")
         spec = SpeculativeConfig(**kwargs)
         if method is SpeculativeMethod.NGRAM:
             label = f"ngram k={spec.num_speculative_tokens} n={spec.ngram_min_n}-{spec.ngram_max_n}"
         elif method is SpeculativeMethod.DRAFT_MODEL:
             who = "self" if spec.draft_model == SELF_DRAFT else spec.draft_model
-            label = f"draft {who} {spec.draft_quantization} k={spec.num_speculative_tokens}"
+            label = (f"draft {who} {spec.draft_quantization} k={spec.num_speculative_tokens}"
+                     + (" +ngram" if spec.ngram_first else ""))
         else:
             label = f"layers L={spec.draft_layers} k={spec.num_speculative_tokens}"
         return BenchConfig(label + ("" if spec.adaptive else " fixed"), spec)

@@ -118,7 +118,8 @@ def speculative_command(cfg: SuiteConfig) -> list[str]:
     # Batch 1 (speculation is a batch-1 latency tool), the n-gram proposer at k=4 and k=16 and the target's
     # own int4 copy as a draft model (not on the tiny quick-mode model); the plain decoding row doubles as
     # the batch-1 figure beside the roofline, so it gets the same threads.
-    configs = "ngram:k=4:n=1-4,ngram:k=16:n=1-4" + ("" if cfg.quick else ",draft:k=4:q=int4,draft:k=8:q=int4")
+    configs = "ngram:k=4:n=1-4,ngram:k=16:n=1-4" + ("" if cfg.quick else
+                                                    ",draft:k=4:q=int4,draft:k=8:q=int4,draft:k=8:q=int4:ngram")
     return _py("benchmarks.bench_speculative", "--model", str(cfg.model_dir), "--dtype", cfg.dtype,
                "--threads", str(cfg.threads), "--repeats", "1", "--no-profile", "--configs", configs,
                "--max-tokens", "32" if cfg.quick else "128", "--json", _json(cfg, "speculative"))

@@ -106,7 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from common.engine.node_setup import speculative_config
 
     spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers, args.draft_model,
-                              args.draft_quantization)
+                              args.draft_quantization, args.speculative_ngram_first)
     llm = LLM(settings.model, dtype=settings.dtype, device=settings.device,
               attention_backend=settings.attention_backend, quantization=settings.quantization,
               quantization_group_size=settings.quantization_group_size,
@@ -217,14 +217,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from tandem_cli.colocated_server import run_colocated
 
             spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers,
-                                      args.draft_model, args.draft_quantization)
+                                      args.draft_model, args.draft_quantization, args.speculative_ngram_first)
             run_colocated(_model_settings(args), node, _colocated_public_settings(args), spec, security)
         else:
             from common.engine.node_setup import speculative_config
             from decode_service.server import run_decode
 
             spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers,
-                                      args.draft_model, args.draft_quantization)
+                                      args.draft_model, args.draft_quantization, args.speculative_ngram_first)
             run_decode(_model_settings(args), node, spec, security)
     finally:
         shutdown_tracing()
@@ -383,6 +383,9 @@ def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", default="", help="draft_model: a Llama-family directory with the target's "
                    "tokenizer, or the bundled model's name (with --draft-quantization int4: the target as its draft)")
     g.add_argument("--draft-quantization", default="none", help="the draft's weights: none | int8 | int4 | ...")
+    g.add_argument("--speculative-ngram-first", action="store_true",
+                   help="draft_model: n-gram lookup in the request's own tokens first, the draft model where it "
+                   "finds nothing")
 
 
 def main(argv: list[str] | None = None) -> int:

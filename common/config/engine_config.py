@@ -111,6 +111,9 @@ class SpeculativeConfig:
     # quantization its weights load with (the target itself as int4 is a cheap draft that agrees with it).
     draft_model: str = ""
     draft_quantization: str = "none"
+    # DRAFT_MODEL: look the continuation up in the request's own tokens first (n-gram, free) and run the draft
+    # model only for requests where the lookup finds nothing (input-grounded text: long exact runs for free).
+    ngram_first: bool = False
     # Above this many decoding requests a step is compute-bound and speculation stops paying: switch it off.
     max_batch_size: int = 8
     adaptive: bool = True  # per-request k follows the observed acceptance rate
@@ -129,6 +132,9 @@ class SpeculativeConfig:
         if self.method is SpeculativeMethod.DRAFT_MODEL and not self.draft_model:
             raise ValueError("--speculative draft_model needs --draft-model (a model directory or the bundled "
                              "model's name)")
+        if self.ngram_first and self.method is not SpeculativeMethod.DRAFT_MODEL:
+            raise ValueError("--speculative-ngram-first goes with --speculative draft_model (n-gram lookup first, "
+                             f"the draft model where it finds nothing), not {self.method.value}")
         if self.draft_layers < 1:
             raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
         if self.max_batch_size < 1:

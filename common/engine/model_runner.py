@@ -62,6 +62,7 @@ class ModelRunner:
         self.draft_seconds = 0.0  # time spent proposing (speculative decoding)
         self.forward_seconds = 0.0  # time in the target's forward + sampling / verification
         self.num_steps = 0
+        self.ngram_proposals = 0  # draft_model with ngram_first: requests the n-gram lookup drafted for
 
     def close(self) -> None:
         """Nothing to stop in one process (a parallel runner stops its ranks)."""
@@ -156,7 +157,18 @@ class ModelRunner:
         elif method is SpeculativeMethod.DRAFT_LAYERS:
             self._draft_with_early_layers(chunks, slots, drafts, probs)
         elif self.draft is not None:
-            self.draft.propose(chunks, slots, drafts, probs, self._sampling_state)
+            rest = slots
+            if self.speculative.ngram_first:  # the lookup where it matches (no draft forward), the draft elsewhere
+                rest = []
+                for i in slots:
+                    found = self.ngram.propose(chunks[i].request.all_token_ids, chunks[i].num_draft_slots)
+                    if found:
+                        drafts[i] = found  # a point mass: probs stay None
+                        self.ngram_proposals += 1
+                    else:
+                        rest.append(i)
+            if rest:
+                self.draft.propose(chunks, rest, drafts, probs, self._sampling_state)
         return drafts, probs
 
     def _draft_with_early_layers(self, chunks: list[ScheduledChunk], slots: list[int],

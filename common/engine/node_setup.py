@@ -92,7 +92,7 @@ def engine_configs(node: NodeSettings) -> tuple[CacheConfig, SchedulerConfig]:
 
 
 def speculative_config(method: str, num_tokens: int, draft_layers: int, draft_model: str = "",
-                       draft_quantization: str = "none") -> SpeculativeConfig:
+                       draft_quantization: str = "none", ngram_first: bool = False) -> SpeculativeConfig:
     from common.config.engine_config import SpeculativeMethod
 
     try:
@@ -101,7 +101,8 @@ def speculative_config(method: str, num_tokens: int, draft_layers: int, draft_mo
         names = ", ".join(m.value for m in SpeculativeMethod)
         raise ValueError(f"speculative method {method!r} is unknown; choose one of {names}") from None
     return SpeculativeConfig(method=chosen, num_speculative_tokens=num_tokens, draft_layers=draft_layers,
-                             draft_model=draft_model, draft_quantization=draft_quantization)
+                             draft_model=draft_model, draft_quantization=draft_quantization,
+                             ngram_first=ngram_first)
 
 
 def load_draft_model(spec: SpeculativeConfig | None, settings: ModelSettings,

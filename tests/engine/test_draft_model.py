@@ -97,3 +97,33 @@ def test_a_draft_needs_the_targets_vocabulary(tiny_served_model_dir: Path, tmp_p
 def test_draft_model_method_needs_a_model() -> None:
     with pytest.raises(ValueError, match="--draft-model"):
         SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL)
+
+
+def test_ngram_first_drafts_repeats_by_lookup_and_stays_exact(target: LlamaForCausalLM,
+                                                            other_draft: LlamaForCausalLM) -> None:
+    """draft_model with ngram_first: requests whose tokens repeat get the lookup's drafts (no draft forward),
+    the others the draft model's; greedy stays plain decoding's, sampled requests keep running, no leak."""
+    import dataclasses
+
+    spec = dataclasses.replace(SPEC, ngram_first=True)
+    vocab = target.config.vocab_size
+    repeating = [list(range(10, 30)) * 3, [5, 6, 7, 8] * 8]  # the lookup finds the continuation in the prompt
+    work = [(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+            for p in repeating + prompts(3, vocab, seed=13)]
+    work.append((prompts(1, vocab, seed=14)[0], SamplingParams(temperature=0.9, seed=3, max_tokens=20,
+                                                               ignore_eos=True)))
+    engine = ColocatedEngine(target, CacheConfig(num_blocks=64, block_size=8),
+                             SchedulerConfig(max_num_batched_tokens=96), speculative=spec, draft_model=other_draft)
+    got = run_staggered(engine, work, arrivals=[0, 0, 1, 2, 3, 4])
+    for i, (p, params) in enumerate(work[:-1]):
+        assert got[f"r{i}"] == contiguous_greedy(target, p, params.max_tokens), i
+    assert len(got[f"r{len(work) - 1}"]) == 20
+    assert engine.runner.ngram_proposals > 0  # the lookup drafted for the repeating prompts
+    assert engine.scheduler.num_draft_tokens > engine.runner.ngram_proposals  # and the draft model for others
+    engine.kv.check_integrity()
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_ngram_first_needs_the_draft_model_method() -> None:
+    with pytest.raises(ValueError, match="--speculative-ngram-first goes with --speculative draft_model"):
+        SpeculativeConfig(method=SpeculativeMethod.NGRAM, ngram_first=True)
