@@ -114,6 +114,9 @@ class SpeculativeConfig:
     # DRAFT_MODEL: look the continuation up in the request's own tokens first (n-gram, free) and run the draft
     # model only for requests where the lookup finds nothing (input-grounded text: long exact runs for free).
     ngram_first: bool = False
+    # ... taking the lookup's drafts only after a match of at least this many tokens: a 1-token match's first
+    # draft is accepted ~25% of the time, a 3+-token match's ~90%, the int4 self-draft's ~95%.
+    ngram_first_min_n: int = 3
     # Above this many decoding requests a step is compute-bound and speculation stops paying: switch it off.
     max_batch_size: int = 8
     adaptive: bool = True  # per-request k follows the observed acceptance rate
@@ -135,6 +138,8 @@ class SpeculativeConfig:
         if self.ngram_first and self.method is not SpeculativeMethod.DRAFT_MODEL:
             raise ValueError("--speculative-ngram-first goes with --speculative draft_model (n-gram lookup first, "
                              f"the draft model where it finds nothing), not {self.method.value}")
+        if self.ngram_first_min_n < 1:
+            raise ValueError(f"ngram_first_min_n must be >= 1, got {self.ngram_first_min_n}")
         if self.draft_layers < 1:
             raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
         if self.max_batch_size < 1:

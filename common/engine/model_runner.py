@@ -53,6 +53,11 @@ class ModelRunner:
         self.ngram = NgramProposer(self.speculative.ngram_min_n, self.speculative.ngram_max_n,
                                    drafts_per_matched_token=self.speculative.ngram_drafts_per_matched_token,
                                    continue_past_end=True)
+        # DRAFT_MODEL with ngram_first: the lookup only for matches of >= ngram_first_min_n tokens
+        first_n = max(self.speculative.ngram_first_min_n, self.speculative.ngram_min_n)
+        self.ngram_first = NgramProposer(first_n, max(first_n, self.speculative.ngram_max_n),
+                                         drafts_per_matched_token=self.speculative.ngram_drafts_per_matched_token,
+                                         continue_past_end=True)
         # DRAFT_MODEL: a separate model with its own KV, read through the target's block tables
         self.draft: DraftModelProposer | None = None
         if self.speculative.method is SpeculativeMethod.DRAFT_MODEL:
@@ -161,7 +166,7 @@ class ModelRunner:
             if self.speculative.ngram_first:  # the lookup where it matches (no draft forward), the draft elsewhere
                 rest = []
                 for i in slots:
-                    found = self.ngram.propose(chunks[i].request.all_token_ids, chunks[i].num_draft_slots)
+                    found = self.ngram_first.propose(chunks[i].request.all_token_ids, chunks[i].num_draft_slots)
                     if found:
                         drafts[i] = found  # a point mass: probs stay None
                         self.ngram_proposals += 1
