@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,6 +33,7 @@ import torch
 from benchmarks.machine import cpu_name, load_average, machine_description
 from common.parallel.comm import Communicator, GlooComm
 from common.parallel.shm_comm import ShmComm
+from common.parallel.spawn import free_port, run_ranks
 
 SHAPES = [(1, 576), (8, 576), (64, 576), (512, 576)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -78,31 +77,13 @@ def _rank_main(rank: int, world_size: int, gloo_port: int, shm_name: str, iters:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(samples))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _bench_world(world_size: int, iters: int, max_bytes: int) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="tandem-collectives-") as out_dir, \
             ShmComm.create(world_size, max_bytes) as segment:
-        port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, segment.name, iters, out_dir),
-                             daemon=True) for rank in range(world_size)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + GROUP_TIMEOUT_S
-        try:
-            for proc in procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
-        finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join(5)
-        failed = [f"rank {rank}: exit code {proc.exitcode}" for rank, proc in enumerate(procs) if proc.exitcode != 0]
+        port = free_port()
+        codes = run_ranks(_rank_main, [(rank, world_size, port, segment.name, iters, out_dir)
+                                       for rank in range(world_size)], GROUP_TIMEOUT_S)
+        failed = [f"rank {rank}: exit code {code}" for rank, code in enumerate(codes) if code != 0]
         if failed:
             raise RuntimeError(f"T={world_size}: {', '.join(failed)}")
         per_rank = [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(world_size)]

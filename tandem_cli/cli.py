@@ -356,13 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-base-port", type=int, default=None,
                     help="serve /metrics: the gateway on this port, then each prefill and decode node on the next ones")
     _add_model_flags(up)
-    g = up.add_argument_group("parallel nodes (each node's model over T x P rank processes; --tensor-parallel-size "
-                              "and --pipeline-parallel-size set both roles)")
-    for role in ("prefill", "decode"):
-        g.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None, help=f"T of {role} nodes")
-        g.add_argument(f"--{role}-pipeline-parallel-size", type=int, default=None, help=f"P of {role} nodes")
+    from tandem_cli.up_command import add_role_layout_flags, cmd_up
+
+    add_role_layout_flags(up)
     _add_speculative_flags(up)
-    from tandem_cli.up_command import cmd_up
 
     up.set_defaults(func=cmd_up)
     return parser

@@ -22,6 +22,14 @@ def _model_args(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(out)
 
 
+def add_role_layout_flags(up: argparse.ArgumentParser) -> None:
+    g = up.add_argument_group("parallel nodes (each node's model over T x P rank processes; --tensor-parallel-size "
+                              "and --pipeline-parallel-size set both roles)")
+    for role in ("prefill", "decode"):
+        g.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None, help=f"T of {role} nodes")
+        g.add_argument(f"--{role}-pipeline-parallel-size", type=int, default=None, help=f"P of {role} nodes")
+
+
 def _parallel_args(args: argparse.Namespace, role: str) -> tuple[str, ...]:
     """A role's layout: --{role}-tensor/pipeline-parallel-size, else --tensor/pipeline-parallel-size."""
     out: list[str] = []

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import selectors
-import socket
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ from common.engine.scheduler_output import StepResult
 from common.kv.kv_cache import KVCache
 from common.kv.shared_segment import SharedSegment
 from common.parallel.channel import ChannelClosed, read_frame, write_frame
+from common.parallel.spawn import free_port
 from common.sampling.sampler import Sampler
 from tandem.v1 import worker_pb2
 
@@ -90,12 +90,6 @@ def rank_cpus(cpus: list[int], world_size: int) -> tuple[list[list[int]], bool]:
         per = len(cpus) // world_size
         return [cpus[r * per:(r + 1) * per] for r in range(world_size)], False
     return [[cpus[r % len(cpus)]] for r in range(world_size)], True
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ParallelModelRunner(ModelRunner):
@@ -147,7 +141,7 @@ class ParallelModelRunner(ModelRunner):
             log.warning("%d ranks on %d cores: ranks share cores round-robin, one thread each (slower than "
                         "one core per rank)", launch.world_size, len(cpus))
         comm_names = self._create_comm_segments(t, p)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         assert self.kv_cache.segment is not None
         kv, logits = self.kv_cache.segment, self._logits_segment
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing as mp
 import os
 import re
-import socket
 import threading
 import time
 import traceback
@@ -24,6 +22,7 @@ import pytest
 import torch
 
 from common.parallel.shm_comm import ShmComm
+from common.parallel.spawn import free_port, run_ranks
 
 MAX_BYTES = 16 << 10  # [8, 576] fp32 and [64, 576] in any dtype need several chunks
 SHAPES = [(1, 576), (8, 576), (3, 7, 5), (64, 576)]
@@ -148,38 +147,20 @@ def _rank_main(name: str, rank: int, world_size: int, gloo_port: int, out_dir: s
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(verdicts))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["T2", "T3"])
 def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, str]]:
     """Run every check in a group of ``request.param`` spawned ranks; rank -> check -> "ok" or a traceback."""
     world_size: int = request.param
     out_dir = tmp_path_factory.mktemp(f"shm-T{world_size}")
-    ctx = mp.get_context("spawn")
     with ShmComm.create(world_size, max_bytes=MAX_BYTES) as segment:
-        gloo_port = _free_port() if world_size == 2 else 0
-        procs = [ctx.Process(target=_rank_main, args=(segment.name, rank, world_size, gloo_port, str(out_dir)),
-                             daemon=True) for rank in range(world_size)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + GROUP_TIMEOUT_S
-        try:
-            for proc in procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
-        finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join(5)
+        gloo_port = free_port() if world_size == 2 else 0
+        codes = run_ranks(_rank_main, [(segment.name, rank, world_size, gloo_port, str(out_dir))
+                                       for rank in range(world_size)], GROUP_TIMEOUT_S)
     assert not Path("/dev/shm", segment.segment.name).exists()  # the creator unlinked it
     results = {}
-    for rank, proc in enumerate(procs):
+    for rank, code in enumerate(codes):
         path = out_dir / f"rank{rank}.json"
-        results[rank] = json.loads(path.read_text()) if path.exists() else {"exit": f"exit code {proc.exitcode}"}
+        results[rank] = json.loads(path.read_text()) if path.exists() else {"exit": f"exit code {code}"}
     return results
 
 

@@ -9,8 +9,6 @@ model's greedy tokens. Pipeline stages hand hidden states on with gloo send/recv
 
 from __future__ import annotations
 
-import socket
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from common.model.fused_ops import EagerOps, FusedOps, fused_ops_for
 from common.model.loader import load_model
 from common.parallel.comm import GlooComm, SingleRank
 from common.parallel.layout import ParallelLayout
+from common.parallel.spawn import free_port, run_ranks
 from common.parallel.tp_model import KVCacheShard, gather_logits, quantize_shard, shard_model, stage_forward
 from common.quant.config import QuantConfig, QuantizationError
 
@@ -165,29 +164,12 @@ def _worker(rank: int, world: int, init_method: str, cases: list[Case], out_dir:
 
 def _run_world(world: int, cases: list[Case], out_dir: Path, timeout: float = 150.0) -> None:
     """Start ``world`` rank processes, wait for all of them, and fail (killing the rest) at the first error."""
-    import multiprocessing
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, f"tcp://127.0.0.1:{port}", cases, str(out_dir)))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.is_alive() for p in procs) or any(p.exitcode for p in procs):
-            if any(p.exitcode for p in procs) or time.monotonic() > deadline:
-                errors = "\n".join(f.read_text() for f in sorted(out_dir.glob("error-*.txt")))
-                pytest.fail(f"rank processes failed or timed out (exit codes {[p.exitcode for p in procs]}):\n"
-                            f"{errors}")
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-            p.join(5)
+    port = free_port()
+    codes = run_ranks(_worker, [(r, world, f"tcp://127.0.0.1:{port}", cases, str(out_dir)) for r in range(world)],
+                      timeout)
+    if any(code != 0 for code in codes):
+        errors = "\n".join(f.read_text() for f in sorted(out_dir.glob("error-*.txt")))
+        pytest.fail(f"rank processes failed or timed out (exit codes {codes}):\n{errors}")
 
 
 @dataclass
