@@ -71,6 +71,19 @@ class KVCache:
         if shared:
             self.share_memory()
 
+    @classmethod
+    def mapped(cls, spec: KVCacheSpec, num_blocks: int, segment: SharedSegment) -> KVCache:
+        """The KV cache another process shares in ``segment``, viewed in place (a rank of a parallel node).
+
+        This process does not own the segment: ``close`` leaves it to its owner."""
+        import torch
+
+        cache = cls.__new__(cls)
+        cache.spec, cache.num_blocks, cache.segment = spec, num_blocks, None
+        shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        cache.data = segment.data().view(getattr(torch, spec.dtype_name)).view(shape)
+        return cache
+
     def share_memory(self) -> SharedSegment:
         """Move the KV tensor into a new shared-memory segment (contents kept) and return it; idempotent.
 

@@ -51,6 +51,7 @@ from tandem.v1 import worker_pb2
 if TYPE_CHECKING:
     from common.engine.scheduler_output import SchedulerOutput
     from common.model.llama import LlamaForCausalLM
+    from common.parallel.shm_comm import ShmCommSegment
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0  # every rank loads the model (and may build the CPU kernels) before it answers
@@ -123,7 +124,7 @@ class ParallelModelRunner(ModelRunner):
         assert self.kv_cache.segment is not None
         self._logits_segment = SharedSegment.create(max_rows * self.vocab_size * 4, num_slots=1)
         self._logits = self._logits_segment.data().view(torch.float32).view(max_rows, self.vocab_size)
-        self._comm_segments: list[object] = []
+        self._comm_segments: list[ShmCommSegment] = []
         try:
             self.weight_bytes = self._start(num_blocks)
         except BaseException:
@@ -203,7 +204,7 @@ class ParallelModelRunner(ModelRunner):
             if proc.stdout is not None:
                 proc.stdout.close()
         for segment in self._comm_segments:
-            segment.close()  # type: ignore[attr-defined]
+            segment.close()
         self._logits_segment.close()
         self.kv_cache.close()
 

@@ -130,11 +130,7 @@ class Rank:
         spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, init.block_size,
                            str(self.dtype).removeprefix("torch."))
         self._kv_segment = SharedSegment.open(init.kv_segment, init.kv_nonce)
-        kv = KVCache.__new__(KVCache)
-        kv.spec, kv.num_blocks, kv.segment = spec, init.num_blocks, None
-        shape = (init.num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        kv.data = self._kv_segment.data().view(self.dtype).view(shape)
-        self.kv = KVCacheShard(kv, *self.placement.kv_heads)
+        self.kv = KVCacheShard.for_rank(KVCache.mapped(spec, init.num_blocks, self._kv_segment), self.placement)
         self._logits_segment = SharedSegment.open(init.logits_segment, init.logits_nonce)
         self.logits = self._logits_segment.data().view(torch.float32).view(init.max_rows, config.vocab_size)
         self.hidden_size = config.hidden_size
