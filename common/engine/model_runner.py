@@ -43,11 +43,14 @@ class ModelRunner:
     """Owns the model, its paged KV tensors and the sampler."""
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int,
-                 speculative: SpeculativeConfig | None = None, draft_model: LlamaForCausalLM | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, draft_model: LlamaForCausalLM | None = None,
+                 kv_cache: KVCache | None = None) -> None:
+        """``kv_cache``: one allocated elsewhere (a parallel node's shared one; ``model`` is then a skeleton)."""
         self.model = model
-        self.device = next(model.parameters()).device
+        self.kv_cache = kv_cache or KVCache(kv_cache_spec(model, block_size), num_blocks,
+                                            next(model.parameters()).device)
+        self.device = self.kv_cache.data.device
         self.block_size = block_size
-        self.kv_cache = KVCache(kv_cache_spec(model, block_size), num_blocks, self.device)
         self.sampler = Sampler()
         self.speculative = speculative or SpeculativeConfig()
         self.ngram = NgramProposer(self.speculative.ngram_min_n, self.speculative.ngram_max_n,

@@ -45,7 +45,6 @@ from common.kv.kv_cache import KVCache
 from common.kv.shared_segment import SharedSegment
 from common.parallel.channel import ChannelClosed, read_frame, write_frame
 from common.parallel.spawn import free_port
-from common.sampling.sampler import Sampler
 from tandem.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -102,26 +101,16 @@ class ParallelModelRunner(ModelRunner):
         if speculative is not None and speculative.enabled:
             raise ValueError("--speculative is not supported with --tensor-parallel-size or "
                              "--pipeline-parallel-size > 1 yet")
+        super().__init__(skeleton, block_size, num_blocks,
+                         kv_cache=KVCache(kv_cache_spec(skeleton, block_size), num_blocks, "cpu", shared=True))
         self.launch = launch
-        self.model = skeleton
-        self.device = torch.device("cpu")
-        self.block_size = block_size
-        self.sampler = Sampler()
-        self.speculative = SpeculativeConfig()
-        self.draft = None
-        self._sampling = {}
-        self.draft_seconds = 0.0
-        self.forward_seconds = 0.0
         self.collective_seconds = 0.0  # the slowest rank's time in collectives, summed over steps
         self.rank_seconds = 0.0  # the slowest rank's whole step, summed over steps
-        self.num_steps = 0
         self.max_rows = max_rows
         self.vocab_size = skeleton.config.vocab_size
         self._procs: list[subprocess.Popen[bytes]] = []
         self._step_id = 0
         self._closed = False
-        self.kv_cache = KVCache(kv_cache_spec(skeleton, block_size), num_blocks, "cpu", shared=True)
-        assert self.kv_cache.segment is not None
         self._logits_segment = SharedSegment.create(max_rows * self.vocab_size * 4, num_slots=1)
         self._logits = self._logits_segment.data().view(torch.float32).view(max_rows, self.vocab_size)
         self._comm_segments: list[ShmCommSegment] = []
