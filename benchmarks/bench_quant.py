@@ -12,8 +12,10 @@ For each ``--quantization`` mode, in one process, one after another on the same 
   bandwidth that rate implies;
 - the offline workload (64 prompts x 128 tokens -> 128 new tokens; ``--quick``: 16 x 64 -> 32): output
   tokens over wall time, as in the offline section;
-- quality: perplexity on ``tests/quant/data/perplexity.txt`` and greedy agreement with the unquantized
-  weights on the first 64 tokens of 10 prompts (``benchmarks.quant_quality``), always in fp32.
+- quality: perplexity on ``tests/quant/data/perplexity.txt`` through one forward (the prefill path) and
+  teacher-forced decode steps (the decode path: int8-rounded activations with the default CPU kernels),
+  and greedy agreement with the unquantized weights on the first 64 tokens of 10 prompts
+  (``benchmarks.quant_quality``), always in fp32.
 
 llama.cpp (``.peers/llamacpp``, ``make bench-peers``) runs the same GGUF file with the same threads in the
 same run: the same batch-1 prompts, and the offline prompts one at a time (its Python API does not batch).
@@ -37,7 +39,7 @@ import torch
 
 from benchmarks.bench_offline import Workload
 from benchmarks.machine import machine_description
-from benchmarks.quant_quality import PROMPTS, TEXT_PATH, agreement, greedy_tokens, perplexity
+from benchmarks.quant_quality import PROMPTS, TEXT_PATH, agreement, decode_perplexity, greedy_tokens, perplexity
 from common.config.engine_config import CacheConfig, SchedulerConfig
 from common.engine.engine_core import ColocatedEngine
 from common.model.llama import LlamaForCausalLM
@@ -65,6 +67,7 @@ class ModeResult:
     decode_tokens_per_s: float
     offline_tokens_per_s: float
     perplexity: float | None = None
+    decode_perplexity: float | None = None
     token_match: float | None = None
     prefix_tokens: float | None = None
 
@@ -139,6 +142,7 @@ def run_mode(model_dir: Path, mode: str, dtype: str, quick: bool, reference_toke
     # Quality in fp32 whatever the speed dtype: the figures then describe the weights, not bf16 rounding.
     qmodel = load_model(model_dir, dtype="float32", quantization=mode)
     result.perplexity = perplexity(qmodel, text_ids)
+    result.decode_perplexity = decode_perplexity(qmodel, text_ids)
     tokens = greedy_tokens(_engine(qmodel, len(prompt_ids), 64 + AGREEMENT_TOKENS), prompt_ids, AGREEMENT_TOKENS)
     if reference_tokens is not None:
         agree = agreement(reference_tokens, tokens)
@@ -186,12 +190,15 @@ def report_lines(data: dict[str, Any]) -> list[str]:
              f"{data['kernels']}; {data['threads']} threads (Tandem and llama.cpp alike)", "",
              "| mode | dtype | weights held (MB) | streamed per step (MB) | batch-1 decode tok/s | vs none "
              "| vs llama.cpp | GB/s streamed | offline tok/s | vs none | perplexity | vs none "
-             "| greedy token match | identical prefix (of 64) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| decode-path perplexity | vs none | greedy token match | identical prefix (of 64) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ppl_cells(r: dict[str, Any], key: str) -> str:
+        value, ref = r.get(key), none.get(key) if none else None
+        return (f"{value:.3f} | {100 * (value / ref - 1):+.1f}%" if value and ref else
+                f"{value:.3f} | -" if value else "- | -")
+
     for r in modes:
-        ppl = f"{r['perplexity']:.3f}" if r["perplexity"] else "-"
-        ppl_vs = (f"{100 * (r['perplexity'] / none['perplexity'] - 1):+.1f}%"
-                  if r["perplexity"] and none and none["perplexity"] else "-")
         match = f"{100 * r['token_match']:.1f}%" if r["token_match"] is not None else "-"
         prefix = f"{r['prefix_tokens']:.1f}" if r["prefix_tokens"] is not None else "-"
         lines.append(
@@ -199,16 +206,17 @@ def report_lines(data: dict[str, Any]) -> list[str]:
             f"| **{r['decode_tokens_per_s']:.1f}** | {vs_none(r, 'decode_tokens_per_s')} "
             f"| {ratio(r['decode_tokens_per_s'], peer and peer['decode_tokens_per_s'])} "
             f"| {r['streamed_gb_per_s']:.1f} | {r['offline_tokens_per_s']:.1f} | {vs_none(r, 'offline_tokens_per_s')} "
-            f"| {ppl} | {ppl_vs} | {match} | {prefix} |")
+            f"| {ppl_cells(r, 'perplexity')} | {ppl_cells(r, 'decode_perplexity')} | {match} | {prefix} |")
     if peer is not None:
         lines.append(f"| {peer['system']} | Q4_1 (GGUF) | - | - | **{peer['decode_tokens_per_s']:.1f}** | - | 1.00x "
-                     f"| - | {peer['offline_tokens_per_s']:.1f} | - | - | - | - | - |")
+                     f"| - | {peer['offline_tokens_per_s']:.1f} | - | - | - | - | - | - | - |")
         lines += ["", f"llama.cpp offline: {peer['offline_note']}"]
     else:
         lines += ["", f"llama.cpp: {data['llamacpp_note']}"]
     lines += ["", "Modes: int8 = weight-only, one scale per output channel (GGUF Q8_0 blocks as published); "
               "int4 = 4-bit groups of 32 (a GGUF's Q4_0/Q4_1 blocks as published; LM head int8 / Q8_0); "
-              "w8a8 = int8 weights x per-token int8 activations. Perplexity and agreement in fp32; weights "
+              "w8a8 = int8 weights x per-token int8 activations. Decode steps of int8/int4 round the activations to "
+              "int8 blocks of 32 (the tandem_a8 kernels, as llama.cpp does). Perplexity and agreement in fp32; weights "
               "streamed per step exclude the embedding table (one row per token is read)."]
     return lines
 

@@ -5,6 +5,13 @@
 batches (prefill, big decode batches) dequantize a slice of rows at a time into a cache-sized tile in the
 activation dtype and hand it to torch's GEMM, so they run near GEMM speed while DRAM serves packed bytes.
 
+``Int4LinearA8`` / ``Int8LinearA8`` (``tandem_a8``, the CPU default) are the same layers with the decode-size
+GEMV on int8 activations: each row of x is rounded to int8 in blocks of 32 (one fp32 scale each, as
+llama.cpp's Q8 activations) and the packed weights meet it in integer dot products (AVX512-VNNI
+``vpdpbusd``, AVX2 ``vpmaddubsw``). That is ~2x fewer instructions per weight, which a 4-bit GEMV needs
+to stream at memory speed; the activations' rounding costs about 0.5% relative error per product
+(docs/quantization.md has the perplexity). Batches above ``GEMV_MAX_ROWS`` use the float path.
+
 ``Int4LinearTorch`` / ``Int8LinearTorch`` wrap PyTorch's own weight-only ops
 (``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``): well kept, and fast with bf16
 activations on AVX-512, but they run a scalar loop for fp32 activations (docs/quantization.md has the
@@ -48,13 +55,17 @@ class _PackedCPU(QuantizedLinear):
     """
 
     kernel_name = "tandem_cpu"
+    int8_activations = False  # the GEMV rounds x to int8 blocks (the ``tandem_a8`` layers)
     _buffer_names: tuple[str, ...]
 
     def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
         ops = quant_kernels()
         int4 = isinstance(weight, Int4Weight)
-        self._gemv = ops.int4_matmul if int4 else ops.int8_matmul
+        if self.int8_activations:
+            self._gemv = ops.int4_matmul_a8 if int4 else ops.int8_matmul_a8
+        else:
+            self._gemv = ops.int4_matmul if int4 else ops.int8_matmul
         self._dequant = ops.int4_dequantize if int4 else ops.int8_dequantize
         self._buffer_names = ("q", "scales", "zeros") if int4 else ("q", "scales")
         for name in self._buffer_names:
@@ -95,6 +106,16 @@ class Int8LinearCPU(_PackedCPU):
 
     def __init__(self, weight: Int8Weight, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
+
+
+class Int4LinearA8(Int4LinearCPU):
+    kernel_name = "tandem_a8"
+    int8_activations = True
+
+
+class Int8LinearA8(Int8LinearCPU):
+    kernel_name = "tandem_a8"
+    int8_activations = True
 
 
 class Int4LinearTorch(QuantizedLinear):

@@ -11,13 +11,21 @@
 //         and weight j + 16 in its high nibble (GGUF's Q4_1 order); scales, zeros fp16 [N, K/G]:
 //         w = scale * q + zero. G is a multiple of 32.
 //   int8: q int8 [N, K]; scales fp32 [N, K/G]: w = scale * q (G = K: one scale per output channel).
+//
+// ``*_matmul_a8``: the same products with the activations rounded to int8 first, in blocks of 32 with one
+// fp32 scale each (as llama.cpp's Q8 activations), so the inner loop is integer dot products of packed
+// bytes: ``vpmaddubsw`` + ``vpmaddwd`` on AVX2 and AVX-512 builds (AVX512-VNNI's ``vpdpbusd`` measured no
+// faster on Zen 4, and slower for int8 weights), a plain loop otherwise. Per 32 weights that is ~6 instructions instead of ~14, which is what makes a 4-bit GEMV
+// stream at memory speed on two cores. ``formats.reference_a8_matmul`` is its math.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -127,6 +135,18 @@ constexpr int kAccumulators = 32;
 
 constexpr int NV = SUB / VL;  // vectors per sub-block
 
+// A tile reads its R rows' bytes interleaved (row 0's block b, row 1's block b, ...), a pattern the
+// hardware prefetcher follows poorly on short rows, so each step also prefetches the matching bytes of the
+// tile PREFETCH_TILES ahead: the packed matrix arrives at close to the core's streaming rate.
+constexpr int64_t PREFETCH_TILES = 2;
+inline void prefetch(const void* p) {
+#if defined(__AVX2__)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
 inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
 // R output rows x MT activation rows, K reduced. Weights are widened and scaled in registers
@@ -219,13 +239,45 @@ void run_tiles(int64_t M, int64_t N, int R, Tile tile, TileOne tile_one) {
   });
 }
 
-// x: contiguous [M, K], fp32 or bf16 -> fp32 (bf16 widened here: one ATen call, no Python round trip).
-torch::Tensor float_x(const torch::Tensor& x, int64_t K) {
+// x: contiguous [M, K], fp32 or bf16, read as fp32: bf16 is widened here into ``scratch`` (no ATen call).
+const float* float_x(const torch::Tensor& x, int64_t K, std::vector<float>& scratch) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
-  return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  const int64_t n = x.numel();
+  scratch.resize(n);
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(&scratch[i], &bits, sizeof(float));
+  }
+  return scratch.data();
 }
+
+// The [M, N] result in x's dtype: fp32 is written in place; bf16 is computed in ``scratch`` and rounded once.
+struct Out {
+  torch::Tensor y;
+  std::vector<float> scratch;
+  float* data;
+  Out(const torch::Tensor& x, int64_t M, int64_t N) : y(torch::empty({M, N}, x.options())) {
+    if (x.scalar_type() == at::kFloat) {
+      data = y.data_ptr<float>();
+    } else {
+      scratch.resize(M * N);
+      data = scratch.data();
+    }
+  }
+  torch::Tensor finish() {
+    if (y.scalar_type() == at::kFloat) return y;
+    const int64_t n = y.numel();
+    auto* dst = y.data_ptr<at::BFloat16>();
+    int64_t i = 0;
+    for (; i + VL <= n; i += VL) vstore(dst + i, vload(data + i));
+    for (; i < n; ++i) dst[i] = at::BFloat16(data[i]);  // round to nearest even, as the vector store
+    return y;
+  }
+};
 
 template <int MT>
 void q4_rows(const float* x, const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t K, int64_t G,
@@ -242,6 +294,189 @@ void q8_rows(const float* x, const int8_t* q, const float* s, int64_t K, int64_t
             [&](int64_t n) { q8_tile<1, MT>(x, K, q, s, K, G, n, y, N); });
 }
 
+void check_int4(const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros, int64_t G,
+                int64_t K) {
+  const int64_t N = q.size(0);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous(), "q must be contiguous uint8 [N, K/2]");
+  TORCH_CHECK(G % SUB == 0 && K % G == 0, "group_size must be a multiple of 32 dividing K");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && zeros.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  zeros.is_contiguous() && scales.numel() == N * (K / G) && zeros.numel() == scales.numel(),
+              "scales, zeros must be contiguous fp16 [N, K/group_size]");
+}
+
+void check_int8(const torch::Tensor& q, const torch::Tensor& scales, int64_t G, int64_t K) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
+  TORCH_CHECK(G % SUB == 0 && K % G == 0, "group_size must be a multiple of 32 dividing K");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == q.size(0) * (K / G),
+              "scales must be contiguous fp32 [N, K/group_size]");
+}
+
+// ---- int8 activations -------------------------------------------------------------------------------
+// x [M, K] -> xq int8 [M, K], per 32-block scale d = max|x| / 127 and d * sum(xq) (the int4 zero term:
+// the sum of the rounded x, so the result is exactly the product with the rounded activations and the
+// rounding of x is not multiplied by the weights' offset). Rounding is to nearest even, as torch.round.
+struct QuantX {
+  std::vector<int8_t> q;
+  std::vector<float> d, gsum;  // [M, K/32] scales; [M, K/G] d * sum(xq) per weight group
+};
+struct QuantXRows {  // rows m0.. of a QuantX
+  const int8_t* q;
+  const float *d, *gsum;
+};
+
+void quantize_x(const float* x, int64_t M, int64_t K, int64_t G, QuantX& out) {
+  const int64_t blocks = K / SUB, per_group = G / SUB;
+  out.q.resize(M * K);
+  out.d.resize(M * blocks);
+  out.gsum.assign(M * (K / G), 0.f);
+  for (int64_t b = 0; b < M * blocks; ++b) {
+    const float* xb = x + b * SUB;
+    float amax = 0.f;
+    for (int j = 0; j < SUB; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t* qb = out.q.data() + b * SUB;
+    int32_t total = 0;
+    for (int j = 0; j < SUB; ++j) {
+      qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      total += qb[j];
+    }
+    out.d[b] = d;
+    out.gsum[b / per_group] += d * static_cast<float>(total);  // blocks of a row never straddle rows: G | K
+  }
+}
+
+#if defined(__AVX2__)
+using vi = __m256i;
+inline vi load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// 16 packed bytes -> the 32 weights of a sub-block in order, one per byte (0..15).
+inline vi q4_bytes(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+// 8 int32 lanes, each the sum of 4 products of unsigned bytes u and signed bytes s.
+inline vi dot_u8s8(vi u, vi s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));  // |pair sums| <= 2*128*127
+}
+inline vi q4_dot(const uint8_t* w, const int8_t* x) { return dot_u8s8(q4_bytes(w), load32(x)); }
+inline vi q8_dot(const int8_t* w, const int8_t* x) {  // signed x signed: |w| times x carrying w's sign
+  const vi wv = load32(w);
+  return dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(load32(x), wv));
+}
+using vacc = __m256;
+inline vacc acc_zero() { return _mm256_setzero_ps(); }
+inline vacc acc_add(vi dot, float scale, vacc acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc);
+}
+inline float acc_sum(vacc a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+constexpr int kA8Accumulators = 8;  // 16 accumulators measured no faster on AVX-512 (32 registers)
+#else
+using vi = int32_t;
+inline vi q4_dot(const uint8_t* w, const int8_t* x) {
+  int32_t total = 0;
+  for (int j = 0; j < 16; ++j) total += (w[j] & 0x0F) * x[j] + (w[j] >> 4) * x[j + 16];
+  return total;
+}
+inline vi q8_dot(const int8_t* w, const int8_t* x) {
+  int32_t total = 0;
+  for (int j = 0; j < SUB; ++j) total += w[j] * x[j];
+  return total;
+}
+using vacc = float;
+inline vacc acc_zero() { return 0.f; }
+inline vacc acc_add(vi dot, float scale, vacc acc) { return static_cast<float>(dot) * scale + acc; }
+inline float acc_sum(vacc a) { return a; }
+constexpr int kA8Accumulators = 8;
+#endif
+
+// fp16 -> fp32, 8 at a time where the build has F16C.
+inline void halves_to_floats(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+// R weight rows x MT activation rows. Each sub-block adds dot(q, xq) * (scale * d_x) in fp32, in block
+// order, so a row's result does not depend on how many rows share its tile (speculative verification
+// rows equal plain decode rows); int4 then adds sum over groups of zero * sum(rounded x in the group).
+// The tile's fp16 scales and zeros are widened once up front, 8 per instruction, not per block.
+template <int R, int MT, bool INT4>
+void a8_tile(const QuantXRows& xq, int64_t K, int64_t G, const void* qv, const void* sv, const uint16_t* z,
+             int64_t n0, float* y, int64_t ldy) {
+  const int64_t blocks = K / SUB, groups = K / G, per_group = G / SUB;
+  const bool per_row = !INT4 && groups == 1;
+  thread_local std::vector<float> widened;
+  const float* sc;  // [R, groups] scales of the tile's rows
+  const float* zc = nullptr;  // [R, groups] zeros (int4)
+  if constexpr (INT4) {
+    widened.resize(2 * R * groups);
+    for (int r = 0; r < R; ++r) {
+      halves_to_floats(static_cast<const uint16_t*>(sv) + (n0 + r) * groups, widened.data() + r * groups, groups);
+      halves_to_floats(z + (n0 + r) * groups, widened.data() + (R + r) * groups, groups);
+    }
+    sc = widened.data();
+    zc = sc + R * groups;
+  } else {
+    sc = static_cast<const float*>(sv) + n0 * groups;
+  }
+  vacc acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = acc_zero();
+  const int64_t block_bytes = INT4 ? SUB / 2 : SUB;  // packed bytes per sub-block
+  const char* rows = static_cast<const char*>(qv) + n0 * blocks * block_bytes;
+  const char* ahead = rows + PREFETCH_TILES * R * blocks * block_bytes;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t g = b / per_group;
+    for (int r = 0; r < R; ++r) {
+      prefetch(ahead + (b * R + r) * block_bytes);
+      const float scale = per_row ? 1.f : sc[r * groups + g];
+      const char* wb = rows + (r * blocks + b) * block_bytes;
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xb = xq.q + m * K + b * SUB;
+        const vi dot = INT4 ? q4_dot(reinterpret_cast<const uint8_t*>(wb), xb)
+                            : q8_dot(reinterpret_cast<const int8_t*>(wb), xb);
+        acc[r][m] = acc_add(dot, scale * xq.d[m * blocks + b], acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) {
+      float total = acc_sum(acc[r][m]);
+      if constexpr (INT4) {
+        for (int64_t g = 0; g < groups; ++g) total += zc[r * groups + g] * xq.gsum[m * groups + g];
+      }
+      if (per_row) total *= sc[r];
+      y[m * ldy + n0 + r] = total;
+    }
+}
+
+template <int MT, bool INT4>
+void a8_rows(const QuantX& xq, int64_t m0, int64_t K, int64_t G, int64_t N, const void* q, const void* s,
+             const uint16_t* z, float* y) {
+  constexpr int R = std::max(1, kA8Accumulators / MT);
+  const int64_t blocks = K / SUB;
+  const QuantXRows view{xq.q.data() + m0 * K, xq.d.data() + m0 * blocks, xq.gsum.data() + m0 * (K / G)};
+  run_tiles(MT, N, R, [&](int64_t n0) { a8_tile<R, MT, INT4>(view, K, G, q, s, z, n0, y + m0 * N, N); },
+            [&](int64_t n) { a8_tile<1, MT, INT4>(view, K, G, q, s, z, n, y + m0 * N, N); });
+}
+
+template <bool INT4>
+void a8_matmul(const QuantX& xq, int64_t M, int64_t K, int64_t G, int64_t N, const void* q, const void* s,
+               const uint16_t* z, float* y) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) a8_rows<4, INT4>(xq, m, K, G, N, q, s, z, y);
+  for (; m + 2 <= M; m += 2) a8_rows<2, INT4>(xq, m, K, G, N, q, s, z, y);
+  for (; m < M; ++m) a8_rows<1, INT4>(xq, m, K, G, N, q, s, z, y);
+}
+
 }  // namespace
 
 std::string isa() { return kIsa; }
@@ -249,44 +484,37 @@ std::string isa() { return kIsa; }
 torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor zeros,
                           int64_t group_size) {
   const int64_t N = q.size(0), K = q.size(1) * 2;
-  const auto x32 = float_x(x, K);
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous(), "q must be contiguous uint8 [N, K/2]");
-  TORCH_CHECK(group_size % SUB == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && zeros.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  zeros.is_contiguous() && scales.numel() == N * (K / group_size) && zeros.numel() == scales.numel(),
-              "scales, zeros must be contiguous fp16 [N, K/group_size]");
+  check_int4(q, scales, zeros, group_size, K);
+  std::vector<float> xs;
+  const float* xp = float_x(x, K, xs);
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x32.options());
+  Out out(x, M, N);
   const auto* qp = q.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::Half>());
-  const float* xp = x32.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  float* yp = out.data;
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) q4_rows<4>(xp + m * K, qp, sp, zp, K, group_size, N, yp + m * N);
   for (; m + 2 <= M; m += 2) q4_rows<2>(xp + m * K, qp, sp, zp, K, group_size, N, yp + m * N);
   for (; m < M; ++m) q4_rows<1>(xp + m * K, qp, sp, zp, K, group_size, N, yp + m * N);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return out.finish();
 }
 
 torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scales, int64_t group_size) {
   const int64_t N = q.size(0), K = q.size(1);
-  const auto x32 = float_x(x, K);
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8 [N, K]");
-  TORCH_CHECK(group_size % SUB == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / group_size),
-              "scales must be contiguous fp32 [N, K/group_size]");
+  check_int8(q, scales, group_size, K);
+  std::vector<float> xs;
+  const float* xp = float_x(x, K, xs);
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x32.options());
+  Out out(x, M, N);
   const auto* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  const float* xp = x32.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  float* yp = out.data;
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) q8_rows<4>(xp + m * K, qp, sp, K, group_size, N, yp + m * N);
   for (; m + 2 <= M; m += 2) q8_rows<2>(xp + m * K, qp, sp, K, group_size, N, yp + m * N);
   for (; m < M; ++m) q8_rows<1>(xp + m * K, qp, sp, K, group_size, N, yp + m * N);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return out.finish();
 }
 
 // Rows [row0, row1) of the weight in the activation dtype (fp32 or bf16), [row1 - row0, K]: large batches
@@ -343,4 +571,28 @@ torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scales, int64_t gro
     unpack_q8(qp + n * K + k, w);
     for (int v = 0; v < NV; ++v) vstore(out + v * VL, vmul(w[v], sc));
   });
+}
+
+torch::Tensor int4_matmul_a8(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor zeros,
+                             int64_t group_size) {
+  const int64_t N = q.size(0), K = q.size(1) * 2, M = x.size(0);
+  check_int4(q, scales, zeros, group_size, K);
+  std::vector<float> xs;
+  QuantX xq;
+  quantize_x(float_x(x, K, xs), M, K, group_size, xq);
+  Out out(x, M, N);
+  a8_matmul<true>(xq, M, K, group_size, N, q.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                  reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::Half>()), out.data);
+  return out.finish();
+}
+
+torch::Tensor int8_matmul_a8(torch::Tensor x, torch::Tensor q, torch::Tensor scales, int64_t group_size) {
+  const int64_t N = q.size(0), K = q.size(1), M = x.size(0);
+  check_int8(q, scales, group_size, K);
+  std::vector<float> xs;
+  QuantX xq;
+  quantize_x(float_x(x, K, xs), M, K, group_size, xq);
+  Out out(x, M, N);
+  a8_matmul<false>(xq, M, K, group_size, N, q.data_ptr<int8_t>(), scales.data_ptr<float>(), nullptr, out.data);
+  return out.finish();
 }

@@ -164,6 +164,21 @@ def reference_fp8_matmul(x: torch.Tensor, weight: FP8Weight) -> torch.Tensor:
     return (xq.float() @ weight.q.float().T) * xs * weight.scales.view(1, -1)
 
 
+def quantize_blocks_int8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [M, K] rounded as the ``tandem_a8`` kernels round it: int8 in blocks of ``block`` along K, one fp32
+    scale ``max|x| / 127`` per block, to nearest even; returns the dequantized fp32 activations."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // block, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv) * (amax / 127.0)).reshape(m, k)
+
+
+def reference_a8_matmul(x: torch.Tensor, weight: Int4Weight | Int8Weight) -> torch.Tensor:
+    """What ``int4_matmul_a8`` / ``int8_matmul_a8`` compute: block-rounded activations times the weight."""
+    return quantize_blocks_int8(x) @ weight.dequantize().T
+
+
 def reference_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x: [M, K] -> [M, N] in fp32 through the dequantized weight: the oracle of every kernel."""
     return x.float() @ weight.dequantize().T

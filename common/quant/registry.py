@@ -1,6 +1,7 @@
 """Which ``QuantizedLinear`` runs a packed weight: by format and device, or by name.
 
-``auto`` takes the first entry for the device. CPU: Tandem's kernels (``tandem_cpu``), PyTorch's ops
+``auto`` takes the first entry for the device. CPU: Tandem's kernels with int8-rounded activations at decode
+sizes (``tandem_a8``) or float activations (``tandem_cpu``), PyTorch's ops
 (``torch``), W8A8 integer GEMM (``int_mm``, what ``--quantization w8a8`` runs), ``reference``. CUDA:
 Triton weight-only kernels for int8/int4 (``triton``), PyTorch's tinygemm int4 op (``torch``),
 ``torch._scaled_mm`` for fp8 (``scaled_mm``), ``reference``. Classes are imported lazily, so
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 KERNEL_FLAG = "--quantization-kernel"
 # (format, device type) -> kernel names, preferred first
 KERNELS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("int4", "cpu"): ("tandem_cpu", "torch", "reference"),
-    ("int8", "cpu"): ("tandem_cpu", "torch", "int_mm", "reference"),
+    ("int4", "cpu"): ("tandem_a8", "tandem_cpu", "torch", "reference"),
+    ("int8", "cpu"): ("tandem_a8", "tandem_cpu", "torch", "int_mm", "reference"),
     ("fp8", "cpu"): ("reference",),
     ("int4", "cuda"): ("triton", "torch", "reference"),
     ("int8", "cuda"): ("triton", "int_mm", "reference"),
@@ -64,11 +65,13 @@ def make_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torc
         from common.quant import cpu_linear
 
         if isinstance(weight, Int4Weight):
-            return cpu_linear.Int4LinearCPU(weight, bias) if name == "tandem_cpu" else \
-                cpu_linear.Int4LinearTorch(weight, bias, dtype)
+            if name == "torch":
+                return cpu_linear.Int4LinearTorch(weight, bias, dtype)
+            return (cpu_linear.Int4LinearA8 if name == "tandem_a8" else cpu_linear.Int4LinearCPU)(weight, bias)
         assert isinstance(weight, Int8Weight)
-        return cpu_linear.Int8LinearCPU(weight, bias) if name == "tandem_cpu" else \
-            cpu_linear.Int8LinearTorch(weight, bias, dtype)
+        if name == "torch":
+            return cpu_linear.Int8LinearTorch(weight, bias, dtype)
+        return (cpu_linear.Int8LinearA8 if name == "tandem_a8" else cpu_linear.Int8LinearCPU)(weight, bias)
     from common.quant import gpu_linear
 
     if isinstance(weight, FP8Weight):

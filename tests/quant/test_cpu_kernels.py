@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.quant.cpu_kernels import best_isa, cpu_flags, quant_kernels, runnable_isas
-from common.quant.formats import quantize_int4, quantize_int8, reference_matmul
+from common.quant.formats import quantize_int4, quantize_int8, reference_a8_matmul, reference_matmul
 
 # The widest build and the next one (AVX-512 and AVX2 on AVX-512 machines, AVX2 and plain C++ on AVX2 ones):
 # each build compiles for about a minute on a fresh machine.
@@ -47,6 +47,52 @@ def test_int8_matmul_matches_reference(ops: object, m: int, k: int, n: int, grou
     q = quantize_int8(w, None if per_channel else group)
     y = ops.int8_matmul(x, q.q, q.scales, q.group_size)  # type: ignore[attr-defined]
     torch.testing.assert_close(y, reference_matmul(x, q), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize(("k", "n", "group"), SHAPES)
+@pytest.mark.parametrize("fmt", ["int4", "int8", "int8-grouped"])
+def test_int8_activation_matmuls_match_their_reference(ops: object, m: int, k: int, n: int, group: int,
+                                                       fmt: str) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    if fmt == "int4":
+        q4 = quantize_int4(w, group)
+        y = ops.int4_matmul_a8(x, q4.q, q4.scales, q4.zeros, group)  # type: ignore[attr-defined]
+        want = reference_a8_matmul(x, q4)
+    else:
+        q8 = quantize_int8(w, group if fmt == "int8-grouped" else None)
+        y = ops.int8_matmul_a8(x, q8.q, q8.scales, q8.group_size)  # type: ignore[attr-defined]
+        want = reference_a8_matmul(x, q8)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
+    # the rounding costs about 0.5% of the float product, not more
+    exact = reference_matmul(x, q4 if fmt == "int4" else q8)
+    assert (y - exact).norm() <= 0.02 * exact.norm()
+
+
+@pytest.mark.parametrize("fn", ["int4_matmul_a8", "int4_matmul"])
+def test_a_row_does_not_depend_on_the_rows_beside_it(ops: object, fn: str) -> None:
+    # Speculative verification multiplies k + 1 rows where plain decoding multiplies one: the same row must
+    # give the same bits whichever tile shape (4, 2, 1 rows) it lands in.
+    gen = torch.Generator().manual_seed(3)
+    q = quantize_int4(torch.randn(40, 128, generator=gen), 32)
+    x = torch.randn(7, 128, generator=gen)
+    kernel = getattr(ops, fn)
+    together = kernel(x, q.q, q.scales, q.zeros, 32)
+    for i in range(7):
+        assert torch.equal(kernel(x[i : i + 1].contiguous(), q.q, q.scales, q.zeros, 32)[0], together[i])
+
+
+def test_bf16_activations_in_and_out(ops: object) -> None:
+    gen = torch.Generator().manual_seed(5)
+    q = quantize_int4(torch.randn(40, 128, generator=gen), 32)
+    x = torch.randn(3, 128, generator=gen).bfloat16()
+    for fn in ("int4_matmul", "int4_matmul_a8"):
+        y = getattr(ops, fn)(x, q.q, q.scales, q.zeros, 32)
+        want = getattr(ops, fn)(x.float(), q.q, q.scales, q.zeros, 32)
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, want.bfloat16())  # widened exactly, rounded once to nearest even
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

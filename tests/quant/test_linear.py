@@ -16,6 +16,7 @@ from common.quant.formats import (
     quantize_fp8,
     quantize_int4,
     quantize_int8,
+    reference_a8_matmul,
     reference_fp8_matmul,
     reference_matmul,
     reference_w8a8_matmul,
@@ -40,13 +41,28 @@ def test_tandem_cpu_linear_matches_reference(fmt: str, m: int, dtype: torch.dtyp
     w, x = _data(m)
     weight = quantize_int4(w, 64) if fmt == "int4" else quantize_int8(w, 32 if fmt == "int8-grouped" else None)
     bias = torch.randn(48)
-    linear = make_linear(weight, bias, CPU, dtype)
+    linear = make_linear(weight, bias, CPU, dtype, kernel="tandem_cpu")
     assert linear.kernel_name == "tandem_cpu"
     y = linear(x.to(dtype).view(1, m, 128))  # leading dims are kept, like nn.Linear
     assert y.shape == (1, m, 48) and y.dtype == dtype
     expected = reference_matmul(x.to(dtype), weight) + bias
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(y[0].float(), expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 40])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "int8-grouped"])
+def test_the_default_cpu_linear_rounds_activations_only_at_decode_sizes(fmt: str, m: int, dtype: torch.dtype) -> None:
+    w, x = _data(m)
+    weight = quantize_int4(w, 64) if fmt == "int4" else quantize_int8(w, 32 if fmt == "int8-grouped" else None)
+    linear = make_linear(weight, None, CPU, dtype)
+    assert linear.kernel_name == "tandem_a8"
+    y = linear(x.to(dtype))
+    assert y.dtype == dtype
+    reference = reference_a8_matmul if m <= GEMV_MAX_ROWS else reference_matmul
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(y.float(), reference(x.to(dtype), weight), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
@@ -92,7 +108,7 @@ def test_fp8_scaled_mm_math_matches_reference_on_cpu() -> None:
 def test_unknown_kernel_names_the_flag_and_the_choices() -> None:
     w, _ = _data(1)
     with pytest.raises(ValueError, match=r"--quantization-kernel 'triton' cannot run int4 weights on cpu; "
-                                         r"choose auto or one of tandem_cpu, torch, reference"):
+                                         r"choose auto or one of tandem_a8, tandem_cpu, torch, reference"):
         make_linear(quantize_int4(w, 32), None, CPU, torch.float32, kernel="triton")
     assert kernel_names("fp8", torch.device("cuda")) == ("scaled_mm", "reference")
 
