@@ -59,7 +59,7 @@ def _build() -> ModuleType | None:
         # < seq_len are read), so finite-math assumptions hold.
         flags = ["-O3", "-fopenmp", "-ffast-math", *ISA_FLAGS[isa]]
         module = load_inline(
-            name=f"tandem_cpu_decode_{isa}", cpp_sources=[_SOURCE.read_text()], functions=["paged_decode"],
+            name=f"tandem_cpu_decode_{isa}", cpp_sources=[_SOURCE.read_text()], functions=["paged_decode", "write_kv"],
             extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch path serves instead

@@ -10,6 +10,7 @@ already in the paged cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -21,7 +22,8 @@ class AttentionMetadata:
     """Shapes and indices of one ragged batch.
 
     Tensors live on the model's device. The ``*_cpu`` tuples are host copies of the same numbers so
-    backends that loop over sequences never synchronise with the device to read them.
+    backends that loop over sequences never synchronise with the device to read them. The derived sizes
+    are computed once per batch (every layer reads them).
     """
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths, starts at 0
@@ -36,15 +38,15 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         return sum(self.query_lens_cpu)
 
-    @property
+    @cached_property
     def max_query_len(self) -> int:
         return max(self.query_lens_cpu, default=0)
 
-    @property
+    @cached_property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
 
@@ -52,12 +54,12 @@ class AttentionMetadata:
     def context_lens_cpu(self) -> tuple[int, ...]:
         return tuple(s - q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu, strict=True))
 
-    @property
+    @cached_property
     def is_decode_only(self) -> bool:
         """Every sequence adds exactly one token on top of a cached context."""
         return self.max_query_len == 1
 
-    @property
+    @cached_property
     def is_prefill_only(self) -> bool:
         """No sequence has cached context: attention needs only the new tokens' K/V."""
         return all(s == q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu, strict=True))

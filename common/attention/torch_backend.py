@@ -52,7 +52,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         if kv_cache is not None and meta.slot_mapping is not None:
-            write_kv(kv_cache[0], kv_cache[1], key, value, meta.slot_mapping)
+            self._write_kv(kv_cache[0], kv_cache[1], key, value, meta.slot_mapping)
         if meta.is_prefill_only:
             return prefill_attention(query, key, value, meta.query_lens_cpu, scale)
         if kv_cache is None or meta.block_tables is None:
@@ -73,14 +73,25 @@ class TorchAttentionBackend(AttentionBackend):
                                  tuple(meta.seq_lens_cpu[i] for i in decode_rows), scale)
         return out
 
+    def _write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+        kernel = paged_decode_kernel() if self.compiled_decode and key.device.type == "cpu" else None
+        if (kernel is not None and key.dtype == key_cache.dtype and key.stride(-1) == 1 and value.stride(-1) == 1
+                and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1):
+            kernel.write_kv(key_cache, value_cache, key, value, slot_mapping)
+        else:
+            write_kv(key_cache, value_cache, key, value, slot_mapping)
+
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: tuple[int, ...],
                 scale: float) -> torch.Tensor:
         kernel = (paged_decode_kernel() if self.compiled_decode and query.device.type == "cpu"
                   and query.dtype in (torch.float32, torch.bfloat16) else None)
         if kernel is not None and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1:
-            return kernel.paged_decode(query.contiguous(), key_cache, value_cache,
-                                                   block_tables.to(torch.int32), seq_lens.to(torch.int64), scale)
+            tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+            lens = seq_lens if seq_lens.dtype in (torch.int32, torch.int64) else seq_lens.to(torch.int64)
+            return kernel.paged_decode(query if query.is_contiguous() else query.contiguous(), key_cache, value_cache,
+                                       tables, lens, scale)
         return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale,
                                       self.decode_chunk_bytes, self.workspace)
 

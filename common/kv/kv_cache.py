@@ -109,7 +109,11 @@ class KVCache:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) views, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
-        return self.data[:, layer_idx, 0], self.data[:, layer_idx, 1]
+        views = self.__dict__.get("_layer_views")
+        if views is None or views[0] is not self.data:  # made once per tensor: every layer asks every step
+            views = (self.data, [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(self.spec.num_layers)])
+            self.__dict__["_layer_views"] = views
+        return views[1][layer_idx]
 
     def blocks(self, start: int, stop: int) -> torch.Tensor:
         """The contiguous view of blocks ``start..stop-1`` (all layers): the unit KV transfer moves."""

@@ -201,10 +201,30 @@ def test_compiled_decode_kernel_against_reference(dtype: torch.dtype) -> None:
     batch = make_batch(*BATCHES["decode"], gqa=3, block_size=16, dtype=dtype)
     key_cache, value_cache = batch.kv_cache
     write_kv(key_cache, value_cache, batch.key, batch.value, batch.meta.slot_mapping)
-    out = kernel.paged_decode(batch.query.contiguous(), key_cache, value_cache, batch.meta.block_tables,
-                              batch.meta.seq_lens.long(), batch.query.shape[-1] ** -0.5)
     want = reference_paged_attention(batch.query, key_cache, value_cache, batch.meta, batch.query.shape[-1] ** -0.5)
-    torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    for lens in (batch.meta.seq_lens.long(), batch.meta.seq_lens.int()):  # the metadata's int32 as it is
+        out = kernel.paged_decode(batch.query.contiguous(), key_cache, value_cache, batch.meta.block_tables,
+                                  lens, batch.query.shape[-1] ** -0.5)
+        torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_write_kv_equals_the_torch_scatter(dtype: torch.dtype) -> None:
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("the compiled CPU kernel does not build here")
+    cache = KVCache(KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=8, block_size=4, dtype_name=str(dtype)[6:]), 6)
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 4 * 8 + 2 * 3 * 8, generator=gen).to(dtype)  # k and v as strided views of a projection
+    key = qkv[:, 32:56].view(5, 3, 8)
+    value = qkv[:, 56:].view(5, 3, 8)
+    slots = torch.tensor([0, 5, 6, 23, 13])
+    want = cache.data.clone()
+    write_kv(want[:, 1, 0], want[:, 1, 1], key, value, slots)
+    kernel.write_kv(*cache.layer(1), key, value, slots)
+    assert torch.equal(cache.data, want)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel.write_kv(*cache.layer(1), key[:1], value[:1], torch.tensor([24]))
 
 
 def test_compiled_decode_kernel_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
