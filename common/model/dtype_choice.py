@@ -127,9 +127,14 @@ def measure(dtype_name: str, shape: tuple[int, int]) -> DtypeTiming:
     rows = torch.randn(PREFILL_ROWS, hidden, generator=gen).to(dtype)
     cols = weights[0][: min(out_features, PREFILL_MAX_COLS)]
 
+    from common.model import gemv
+
+    # the decode probe runs the matmul decode steps run: Tandem's GEMV where the loader uses it
+    linear = gemv.linear if gemv.wanted(torch.device("cpu")) else F.linear
+
     def decode() -> None:
         for w in weights:
-            F.linear(row, w)
+            linear(row, w)
 
     with torch.inference_mode():
         decode_s = _best(decode, MEASURE_BUDGET_S) / copies
@@ -153,11 +158,14 @@ def auto_cpu_dtype(home: Path, shape: tuple[int, int] = DEFAULT_SHAPE) -> str:
     """The measured choice for this machine and shape, from the cache or measured now (and cached)."""
     import torch
 
+    from common.model import gemv
     from common.quant.cpu_kernels import cpu_flags
 
     flags = cpu_flags()
     threads = torch.get_num_threads()
-    key = cache_key(cpu_name(), flags, torch.__version__, threads, shape)
+    # which decode matmul was timed is part of the key: a choice measured through another one is stale
+    matmul = "+gemv" if gemv.wanted(torch.device("cpu")) else ""
+    key = cache_key(cpu_name(), flags, torch.__version__ + matmul, threads, shape)
     cached = read_cached(home, key)
     if cached is not None:
         return cached

@@ -8,6 +8,7 @@ chosen ``AttentionBackend``, the only place that knows about the paged KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
@@ -118,6 +119,8 @@ class LlamaForCausalLM(nn.Module):
         )
         # None: the reference forward. The loader sets the fused ops (common/model/fused_ops.py) on CPU.
         self.fused_ops: FusedOps | None = None
+        # The tied LM head's matmul: F.linear, or the CPU GEMV at decode sizes (common/model/gemv.py).
+        self.head_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.linear
 
     @property
     def dtype(self) -> torch.dtype:
@@ -158,5 +161,5 @@ class LlamaForCausalLM(nn.Module):
         # hidden: [n, hidden] -> logits: [n, vocab] in fp32 (sampling wants full precision)
         if self.lm_head is None:
             assert isinstance(self.embed_tokens, nn.Embedding)
-            return nn.functional.linear(hidden, self.embed_tokens.weight).float()
+            return self.head_matmul(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()

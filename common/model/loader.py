@@ -111,8 +111,13 @@ def load_model(
     model.requires_grad_(False)
     from common.model.row_buckets import bucket_linears, wanted
 
-    if wanted(torch.device(device), torch_dtype):  # bounded oneDNN shapes: no per-shape memory growth
+    bucketed = wanted(torch.device(device), torch_dtype)
+    if bucketed:  # bounded oneDNN shapes: no per-shape memory growth
         bucket_linears(model)
+    from common.model import gemv
+
+    if gemv.wanted(torch.device(device)):  # TANDEM_CPU_GEMV=auto|on|off
+        gemv.gemv_linears(model, bucketed)
     from common.model.fused_ops import fused_ops_for
 
     model.fused_ops = fused_ops_for(torch.device(device))  # TANDEM_FUSED_OPS=auto|on|off

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 _FUNCTIONS = ["isa", "int4_matmul", "int8_matmul", "int4_matmul_a8", "int8_matmul_a8", "int4_dequantize",
-              "int8_dequantize"]
+              "int8_dequantize", "dense_matmul"]
 ISA_FLAGS: dict[str, list[str]] = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
