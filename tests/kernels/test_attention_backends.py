@@ -193,12 +193,16 @@ def test_compiled_decode_kernel_builds_here() -> None:
     assert paged_decode_kernel() is not None
 
 
+@pytest.mark.parametrize("gqa", [1, 3, 4])  # query heads per KV head: 1-4 share a sweep over V (2 at 128)
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128: the AVX-512 register-blocked path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_compiled_decode_kernel_against_reference(dtype: torch.dtype) -> None:
+def test_compiled_decode_kernel_against_reference(dtype: torch.dtype, head_dim: int, block_size: int,
+                                                  gqa: int) -> None:
     kernel = paged_decode_kernel()
     if kernel is None:
         pytest.skip("the compiled CPU kernel does not build here")
-    batch = make_batch(*BATCHES["decode"], gqa=3, block_size=16, dtype=dtype)
+    batch = make_batch(*BATCHES["decode"], gqa=gqa, head_dim=head_dim, block_size=block_size, dtype=dtype)
     key_cache, value_cache = batch.kv_cache
     write_kv(key_cache, value_cache, batch.key, batch.value, batch.meta.slot_mapping)
     want = reference_paged_attention(batch.query, key_cache, value_cache, batch.meta, batch.query.shape[-1] ** -0.5)
