@@ -1,8 +1,9 @@
 // Paged decode attention on CPU: one query token per sequence, read straight from the paged KV cache.
 //
-// On AVX-512 builds, head_dim 64 and 128 take a register-blocked path (decode_sequences_avx512 below):
-// measured for 64 sequences x 192 tokens x 30 layers of SmolLM2's heads (bf16, 2 threads), 36 ms -> 19-22
-// ms (8 -> 13-15 GB/s of KV). The generic loop below serves other head sizes and AVX2 builds.
+// On AVX-512 and AVX2 builds, head_dim 4, 8 or 16 vectors wide (64/128/256 on AVX-512, 32/64/128 on AVX2)
+// takes a register-blocked path (decode_sequences_simd below): measured for 64 sequences x 192 tokens x 30
+// layers of SmolLM2's heads (bf16, 2 threads, AVX-512), 36 ms -> 19-22 ms (8 -> 13-15 GB/s of KV). The
+// generic loop serves other head sizes and plain builds.
 //
 // The torch path gathers every sequence's K/V into scratch buffers, copies them head-major and runs two
 // small batched GEMMs: three passes over the KV bytes and many tiny ops per layer. This kernel reads
@@ -114,91 +115,141 @@ void decode_sequences(const scalar_t* q, const scalar_t* kc, const scalar_t* vc,
 }
 
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
-// AVX-512, head_dim = 16 * ND (64, 128): per (sequence, query head), K and V rows held in registers as ND
-// vectors. Scores: each token's ND products fold into one vector, and 16 tokens' vectors reduce to one
-// vector of 16 scores in a shuffle tree (~3 instructions a token, where a horizontal sum per token takes
-// ~8). Output: the ND accumulators stay in registers over all tokens (no load/store per token). bf16 rows
-// are read as even/odd 32-bit lanes (the low half shifted up, the high half masked: exact), so q and the
-// output are kept in that lane order and put back at the end. A query head's K/V rows come from DRAM for
-// the first head of its group and from cache for the others.
-inline void row_to_vectors(const float* p, __m512* v, int nd) {
-  for (int i = 0; i < nd; ++i) v[i] = _mm512_loadu_ps(p + 16 * i);
+// SIMD path for head_dim a multiple of 2W (W fp32 lanes: 16 on AVX-512, 8 on AVX2): per (sequence, query
+// head), K and V rows held in registers as ND = D / W vectors. Scores: each token's ND products fold into
+// one vector, and W tokens' vectors reduce to one vector of W scores in a shuffle tree (~3 instructions a
+// token, where a horizontal sum per token takes ~8). Output: the accumulators stay in registers over all
+// tokens, for as many of a KV head's query heads as fit, so each V row is read and widened once for them.
+// bf16 rows are read as even/odd 32-bit lanes (the low half shifted up, the high half masked: exact), so q
+// and the output are kept in that lane order and put back at the end.
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int W = 16;
+constexpr int kRegisters = 32;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
+inline vec vset1(float a) { return _mm512_set1_ps(a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline void load_pairs(const c10::BFloat16* p, vec& even, vec& odd) {  // 2W bf16
+  const __m512i raw = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
-inline void row_to_vectors(const c10::BFloat16* p, __m512* v, int nd) {
-  const __m512i mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int i = 0; i < nd; i += 2) {
-    const __m512i raw = _mm512_loadu_si512(reinterpret_cast<const uint16_t*>(p) + 16 * i);
-    v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-    v[i + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, mask));
-  }
-}
-// The order row_to_vectors gives: fp32 as it is; bf16, per 32 elements, the even ones then the odd ones.
-template <typename scalar_t>
-inline int64_t lane_of(int64_t d) {
-  if constexpr (std::is_same_v<scalar_t, float>) return d;
-  const int64_t base = d & ~int64_t{31}, j = d & 31;
-  return base + (j & 1) * 16 + (j >> 1);
-}
-
-// 16 vectors -> one vector whose lane i is the sum of v[i]'s lanes.
-inline __m512 reduce16(__m512* v) {
-  __m512 s[8], u[4];
+// W vectors -> one vector whose lane i is the sum of v[i]'s lanes.
+inline vec reduce_lanes(vec* v) {
+  vec s[8], u[4];
   for (int j = 0; j < 8; ++j)
     s[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
   for (int j = 0; j < 4; ++j) {
     const __m512d c = _mm512_castps_pd(s[2 * j]), d = _mm512_castps_pd(s[2 * j + 1]);
-    u[j] = _mm512_castpd_ps(_mm512_add_pd(_mm512_castps_pd(_mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)))), _mm512_setzero_pd()));
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
   }
-  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  const vec x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const vec x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
+#else
+using vec = __m256;
+constexpr int W = 8;
+constexpr int kRegisters = 16;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
+inline vec vset1(float a) { return _mm256_set1_ps(a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline void load_pairs(const c10::BFloat16* p, vec& even, vec& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline vec reduce_lanes(vec* v) {
+  vec s[4], u[2];
+  for (int j = 0; j < 4; ++j)
+    s[j] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm256_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 2; ++j) {
+    const __m256d c = _mm256_castps_pd(s[2 * j]), d = _mm256_castps_pd(s[2 * j + 1]);
+    u[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(c, d)), _mm256_castpd_ps(_mm256_unpackhi_pd(c, d)));
+  }
+  // u[j]: tokens 4j..4j+3 in each 128-bit half; add the halves, tokens 0-3 low, 4-7 high
+  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+#endif
 
-// out[g] = sum_t p[g][t] * v_t for GN query heads of one KV head at once: each V row is read and widened
-// once for the GN heads, whose GN * ND accumulators stay in registers.
+inline void row_to_vectors(const float* p, vec* v, int nd) {
+  for (int i = 0; i < nd; ++i) v[i] = vload(p + W * i);
+}
+inline void row_to_vectors(const c10::BFloat16* p, vec* v, int nd) {
+  for (int i = 0; i < nd; i += 2) load_pairs(p + W * i, v[i], v[i + 1]);
+}
+// The order row_to_vectors gives: fp32 as it is; bf16, per 2W elements, the even ones then the odd ones.
+template <typename scalar_t>
+inline int64_t lane_of(int64_t d) {
+  if constexpr (std::is_same_v<scalar_t, float>) return d;
+  const int64_t base = d & ~int64_t{2 * W - 1}, j = d & (2 * W - 1);
+  return base + (j & 1) * W + (j >> 1);
+}
+
+// out[g] = sum_t p[g][t] * v_t for GN query heads of one KV head at once.
 template <typename scalar_t, int ND, int GN>
 void weighted_values(const scalar_t* const* vrows, int64_t len, const float* const* p, float* const* outs) {
-  __m512 acc[GN][ND];
+  vec acc[GN][ND];
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int j = 0; j < ND; ++j) acc[g][j] = vzero();
   for (int64_t t = 0; t < len; ++t) {
-    __m512 vv[ND];
+    vec vv[ND];
     row_to_vectors(vrows[t], vv, ND);
     for (int g = 0; g < GN; ++g) {
-      const __m512 pt = _mm512_set1_ps(p[g][t]);
-      for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_fmadd_ps(pt, vv[j], acc[g][j]);
+      const vec pt = vset1(p[g][t]);
+      for (int j = 0; j < ND; ++j) acc[g][j] = vfma(pt, vv[j], acc[g][j]);
     }
   }
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < ND; ++j) _mm512_storeu_ps(outs[g] + 16 * j, acc[g][j]);
+    for (int j = 0; j < ND; ++j) vstore(outs[g] + W * j, acc[g][j]);
+}
+
+// Query heads whose accumulators fit in registers beside one V row: 1 to 4.
+template <int ND>
+constexpr int max_heads() {
+  return std::max(1, std::min(4, kRegisters / ND - 1));
 }
 
 template <typename scalar_t, int ND>
 void weighted_values_n(int gn, const scalar_t* const* vrows, int64_t len, const float* const* p, float* const* outs) {
-  static_assert(16 / ND >= 2, "at least two heads per pass");
-  if (gn >= 4 && 16 / ND >= 4) return weighted_values<scalar_t, ND, (16 / ND >= 4 ? 4 : 1)>(vrows, len, p, outs);
-  if (gn == 3 && 16 / ND >= 3) return weighted_values<scalar_t, ND, (16 / ND >= 3 ? 3 : 1)>(vrows, len, p, outs);
-  if (gn >= 2) return weighted_values<scalar_t, ND, 2>(vrows, len, p, outs);
+  constexpr int M = max_heads<ND>();
+  if constexpr (M >= 4) {
+    if (gn >= 4) return weighted_values<scalar_t, ND, 4>(vrows, len, p, outs);
+  }
+  if constexpr (M >= 3) {
+    if (gn == 3) return weighted_values<scalar_t, ND, 3>(vrows, len, p, outs);
+  }
+  if constexpr (M >= 2) {
+    if (gn >= 2) return weighted_values<scalar_t, ND, 2>(vrows, len, p, outs);
+  }
   weighted_values<scalar_t, ND, 1>(vrows, len, p, outs);
 }
 
 template <typename scalar_t, int ND>
-void decode_sequences_avx512(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t kstride[3],
-                             const int64_t vstride[3], const int32_t* tables, int64_t table_stride,
-                             const int64_t* lens, scalar_t* out, int64_t H, int64_t Hkv, int64_t block_size,
-                             float scale, int64_t begin, int64_t end) {
-  constexpr int64_t D = 16 * ND;
-  constexpr int kMaxHeads = 16 / ND;  // query heads of a group whose output accumulators fit in registers
+void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t kstride[3],
+                           const int64_t vstride[3], const int32_t* tables, int64_t table_stride,
+                           const int64_t* lens, scalar_t* out, int64_t H, int64_t Hkv, int64_t block_size,
+                           float scale, int64_t begin, int64_t end) {
+  static_assert(ND % 2 == 0, "head_dim must be a multiple of 2W");
+  constexpr int64_t D = W * ND;
+  constexpr int kMaxHeads = max_heads<ND>();
   const int64_t G = H / Hkv;
   std::vector<float> qf(D), scores, of(G * D);
   std::vector<const scalar_t*> krows, vrows;  // a KV head's rows, token by token (no division per token)
   for (int64_t s = begin; s < end; ++s) {
     const int64_t len = lens[s];
     const int32_t* table = tables + s * table_stride;
-    const int64_t stride = len + 16;  // a head's scores (padded for the last 16-token store)
+    const int64_t stride = len + W;  // a head's scores (padded for the last W-token store)
     scores.resize(G * stride);
     krows.resize(len);
     vrows.resize(len);
@@ -211,31 +262,31 @@ void decode_sequences_avx512(const scalar_t* q, const scalar_t* kc, const scalar
           vrows[t] = vp + (t - start) * vstride[1];
         }
       }
-      // Pass 1: each query head's scores, 16 tokens at a time; softmax.
+      // Pass 1: each query head's scores, W tokens at a time; softmax.
       for (int64_t g = 0; g < G; ++g) {
         const scalar_t* qh = q + (s * H + h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) qf[lane_of<scalar_t>(d)] = static_cast<float>(qh[d]) * scale;
-        __m512 qv[ND];
+        vec qv[ND];
         row_to_vectors(qf.data(), qv, ND);
         float* sc = scores.data() + g * stride;
-        __m512 part[16];
-        for (int64_t t0 = 0; t0 < len; t0 += 16) {
-          const int64_t n = std::min<int64_t>(16, len - t0);
-          for (int64_t i = 0; i < 16; ++i) {
+        vec part[W];
+        for (int64_t t0 = 0; t0 < len; t0 += W) {
+          const int64_t n = std::min<int64_t>(W, len - t0);
+          for (int64_t i = 0; i < W; ++i) {
             if (i >= n) {
-              part[i] = _mm512_setzero_ps();
+              part[i] = vzero();
               continue;
             }
-            __m512 kv[ND];
+            vec kv[ND];
             row_to_vectors(krows[t0 + i], kv, ND);
-            __m512 a = _mm512_mul_ps(kv[0], qv[0]), c = _mm512_mul_ps(kv[1], qv[1]);
+            vec a = vmul(kv[0], qv[0]), c = vmul(kv[1], qv[1]);
             for (int j = 2; j < ND; j += 2) {
-              a = _mm512_fmadd_ps(kv[j], qv[j], a);
-              c = _mm512_fmadd_ps(kv[j + 1], qv[j + 1], c);
+              a = vfma(kv[j], qv[j], a);
+              c = vfma(kv[j + 1], qv[j + 1], c);
             }
-            part[i] = _mm512_add_ps(a, c);
+            part[i] = vadd(a, c);
           }
-          _mm512_storeu_ps(sc + t0, reduce16(part));
+          vstore(sc + t0, reduce_lanes(part));
         }
         softmax_row(sc, len);
       }
@@ -294,18 +345,24 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
     scalar_t* o = out.data_ptr<scalar_t>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
       if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (D == 64) {
-        decode_sequences_avx512<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(),
+        if (D == 4 * W) {
+          decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(),
                                              o, H, Hkv, block_size, static_cast<float>(scale), begin, end);
-        return;
-      }
-      if (D == 128) {
-        decode_sequences_avx512<scalar_t, 8>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(),
+          return;
+        }
+        if (D == 8 * W) {
+          decode_sequences_simd<scalar_t, 8>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(),
                                              o, H, Hkv, block_size, static_cast<float>(scale), begin, end);
-        return;
-      }
+          return;
+        }
+        if (D == 16 * W) {
+          decode_sequences_simd<scalar_t, 16>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0),
+                                              lens.data(), o, H, Hkv, block_size, static_cast<float>(scale), begin,
+                                              end);
+          return;
+        }
       }
 #endif
       decode_sequences<scalar_t>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(), o, H, Hkv, D,
