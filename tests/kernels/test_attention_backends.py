@@ -212,6 +212,36 @@ def test_compiled_decode_kernel_against_reference(dtype: torch.dtype, head_dim: 
         torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+def test_the_avx2_build_of_the_decode_kernel_on_an_avx512_machine() -> None:
+    # The kernel module is built for the widest ISA this CPU runs; the AVX2 build's SIMD path (other
+    # vector width, other reductions) is checked in a process that forces it, as AVX2 machines run it.
+    from common.quant.cpu_kernels import runnable_isas
+
+    if "avx2" not in runnable_isas() or runnable_isas()[0] == "avx2":
+        pytest.skip("this machine runs the AVX2 build in the test above already, or cannot run it")
+    script = (
+        "import torch, sys; sys.path.insert(0, 'tests/kernels'); sys.path.insert(0, '.');"
+        "from test_attention_backends import BATCHES, make_batch, TOLERANCE;"
+        "from common.attention.cpu_kernels import paged_decode_kernel;"
+        "from common.attention.torch_backend import reference_paged_attention;"
+        "from common.kv.kv_cache import write_kv;"
+        "k = paged_decode_kernel(); assert k is not None and 'avx2' in k.__name__, k\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "  for head_dim in (32, 64, 128):\n"
+        "    b = make_batch(*BATCHES['decode'], gqa=3, head_dim=head_dim, block_size=5, dtype=dtype)\n"
+        "    kc, vc = b.kv_cache; write_kv(kc, vc, b.key, b.value, b.meta.slot_mapping)\n"
+        "    sc = head_dim ** -0.5\n"
+        "    out = k.paged_decode(b.query.contiguous(), kc, vc, b.meta.block_tables, b.meta.seq_lens, sc)\n"
+        "    want = reference_paged_attention(b.query, kc, vc, b.meta, sc)\n"
+        "    torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])\n"
+        "print('ok')"
+    )
+    env = {**os.environ, "TANDEM_CPU_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_write_kv_equals_the_torch_scatter(dtype: torch.dtype) -> None:
     kernel = paged_decode_kernel()
