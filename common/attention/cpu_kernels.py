@@ -22,7 +22,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_kv_write.cpp")]
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -59,7 +59,8 @@ def _build() -> ModuleType | None:
         # < seq_len are read), so finite-math assumptions hold.
         flags = ["-O3", "-fopenmp", "-ffast-math", *ISA_FLAGS[isa]]
         module = load_inline(
-            name=f"tandem_cpu_decode_{isa}", cpp_sources=[_SOURCE.read_text()], functions=["paged_decode", "write_kv"],
+            name=f"tandem_cpu_decode_{isa}", cpp_sources=["\n".join(p.read_text() for p in _SOURCES)],
+            functions=["paged_decode", "write_kv"],
             extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch path serves instead

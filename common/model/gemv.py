@@ -2,7 +2,7 @@
 
 A decode step multiplies each weight matrix by a handful of rows, so it is bound by streaming the weights
 from DRAM. Measured on a 2-core AVX-512 EPYC (30 matrices of each SmolLM2 shape, out of cache, 2 threads):
-oneDNN's bf16 GEMV streams 11-14 GB/s and MKL's fp32 one 12 GB/s; ``dense_matmul`` (``cpu_quant.cpp``, the
+oneDNN's bf16 GEMV streams 11-14 GB/s and MKL's fp32 one 12 GB/s; ``dense_matmul`` (``common/quant/cpu_gemv.cpp``, the
 quantized kernels' tiling with software prefetch) streams 17-18 GB/s bf16 and 24-25 GB/s fp32, of the
 machine's ~30 GB/s read bandwidth. Rows beyond ``GEMV_MAX_ROWS`` go to ``F.linear`` (row-bucketed for
 16-bit activations, common/model/row_buckets.py).

@@ -1,4 +1,7 @@
-"""The compiled CPU kernels of ``cpu_quant.cpp``, one build per instruction set, picked at run time.
+"""The compiled CPU kernels, one build per instruction set, picked at run time.
+
+One module from four sources: ``cpu_base.cpp`` (the vector layer), ``cpu_quant.cpp``, ``cpu_quant_a8.cpp``,
+``cpu_gemv.cpp``.
 
 The machines Tandem runs on change (AVX2 only one day, AVX-512 the next), so nothing is compiled with
 ``-march=native``: the source is built with explicit flags into a module named after its instruction set
@@ -18,7 +21,9 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+# One translation unit, in this order: the vector layer, then the kernels standing on it.
+_SOURCES = [Path(__file__).with_name(name) for name in
+            ("cpu_base.cpp", "cpu_quant.cpp", "cpu_quant_a8.cpp", "cpu_gemv.cpp")]
 _FUNCTIONS = ["isa", "int4_matmul", "int8_matmul", "int4_matmul_a8", "int8_matmul_a8", "int4_dequantize",
               "int8_dequantize", "dense_matmul"]
 ISA_FLAGS: dict[str, list[str]] = {
@@ -90,7 +95,8 @@ def _build(isa: str) -> ModuleType:
         # -fopenmp: at::parallel_for is inline OpenMP and shares torch's thread pool (libgomp).
         flags = ["-O3", "-fopenmp", *ISA_FLAGS[isa]]
         module = load_inline(
-            name=f"tandem_quant_{isa}", cpp_sources=[_SOURCE.read_text()], functions=_FUNCTIONS,
+            name=f"tandem_quant_{isa}", cpp_sources=["\n".join(p.read_text() for p in _SOURCES)],
+            functions=_FUNCTIONS,
             extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:

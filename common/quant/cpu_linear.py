@@ -1,6 +1,6 @@
 """Quantized linear layers on CPU.
 
-``Int4LinearCPU`` / ``Int8LinearCPU`` run Tandem's kernels (``cpu_quant.cpp``): up to
+``Int4LinearCPU`` / ``Int8LinearCPU`` run Tandem's kernels (``cpu_quant.cpp``; A8: ``cpu_quant_a8.cpp``): up to
 ``GEMV_MAX_ROWS`` activation rows (decode) stream the packed weight once and multiply in registers; larger
 batches (prefill, big decode batches) dequantize a slice of rows at a time into a cache-sized tile in the
 activation dtype and hand it to torch's GEMM, so they run near GEMM speed while DRAM serves packed bytes.
