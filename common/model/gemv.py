@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from common.model.row_buckets import linear_bucketed
+from common.quant.cpu_linear import GEMV_MAX_ROWS  # one limit for float and packed weights
 
 log = logging.getLogger(__name__)
 
-GEMV_MAX_ROWS = 8  # as the quantized kernels (common/quant/cpu_linear.py)
 _FLOATS = (torch.float32, torch.bfloat16)
 _state: dict[str, ModuleType | None] = {}
 
