@@ -25,10 +25,11 @@ from collections.abc import Callable
 import torch
 
 from common.quant.cpu_kernels import quant_kernels
-from common.quant.formats import Int4Weight, Int8Weight
+from common.quant.formats import PANEL_ROWS, Int4Weight, Int8Weight, pack_int8_panels, unpack_int8_panels
 from common.quant.linear import QuantizedLinear
 
 GEMV_MAX_ROWS = 8  # above this, dequantize-and-GEMM wins (measured on AVX2 and AVX-512)
+PANEL_MAX_ROWS_NO_VNNI = 64  # panels without VNNI beat dequantize-and-GEMM up to here (AVX2 build)
 TILE_ELEMENTS = 1 << 19  # weights per dequantized tile: 2 MiB of fp32, stays in L2+L3
 
 
@@ -114,8 +115,61 @@ class Int4LinearA8(Int4LinearCPU):
 
 
 class Int8LinearA8(Int8LinearCPU):
+    """int8 weights on int8-rounded activations. Where the shape allows (out_features a multiple of 16) the
+    weights are held in 16-row panels (``formats.pack_int8_panels``) and every batch size runs
+    ``int8_matmul_panel``: integer dot products 16 output rows at a time (AVX512-VNNI ``vpdpbusd`` where the
+    CPU has it). Without VNNI, batches above ``PANEL_MAX_ROWS_NO_VNNI`` rows dequantize and GEMM instead
+    (measured on the AVX2 build: ``vpmaddubsw`` loses to a float GEMM at prefill sizes)."""
+
     kernel_name = "tandem_a8"
     int8_activations = True
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None) -> None:
+        n, k = weight.shape
+        self.panels = n % PANEL_ROWS == 0 and k % 4 == 0
+        if self.panels:
+            q, scales = pack_int8_panels(weight)
+            weight = Int8Weight(q, scales, weight.group_size)  # the buffers this layer holds
+        super().__init__(weight, bias)
+        if self.panels:
+            self.out_features, self.in_features = n, k
+            ops = quant_kernels()
+            self._panel = ops.int8_matmul_panel
+            self._panel_rows = 1 << 62 if ops.int8_panel_path() == "vnni" else PANEL_MAX_ROWS_NO_VNNI
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.panels:
+            return super().matmul(x)
+        if x.shape[0] > self._panel_rows:
+            return _tiled_gemm(x.contiguous(), self.out_features, self._dequantize).to(x.dtype)
+        if x.dtype is torch.float16:
+            return self._panel(x.float().contiguous(), *self._args, self.group_size).half()
+        return self._panel(x if x.is_contiguous() else x.contiguous(), *self._args, self.group_size)
+
+    def _dequantize(self, row0: int, row1: int, dtype: torch.dtype) -> torch.Tensor:
+        if not self.panels:
+            return super()._dequantize(row0, row1, dtype)
+        q, scales = self._args
+        rows = torch.arange(row0, row1)
+        w = unpack_int8_panels(q, rows).to(dtype)
+        if scales.dim() == 1:
+            return w * scales[row0:row1, None].to(dtype)
+        groups = scales.shape[1]
+        s = scales.permute(0, 2, 1).reshape(-1, groups)[row0:row1].to(dtype)  # [rows, K/G]
+        return (w.view(row1 - row0, groups, -1) * s[..., None]).view(row1 - row0, -1)
+
+    def _int8_q(self) -> torch.Tensor:
+        return unpack_int8_panels(self.q) if self.panels else self.q
+
+    def int8_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.panels:
+            return super().int8_rows(ids)
+        q, scales = self._args
+        rows = unpack_int8_panels(q, ids).float()
+        if scales.dim() == 1:
+            return rows * scales[ids, None]
+        s = scales[ids // PANEL_ROWS, :, ids % PANEL_ROWS]  # [n, K/G]
+        return (rows.view(ids.shape[0], s.shape[1], -1) * s[..., None]).view(ids.shape[0], -1)
 
 
 class Int4LinearTorch(QuantizedLinear):

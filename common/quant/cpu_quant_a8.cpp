@@ -6,37 +6,81 @@
 
 namespace {
 
-// x [M, K] -> xq int8 [M, K], per 32-block scale d = max|x| / 127 and d * sum(xq) (the int4 zero term:
-// the sum of the rounded x, so the result is exactly the product with the rounded activations and the
-// rounding of x is not multiplied by the weights' offset). Rounding is to nearest even, as torch.round.
+// x [M, K] -> xq int8 [M, K], per 32-block scale d = max|x| / 127, the block's integer sum sum(xq) and
+// d * sum(xq) per weight group (the int4 zero term: the sum of the rounded x, so the result is exactly the
+// product with the rounded activations and the rounding of x is not multiplied by the weights' offset).
+// Rounding is to nearest even, as torch.round (the vector conversions round in the default MXCSR mode).
 struct QuantX {
   std::vector<int8_t> q;
   std::vector<float> d, gsum;  // [M, K/32] scales; [M, K/G] d * sum(xq) per weight group
+  std::vector<int32_t> bsum;  // [M, K/32] sum(xq) per block
 };
 struct QuantXRows {  // rows m0.. of a QuantX
   const int8_t* q;
   const float *d, *gsum;
 };
 
-void quantize_x(const float* x, int64_t M, int64_t K, int64_t G, QuantX& out) {
-  const int64_t blocks = K / SUB, per_group = G / SUB;
-  out.q.resize(M * K);
-  out.d.resize(M * blocks);
-  out.gsum.assign(M * (K / G), 0.f);
-  for (int64_t b = 0; b < M * blocks; ++b) {
-    const float* xb = x + b * SUB;
-    float amax = 0.f;
-    for (int j = 0; j < SUB; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int8_t* qb = out.q.data() + b * SUB;
-    int32_t total = 0;
-    for (int j = 0; j < SUB; ++j) {
-      qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-      total += qb[j];
-    }
-    out.d[b] = d;
-    out.gsum[b / per_group] += d * static_cast<float>(total);  // blocks of a row never straddle rows: G | K
+// One 32-block: writes its 32 int8 values, returns sum(q); d is set to the block's scale.
+inline int32_t quantize_block(const float* xb, int8_t* qb, float& d) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  d = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb2 = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(qb2));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb2));
+#elif defined(__AVX2__)
+  __m256 v[4];
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
   }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  d = amax / 127.f;
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm_cvtsi128_si32(t);
+#else
+  float amax = 0.f;
+  for (int j = 0; j < SUB; ++j) amax = std::max(amax, std::fabs(xb[j]));
+  d = amax / 127.f;
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t total = 0;
+  for (int j = 0; j < SUB; ++j) {
+    qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+    total += qb[j];
+  }
+  return total;
+#endif
+}
+
+void quantize_x(const float* x, int64_t M, int64_t K, int64_t G, QuantX& out) {
+  const int64_t blocks = K / SUB, per_group = G / SUB, n = M * blocks;
+  out.q.resize(M * K);
+  out.d.resize(n);
+  out.bsum.resize(n);
+  out.gsum.assign(M * (K / G), 0.f);
+  const auto body = [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) out.bsum[b] = quantize_block(x + b * SUB, out.q.data() + b * SUB, out.d[b]);
+  };
+  if (n >= 2048) at::parallel_for(0, n, 512, body); else body(0, n);
+  for (int64_t b = 0; b < n; ++b)  // blocks of a row never straddle rows: G | K
+    out.gsum[b / per_group] += out.d[b] * static_cast<float>(out.bsum[b]);
 }
 
 #if defined(__AVX2__)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.quant.cpu_linear import GEMV_MAX_ROWS
+from common.quant.cpu_kernels import quant_kernels
+from common.quant.cpu_linear import GEMV_MAX_ROWS, PANEL_MAX_ROWS_NO_VNNI, Int8LinearA8
 from common.quant.formats import (
     QuantizedWeight,
     quantize_fp8,
@@ -51,18 +52,40 @@ def test_tandem_cpu_linear_matches_reference(fmt: str, m: int, dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 40])
-@pytest.mark.parametrize("fmt", ["int4", "int8", "int8-grouped"])
-def test_the_default_cpu_linear_rounds_activations_only_at_decode_sizes(fmt: str, m: int, dtype: torch.dtype) -> None:
-    w, x = _data(m)
+@pytest.mark.parametrize("m", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 40, 70])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "int8-grouped", "int8-unpaneled"])
+def test_the_default_cpu_linear_rounds_activations_where_its_kernel_does(fmt: str, m: int, dtype: torch.dtype) -> None:
+    # int8 in 16-row panels rounds x at every size (above PANEL_MAX_ROWS_NO_VNNI only with VNNI); int4 and
+    # int8 whose rows are no multiple of 16 round it at decode sizes only
+    w, x = _data(m, n=40 if fmt == "int8-unpaneled" else 48)
     weight = quantize_int4(w, 64) if fmt == "int4" else quantize_int8(w, 32 if fmt == "int8-grouped" else None)
     linear = make_linear(weight, None, CPU, dtype)
     assert linear.kernel_name == "tandem_a8"
+    paneled = fmt in ("int8", "int8-grouped")
+    assert getattr(linear, "panels", False) == paneled
     y = linear(x.to(dtype))
     assert y.dtype == dtype
-    reference = reference_a8_matmul if m <= GEMV_MAX_ROWS else reference_matmul
+    if paneled:
+        rounded = m <= (1 << 62 if quant_kernels().int8_panel_path() == "vnni" else PANEL_MAX_ROWS_NO_VNNI)
+    else:
+        rounded = m <= GEMV_MAX_ROWS
+    reference = reference_a8_matmul if rounded else reference_matmul
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(y.float(), reference(x.to(dtype), weight), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_paneled_int8_rows_and_dequantized_tiles_are_the_weight(group: int | None) -> None:
+    w, _ = _data(1, n=64)
+    weight = quantize_int8(w, group)
+    linear = make_linear(weight, None, CPU, torch.float32)
+    assert isinstance(linear, Int8LinearA8) and linear.panels
+    full = weight.dequantize()
+    ids = torch.tensor([0, 17, 63, 16, 5])
+    torch.testing.assert_close(linear.int8_rows(ids), full[ids], rtol=0, atol=0)
+    torch.testing.assert_close(linear._dequantize(5, 37, torch.float32), full[5:37], rtol=0, atol=0)
+    assert torch.equal(linear._int8_q(), weight.q)
+    assert linear.weight_bytes == weight.nbytes  # the same bytes, interleaved
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])

@@ -154,7 +154,8 @@ def test_gguf_q4_1_blocks_run_as_published(q4_gguf: tuple[Path, Path], mode: str
     reference = load_model(hf_dir, dtype="float32")  # the converter's exact dequantization
     model = load_model(hf_dir, dtype="float32")
     blocks = GGUFBlocks(gguf_path, 1, HEADS, KV_HEADS)
-    quantize_model(model, QuantConfig.parse(mode), blocks)
+    # float-activation kernels: the default tandem_a8 also rounds x to int8 blocks (tested in test_linear)
+    quantize_model(model, QuantConfig.parse(mode), blocks, kernel="tandem_cpu")
     linears = _linears(model)
     assert linears["layers.0.mlp.down_proj"].format == "int4"
     assert linears["lm_head"].format == "int8" and linears["lm_head"].group_size == 32  # Q8_0 as published

@@ -1,0 +1,91 @@
+"""``int8_matmul_panel`` (int8 weights in 16-row panels, int8-rounded activations) against its reference.
+
+Run on the widest build and the next one, so on an AVX-512 machine with VNNI both the ``vpdpbusd`` loop
+and the AVX2 ``vpmaddubsw`` loop are checked (on an AVX2 machine: that loop and the plain C++ one).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.quant.cpu_kernels import cpu_flags, quant_kernels, runnable_isas
+from common.quant.formats import (
+    pack_int8_panels,
+    quantize_int8,
+    reference_a8_matmul,
+    reference_matmul,
+    unpack_int8_panels,
+)
+
+ISAS = runnable_isas()[:2]
+SHAPES = [(32, 16, None), (64, 48, 32), (160, 80, None), (160, 112, 32), (128, 64, 64)]  # K, N, group
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def ops(request: pytest.FixtureRequest) -> object:
+    return quant_kernels(request.param)
+
+
+def test_the_inner_loop_follows_the_cpu(ops: object) -> None:
+    path = ops.int8_panel_path()  # type: ignore[attr-defined]
+    expected = {"avx512": "vnni" if "avx512_vnni" in cpu_flags() else "maddubs", "avx2": "maddubs",
+                "generic": "generic"}
+    assert path == expected[ops.isa()]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9, 64, 261])  # every tile shape; 261 crosses a row chunk
+@pytest.mark.parametrize(("k", "n", "group"), SHAPES)
+def test_panels_match_the_reference(ops: object, m: int, k: int, n: int, group: int | None) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    weight = quantize_int8(w, group)
+    q, scales = pack_int8_panels(weight)
+    y = ops.int8_matmul_panel(x, q, scales, weight.group_size)  # type: ignore[attr-defined]
+    torch.testing.assert_close(y, reference_a8_matmul(x, weight), rtol=1e-5, atol=1e-4)
+    exact = reference_matmul(x, weight)
+    assert (y - exact).norm() <= 0.02 * exact.norm()  # the rounding of x costs ~0.5%, not more
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it(ops: object) -> None:
+    gen = torch.Generator().manual_seed(7)
+    weight = quantize_int8(torch.randn(80, 96, generator=gen), 32)
+    q, scales = pack_int8_panels(weight)
+    x = torch.randn(11, 96, generator=gen)
+    together = ops.int8_matmul_panel(x, q, scales, 32)  # type: ignore[attr-defined]
+    for i in range(11):
+        alone = ops.int8_matmul_panel(x[i : i + 1].contiguous(), q, scales, 32)  # type: ignore[attr-defined]
+        assert torch.equal(alone[0], together[i])
+
+
+def test_bf16_in_and_out_is_the_fp32_result_rounded_once(ops: object) -> None:
+    gen = torch.Generator().manual_seed(9)
+    weight = quantize_int8(torch.randn(48, 64, generator=gen))
+    q, scales = pack_int8_panels(weight)
+    x = torch.randn(6, 64, generator=gen).bfloat16()
+    y = ops.int8_matmul_panel(x, q, scales, 64)  # type: ignore[attr-defined]
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, ops.int8_matmul_panel(x.float(), q, scales, 64).bfloat16())  # type: ignore[attr-defined]
+
+
+def test_bad_layouts_are_refused(ops: object) -> None:
+    weight = quantize_int8(torch.randn(32, 64))
+    q, scales = pack_int8_panels(weight)
+    with pytest.raises(RuntimeError, match="group_size"):
+        ops.int8_matmul_panel(torch.randn(1, 64), q, scales, 48)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=r"\[N/16, K/4, 16, 4\]"):
+        ops.int8_matmul_panel(torch.randn(1, 64), weight.q, scales, 64)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="x has 32 columns"):
+        ops.int8_matmul_panel(torch.randn(1, 32), q, scales, 64)  # type: ignore[attr-defined]
+
+
+def test_the_layout_round_trips() -> None:
+    weight = quantize_int8(torch.randn(48, 64), 32)
+    q, scales = pack_int8_panels(weight)
+    assert q.shape == (3, 16, 16, 4) and scales.shape == (3, 2, 16)
+    assert torch.equal(unpack_int8_panels(q), weight.q)
+    rows = torch.tensor([47, 0, 16, 31])
+    assert torch.equal(unpack_int8_panels(q, rows), weight.q[rows])
+    with pytest.raises(ValueError, match="out_features % 16"):
+        pack_int8_panels(quantize_int8(torch.randn(40, 64)))
