@@ -25,8 +25,17 @@ from collections.abc import Callable
 import torch
 
 from common.quant.cpu_kernels import quant_kernels
-from common.quant.formats import PANEL_ROWS, Int4Weight, Int8Weight, pack_int8_panels, unpack_int8_panels
+from common.quant.formats import Int4Weight, Int8Weight
 from common.quant.linear import QuantizedLinear
+from common.quant.panels import (
+    PANEL_ROWS,
+    int8_panel_scales,
+    pack_int4_panels,
+    pack_int8_panels,
+    panels_fit,
+    unpack_int4_panels,
+    unpack_int8_panels,
+)
 
 GEMV_MAX_ROWS = 8  # above this, dequantize-and-GEMM wins (measured on AVX2 and AVX-512)
 PANEL_MAX_ROWS_NO_VNNI = 64  # panels without VNNI beat dequantize-and-GEMM up to here (AVX2 build)
@@ -109,37 +118,37 @@ class Int8LinearCPU(_PackedCPU):
         super().__init__(weight, bias)
 
 
-class Int4LinearA8(Int4LinearCPU):
-    kernel_name = "tandem_a8"
-    int8_activations = True
-
-
-class Int8LinearA8(Int8LinearCPU):
-    """int8 weights on int8-rounded activations. Where the shape allows (out_features a multiple of 16) the
-    weights are held in 16-row panels (``formats.pack_int8_panels``) and every batch size runs
-    ``int8_matmul_panel``: integer dot products 16 output rows at a time (AVX512-VNNI ``vpdpbusd`` where the
-    CPU has it). Without VNNI, batches above ``PANEL_MAX_ROWS_NO_VNNI`` rows dequantize and GEMM instead
-    (measured on the AVX2 build: ``vpmaddubsw`` loses to a float GEMM at prefill sizes)."""
+class _Panels:
+    """``tandem_a8``'s layers: int8-rounded activations, and where the shape allows (out_features a multiple
+    of 16) weights in 16-row panels (``common/quant/panels.py``), so every batch size runs the panel kernels'
+    integer dot products (AVX512-VNNI ``vpdpbusd`` where the CPU has it). Without VNNI, batches above
+    ``PANEL_MAX_ROWS_NO_VNNI`` rows dequantize and GEMM instead (measured on the AVX2 build: ``vpmaddubsw``
+    loses to a float GEMM at prefill sizes). Other shapes keep the row-major GEMV (up to ``GEMV_MAX_ROWS``)."""
 
     kernel_name = "tandem_a8"
     int8_activations = True
+    panels: bool
+    out_features: int
+    in_features: int
+    group_size: int
+    _args: tuple[torch.Tensor, ...]
 
-    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None) -> None:
         n, k = weight.shape
-        self.panels = n % PANEL_ROWS == 0 and k % 4 == 0
+        self.panels = panels_fit(n, k)
         if self.panels:
-            q, scales = pack_int8_panels(weight)
-            weight = Int8Weight(q, scales, weight.group_size)  # the buffers this layer holds
-        super().__init__(weight, bias)
+            weight = (Int4Weight(*pack_int4_panels(weight), weight.group_size) if isinstance(weight, Int4Weight)
+                      else Int8Weight(*pack_int8_panels(weight), weight.group_size))  # the buffers held
+        super().__init__(weight, bias)  # type: ignore[call-arg]
         if self.panels:
             self.out_features, self.in_features = n, k
             ops = quant_kernels()
-            self._panel = ops.int8_matmul_panel
+            self._panel = ops.int4_matmul_panel if isinstance(weight, Int4Weight) else ops.int8_matmul_panel
             self._panel_rows = 1 << 62 if ops.int8_panel_path() == "vnni" else PANEL_MAX_ROWS_NO_VNNI
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.panels:
-            return super().matmul(x)
+            return super().matmul(x)  # type: ignore[misc]
         if x.shape[0] > self._panel_rows:
             return _tiled_gemm(x.contiguous(), self.out_features, self._dequantize).to(x.dtype)
         if x.dtype is torch.float16:
@@ -148,16 +157,24 @@ class Int8LinearA8(Int8LinearCPU):
 
     def _dequantize(self, row0: int, row1: int, dtype: torch.dtype) -> torch.Tensor:
         if not self.panels:
-            return super()._dequantize(row0, row1, dtype)
-        q, scales = self._args
+            return super()._dequantize(row0, row1, dtype)  # type: ignore[misc]
         rows = torch.arange(row0, row1)
+        if len(self._args) == 3:  # int4
+            q, scales, zeros = self._args
+            codes = unpack_int4_panels(q, rows).to(dtype).view(row1 - row0, scales.shape[1], -1)
+            s, z = (int8_panel_scales(t, self.out_features)[row0:row1, :, None].to(dtype) for t in (scales, zeros))
+            return (codes * s + z).view(row1 - row0, -1)
+        q, scales = self._args
         w = unpack_int8_panels(q, rows).to(dtype)
-        if scales.dim() == 1:
-            return w * scales[row0:row1, None].to(dtype)
-        groups = scales.shape[1]
-        s = scales.permute(0, 2, 1).reshape(-1, groups)[row0:row1].to(dtype)  # [rows, K/G]
-        return (w.view(row1 - row0, groups, -1) * s[..., None]).view(row1 - row0, -1)
+        s = int8_panel_scales(scales, self.out_features)[row0:row1].to(dtype)  # [rows, K/G]
+        return (w.view(row1 - row0, s.shape[1], -1) * s[..., None]).view(row1 - row0, -1)
 
+
+class Int4LinearA8(_Panels, Int4LinearCPU):
+    pass
+
+
+class Int8LinearA8(_Panels, Int8LinearCPU):
     def _int8_q(self) -> torch.Tensor:
         return unpack_int8_panels(self.q) if self.panels else self.q
 

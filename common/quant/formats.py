@@ -179,32 +179,6 @@ def reference_a8_matmul(x: torch.Tensor, weight: Int4Weight | Int8Weight) -> tor
     return quantize_blocks_int8(x) @ weight.dequantize().T
 
 
-PANEL_ROWS = 16  # output rows per panel of the interleaved int8 layout
-
-
-def pack_int8_panels(weight: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` in the layout of ``int8_matmul_panel``: q int8 ``[N/16, K/4, 16, 4]`` (4 consecutive weights
-    of 16 output rows in 64 bytes, for integer dot-product instructions) and fp32 scales, ``[N]`` with one
-    per row or ``[N/16, K/G, 16]`` with groups. N must be a multiple of 16."""
-    n, k = weight.shape
-    if n % PANEL_ROWS or k % 4:
-        raise ValueError(f"panels need out_features % {PANEL_ROWS} == 0 and in_features % 4 == 0, not {n} x {k}")
-    q = weight.q.reshape(n // PANEL_ROWS, PANEL_ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    groups = k // weight.group_size
-    scales = weight.scales.float().reshape(n, groups)
-    if groups == 1:
-        return q, scales.reshape(n).contiguous()
-    return q, scales.reshape(n // PANEL_ROWS, PANEL_ROWS, groups).permute(0, 2, 1).contiguous()
-
-
-def unpack_int8_panels(q: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows ``[n, K]`` (all rows when ``rows`` is None) of a ``pack_int8_panels`` matrix, as int8."""
-    panels, k4 = q.shape[0], q.shape[1]
-    if rows is None:
-        return q.permute(0, 2, 1, 3).reshape(panels * PANEL_ROWS, k4 * 4)
-    return q[rows // PANEL_ROWS, :, rows % PANEL_ROWS, :].reshape(rows.shape[0], k4 * 4)
-
-
 def reference_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x: [M, K] -> [M, N] in fp32 through the dequantized weight: the oracle of every kernel."""
     return x.float() @ weight.dequantize().T

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.quant.cpu_kernels import quant_kernels
-from common.quant.cpu_linear import GEMV_MAX_ROWS, PANEL_MAX_ROWS_NO_VNNI, Int8LinearA8
+from common.quant.cpu_linear import GEMV_MAX_ROWS, PANEL_MAX_ROWS_NO_VNNI, Int4LinearA8, Int8LinearA8
 from common.quant.formats import (
     QuantizedWeight,
     quantize_fp8,
@@ -53,15 +53,15 @@ def test_tandem_cpu_linear_matches_reference(fmt: str, m: int, dtype: torch.dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 40, 70])
-@pytest.mark.parametrize("fmt", ["int4", "int8", "int8-grouped", "int8-unpaneled"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "int8-grouped", "int8-unpaneled", "int4-unpaneled"])
 def test_the_default_cpu_linear_rounds_activations_where_its_kernel_does(fmt: str, m: int, dtype: torch.dtype) -> None:
-    # int8 in 16-row panels rounds x at every size (above PANEL_MAX_ROWS_NO_VNNI only with VNNI); int4 and
-    # int8 whose rows are no multiple of 16 round it at decode sizes only
-    w, x = _data(m, n=40 if fmt == "int8-unpaneled" else 48)
-    weight = quantize_int4(w, 64) if fmt == "int4" else quantize_int8(w, 32 if fmt == "int8-grouped" else None)
+    # weights in 16-row panels round x at every size (above PANEL_MAX_ROWS_NO_VNNI only with VNNI); a
+    # matrix whose rows are no multiple of 16 keeps the row-major kernels, rounding x at decode sizes only
+    w, x = _data(m, n=40 if fmt.endswith("unpaneled") else 48)
+    weight = quantize_int4(w, 64) if fmt.startswith("int4") else quantize_int8(w, 32 if fmt == "int8-grouped" else None)
     linear = make_linear(weight, None, CPU, dtype)
     assert linear.kernel_name == "tandem_a8"
-    paneled = fmt in ("int8", "int8-grouped")
+    paneled = not fmt.endswith("unpaneled")
     assert getattr(linear, "panels", False) == paneled
     y = linear(x.to(dtype))
     assert y.dtype == dtype
@@ -74,18 +74,19 @@ def test_the_default_cpu_linear_rounds_activations_where_its_kernel_does(fmt: st
     torch.testing.assert_close(y.float(), reference(x.to(dtype), weight), rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("group", [None, 32])
-def test_paneled_int8_rows_and_dequantized_tiles_are_the_weight(group: int | None) -> None:
+@pytest.mark.parametrize("fmt", ["int8", "int8-grouped", "int4"])
+def test_paneled_rows_and_dequantized_tiles_are_the_weight(fmt: str) -> None:
     w, _ = _data(1, n=64)
-    weight = quantize_int8(w, group)
+    weight = quantize_int4(w, 32) if fmt == "int4" else quantize_int8(w, 32 if fmt == "int8-grouped" else None)
     linear = make_linear(weight, None, CPU, torch.float32)
-    assert isinstance(linear, Int8LinearA8) and linear.panels
+    assert isinstance(linear, Int4LinearA8 | Int8LinearA8) and linear.panels
     full = weight.dequantize()
-    ids = torch.tensor([0, 17, 63, 16, 5])
-    torch.testing.assert_close(linear.int8_rows(ids), full[ids], rtol=0, atol=0)
     torch.testing.assert_close(linear._dequantize(5, 37, torch.float32), full[5:37], rtol=0, atol=0)
-    assert torch.equal(linear._int8_q(), weight.q)
     assert linear.weight_bytes == weight.nbytes  # the same bytes, interleaved
+    if isinstance(linear, Int8LinearA8):
+        ids = torch.tensor([0, 17, 63, 16, 5])
+        torch.testing.assert_close(linear.int8_rows(ids), full[ids], rtol=0, atol=0)
+        assert torch.equal(linear._int8_q(), weight.q)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])

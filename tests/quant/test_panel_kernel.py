@@ -1,4 +1,4 @@
-"""``int8_matmul_panel`` (int8 weights in 16-row panels, int8-rounded activations) against its reference.
+"""``int8_matmul_panel`` / ``int4_matmul_panel`` (16-row panels, int8-rounded activations) against the reference.
 
 Run on the widest build and the next one, so on an AVX-512 machine with VNNI both the ``vpdpbusd`` loop
 and the AVX2 ``vpmaddubsw`` loop are checked (on an AVX2 machine: that loop and the plain C++ one).
@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from common.quant.cpu_kernels import cpu_flags, quant_kernels, runnable_isas
-from common.quant.formats import (
+from common.quant.formats import quantize_int4, quantize_int8, reference_a8_matmul, reference_matmul
+from common.quant.panels import (
+    int4_panel_weight,
+    pack_int4_panels,
     pack_int8_panels,
-    quantize_int8,
-    reference_a8_matmul,
-    reference_matmul,
+    unpack_int4_panels,
     unpack_int8_panels,
 )
 
@@ -48,15 +49,35 @@ def test_panels_match_the_reference(ops: object, m: int, k: int, n: int, group: 
     assert (y - exact).norm() <= 0.02 * exact.norm()  # the rounding of x costs ~0.5%, not more
 
 
-def test_a_row_does_not_depend_on_the_rows_beside_it(ops: object) -> None:
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9, 64, 261])
+@pytest.mark.parametrize(("k", "n", "group"), [(32, 16, 32), (64, 48, 32), (256, 80, 64), (256, 112, 128)])
+def test_int4_panels_match_the_reference(ops: object, m: int, k: int, n: int, group: int) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + k + n + 1)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    x[0, :32] = 0.0
+    weight = quantize_int4(w, group)
+    q, scales, zeros = pack_int4_panels(weight)
+    y = ops.int4_matmul_panel(x, q, scales, zeros, group)  # type: ignore[attr-defined]
+    torch.testing.assert_close(y, reference_a8_matmul(x, weight), rtol=1e-5, atol=1e-4)
+    exact = reference_matmul(x, weight)
+    assert (y - exact).norm() <= 0.02 * exact.norm()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_row_does_not_depend_on_the_rows_beside_it(ops: object, fmt: str) -> None:
+    # speculative verification multiplies k + 1 rows where plain decoding multiplies one: the same bits
     gen = torch.Generator().manual_seed(7)
-    weight = quantize_int8(torch.randn(80, 96, generator=gen), 32)
-    q, scales = pack_int8_panels(weight)
+    w = torch.randn(80, 96, generator=gen)
     x = torch.randn(11, 96, generator=gen)
-    together = ops.int8_matmul_panel(x, q, scales, 32)  # type: ignore[attr-defined]
+    if fmt == "int8":
+        args = pack_int8_panels(quantize_int8(w, 32))
+        kernel = ops.int8_matmul_panel  # type: ignore[attr-defined]
+    else:
+        args = pack_int4_panels(quantize_int4(w, 32))
+        kernel = ops.int4_matmul_panel  # type: ignore[attr-defined]
+    together = kernel(x, *args, 32)
     for i in range(11):
-        alone = ops.int8_matmul_panel(x[i : i + 1].contiguous(), q, scales, 32)  # type: ignore[attr-defined]
-        assert torch.equal(alone[0], together[i])
+        assert torch.equal(kernel(x[i : i + 1].contiguous(), *args, 32)[0], together[i])
 
 
 def test_bf16_in_and_out_is_the_fp32_result_rounded_once(ops: object) -> None:
@@ -85,7 +106,14 @@ def test_the_layout_round_trips() -> None:
     q, scales = pack_int8_panels(weight)
     assert q.shape == (3, 16, 16, 4) and scales.shape == (3, 2, 16)
     assert torch.equal(unpack_int8_panels(q), weight.q)
-    rows = torch.tensor([47, 0, 16, 31])
+    rows = torch.tensor([31, 0, 16, 17])
     assert torch.equal(unpack_int8_panels(q, rows), weight.q[rows])
     with pytest.raises(ValueError, match="out_features % 16"):
         pack_int8_panels(quantize_int8(torch.randn(40, 64)))
+    w4 = quantize_int4(torch.randn(32, 64), 32)
+    q4, s4, z4 = pack_int4_panels(w4)
+    assert q4.shape == (2, 8, 16, 4) and s4.shape == z4.shape == (2, 2, 16)
+    assert torch.equal(unpack_int4_panels(q4), w4.unpack())
+    assert torch.equal(unpack_int4_panels(q4, rows), w4.unpack()[rows])
+    back = int4_panel_weight(q4, s4, z4, 32)
+    assert torch.equal(back.q, w4.q) and torch.equal(back.scales, w4.scales) and torch.equal(back.zeros, w4.zeros)
