@@ -253,12 +253,12 @@ def main(argv: list[str] | None = None) -> None:
     print_per_prompt(configs, cells, prompts, configs[0].label)
     print_divergences(model, tokenizer, configs, cells, reference, prompts)
     if not args.no_profile:
-        # The baseline, the first n-gram and the first early-layer configuration, over the grounded prompts.
+        # The baseline and the first configuration of each proposer, over the grounded prompts.
         chosen = [configs[0]]
-        for method in (SpeculativeMethod.NGRAM, SpeculativeMethod.DRAFT_LAYERS):
+        for method in (SpeculativeMethod.NGRAM, SpeculativeMethod.DRAFT_LAYERS, SpeculativeMethod.DRAFT_MODEL):
             chosen += [c for c in configs if c.speculative and c.speculative.method is method][:1]
         grounded = [p for p in prompts if p.grounded] or prompts
-        print_profile(profile(model, tokenizer, chosen, grounded, args.max_tokens),
+        print_profile(profile(model, tokenizer, chosen, grounded, args.max_tokens, model_dir),
                       f"{len(grounded)} input-grounded prompts")
 
 

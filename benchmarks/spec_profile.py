@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from benchmarks.spec_run import BenchConfig, generate, make_engine
@@ -106,12 +107,12 @@ class StepProfiler:
 
 
 def profile(model: LlamaForCausalLM, tokenizer: Tokenizer, configs: list[BenchConfig], prompts: list[BenchPrompt],
-            max_tokens: int) -> list[tuple[BenchConfig, StepProfiler, int]]:
+            max_tokens: int, model_dir: Path | None = None) -> list[tuple[BenchConfig, StepProfiler, int]]:
     """One more pass over ``prompts`` with the step profiler on, interleaved: (config, profile, tokens)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
     encoded = [tokenizer.encode_chat([{"role": "user", "content": p.content}]) for p in prompts]
     max_len = max(len(ids) for ids in encoded) + max_tokens + 32
-    engines = [make_engine(model, config, max_len) for config in configs]
+    engines = [make_engine(model, config, max_len, model_dir) for config in configs]
     tokens = [0] * len(configs)
     profilers: list[StepProfiler] = []
     for engine in engines:

@@ -77,19 +77,29 @@ void dense_tile(const float* x, const float* x_tail, int64_t K, const w_t* w, in
     }
 }
 
+// rows n0 .. n0 + rows of y for activation rows m0 .. m0 + MT, in tiles of as many rows as MT allows.
 template <int MT, typename w_t>
-void dense_rows(const float* x, const float* x_tail, const w_t* w, int64_t K, int64_t N, float* y) {
+void dense_rows(const float* x, const float* x_tail, const w_t* w, int64_t K, int64_t N, float* y, int64_t m0,
+                int64_t n0, int64_t rows) {
   constexpr int R = rows_for<MT>();
-  run_tiles(MT, N, R, [&](int64_t n0) { dense_tile<R, MT>(x, x_tail, K, w, n0, y, N); },
-            [&](int64_t n) { dense_tile<1, MT>(x, x_tail, K, w, n, y, N); });
+  int64_t n = n0;
+  for (; n + R <= n0 + rows; n += R) dense_tile<R, MT>(x + m0 * K, x_tail + m0 * K, K, w, n, y + m0 * N, N);
+  for (; n < n0 + rows; ++n) dense_tile<1, MT>(x + m0 * K, x_tail + m0 * K, K, w, n, y + m0 * N, N);
 }
 
+// One pass over the weights whatever M is: each tile of rows is read from DRAM once and every group of
+// activation rows (4, 2, 1) multiplies it while it is in L1 (a pass per group streamed it again: a
+// speculative verification of 5 rows cost two passes). A row's result does not depend on its group.
 template <typename w_t>
 void dense_all(const float* x, const float* x_tail, const w_t* w, int64_t M, int64_t K, int64_t N, float* y) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) dense_rows<4>(x + m * K, x_tail + m * K, w, K, N, y + m * N);
-  for (; m + 2 <= M; m += 2) dense_rows<2>(x + m * K, x_tail + m * K, w, K, N, y + m * N);
-  for (; m < M; ++m) dense_rows<1>(x + m * K, x_tail + m * K, w, K, N, y + m * N);
+  constexpr int R = rows_for<1>();
+  const auto tile = [&](int64_t n0, int64_t rows) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) dense_rows<4>(x, x_tail, w, K, N, y, m, n0, rows);
+    for (; m + 2 <= M; m += 2) dense_rows<2>(x, x_tail, w, K, N, y, m, n0, rows);
+    for (; m < M; ++m) dense_rows<1>(x, x_tail, w, K, N, y, m, n0, rows);
+  };
+  run_tiles(M, N, R, [&](int64_t n0) { tile(n0, R); }, [&](int64_t n) { tile(n, 1); });
 }
 
 }  // namespace
