@@ -78,10 +78,14 @@ class ModeResult:
 
 def streamed_bytes(model: LlamaForCausalLM) -> int:
     """Bytes of every weight one decode step reads: all modules but the embedding lookup table."""
+    from common.model.gemv import PanelLinear
+
     total = 0
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
             total += module.weight_bytes + (module.bias.nbytes if module.bias is not None else 0)
+        elif isinstance(module, PanelLinear):  # float weights held as panels (buffers)
+            total += module.panels.nbytes + (module.bias.nbytes if module.bias is not None else 0)
         elif name != "embed_tokens":
             total += sum(p.nbytes for p in module.parameters(recurse=False))
     if model.lm_head is None and isinstance(model.embed_tokens, torch.nn.Embedding):  # tied, unquantized:

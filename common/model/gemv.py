@@ -22,8 +22,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from common.model.row_buckets import linear_bucketed
-from common.quant.cpu_linear import GEMV_MAX_ROWS  # one limit for float and packed weights
+from common.model.row_buckets import bucket_rows, linear_bucketed
+from common.quant.cpu_linear import GEMV_MAX_ROWS, TILE_ELEMENTS  # one limit for float and packed weights
+from common.quant.panels import PANEL_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,114 @@ class GemvBucketedLinear(GemvLinear):
     bucketed = True
 
 
-def gemv_linears(model: nn.Module, bucketed: bool) -> int:
+PANEL_MAX_ROWS = 256  # up to here the panel kernel; above, oneDNN / MKL on unpacked tiles (measured faster)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> bf16 ``[N/16, K/2, 16, 2]`` or fp32 ``[N/16, K, 16]`` (``dense_matmul_panel``'s layout)."""
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        return weight.reshape(n // PANEL_ROWS, PANEL_ROWS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return weight.reshape(n // PANEL_ROWS, PANEL_ROWS, k).permute(0, 2, 1).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, p0: int = 0, p1: int | None = None) -> torch.Tensor:
+    """Panels ``p0 .. p1`` back to row-major ``[(p1 - p0) * 16, K]``."""
+    part = panels[p0:p1]
+    if part.dim() == 4:
+        return part.permute(0, 2, 1, 3).reshape(part.shape[0] * PANEL_ROWS, part.shape[1] * 2)
+    return part.permute(0, 2, 1).reshape(part.shape[0] * PANEL_ROWS, part.shape[1])
+
+
+class PanelLinear(nn.Linear):
+    """A float linear layer whose weight is held in 16-row panels (``dense_matmul_panel``): one contiguous
+    stream per panel at decode sizes, ``vdpbf16ps`` where the CPU has AVX512-BF16. Above
+    ``PANEL_MAX_ROWS`` rows (prefill) cache-sized tiles are unpacked to row-major and multiplied by torch's
+    GEMM. ``weight`` returns a row-major copy, so code that reads an ``nn.Linear``'s weight (quantizing or
+    sharding a loaded model) still can; the layer holds only the panels."""
+
+    panels: torch.Tensor
+
+    def __init__(self, linear: nn.Linear, bucketed: bool) -> None:
+        nn.Module.__init__(self)  # not nn.Linear's: no weight parameter
+        self.out_features, self.in_features = linear.out_features, linear.in_features
+        self.bucketed = bucketed  # tiles see bucketed row counts (common/model/row_buckets.py)
+        self.register_buffer("panels", pack_panels(linear.weight.detach()), persistent=False)
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        return unpack_panels(self.panels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        ops = _state.get("ops")
+        if x2.shape[0] <= PANEL_MAX_ROWS and ops is not None and x2.dtype in _FLOATS:
+            y = ops.dense_matmul_panel(x2 if x2.is_contiguous() else x2.contiguous(), self.panels)
+        else:
+            y = self._tiled(x2)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        rows = bucket_rows(m) if self.bucketed else m
+        xs = x.to(self.panels.dtype)
+        if rows != m:
+            xs = torch.cat([xs, xs.new_zeros(rows - m, xs.shape[1])])
+        step = max(1, TILE_ELEMENTS // (self.in_features * PANEL_ROWS))  # panels per tile
+        out = torch.empty(rows, self.out_features, dtype=xs.dtype)
+        for p0 in range(0, self.panels.shape[0], step):
+            p1 = min(self.panels.shape[0], p0 + step)
+            torch.mm(xs, unpack_panels(self.panels, p0, p1).T, out=out[:, p0 * PANEL_ROWS : p1 * PANEL_ROWS])
+        return (out[:m] if rows != m else out).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, panels of {PANEL_ROWS} rows"
+
+
+class PanelEmbedding(nn.Embedding):
+    """A tied model's token lookup reading the rows of its ``PanelLinear`` LM head: one copy of the largest
+    matrix serves both ends (as ``common/quant/embedding.py`` does for packed int8 heads). ``weight``: a
+    row-major copy, as ``PanelLinear``'s."""
+
+    def __init__(self, head: PanelLinear) -> None:
+        nn.Module.__init__(self)  # not nn.Embedding's: no weight parameter
+        self._head = (head,)  # shared, not a submodule (the head is the model's ``lm_head``)
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.padding_idx, self.max_norm, self.sparse = None, None, False
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        return self._head[0].weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        panels = self._head[0].panels
+        rows = panels[ids // PANEL_ROWS, :, ids % PANEL_ROWS]  # [n, K/2, 2] or [n, K]
+        return rows.reshape(ids.shape[0], self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the LM head's panels"
+
+
+def _panel_tied_head(model: nn.Module, bucketed: bool) -> bool:
+    """A tied model's embedding as the panels of an LM head (``lm_head`` set, the lookup reading it)."""
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", True) is not None or type(embed) is not nn.Embedding:
+        return False
+    weight = embed.weight
+    if weight.dtype not in _FLOATS or weight.shape[0] % PANEL_ROWS or weight.shape[1] % 2:
+        return False
+    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    head.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    model.lm_head = PanelLinear(head, bucketed)
+    model.embed_tokens = PanelEmbedding(model.lm_head)
+    return True
+
+
+def gemv_linears(model: nn.Module, bucketed: bool, panels: bool = True) -> int:
     """Swap ``model``'s plain (and row-bucketed) ``nn.Linear`` layers for GEMV ones in place; how many.
 
     The model's tied LM head (``compute_logits`` over the embedding) is pointed at ``linear`` as well."""
@@ -83,13 +191,35 @@ def gemv_linears(model: nn.Module, bucketed: bool) -> int:
 
     cls = GemvBucketedLinear if bucketed else GemvLinear
     count = 0
-    for module in model.modules():
-        if type(module) in (nn.Linear, BucketedLinear):
+    panels = panels and panel_mode()
+    for name, module in list(model.named_modules()):
+        if type(module) not in (nn.Linear, BucketedLinear):
+            continue
+        if panels and _fits_panels(module):
+            parent_name, _, child = name.rpartition(".")
+            model.get_submodule(parent_name).set_submodule(child, PanelLinear(module, bucketed))
+        else:
             module.__class__ = cls
-            count += 1
+        count += 1
+    if panels and _panel_tied_head(model, bucketed):
+        return count + 1
     if hasattr(model, "head_matmul"):
         object.__setattr__(model, "head_matmul", linear)  # a plain attribute (nn.Module's typing says Module)
     return count
+
+
+def panel_mode() -> bool:
+    """``TANDEM_CPU_PANELS=auto|on|off`` (auto = on): float weights in 16-row panels where they fit."""
+    mode = os.environ.get("TANDEM_CPU_PANELS", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"TANDEM_CPU_PANELS={mode!r}; choose one of auto, on, off")
+    return mode != "off"
+
+
+def _fits_panels(module: nn.Linear) -> bool:
+    w = module.weight
+    return (w.dtype in _FLOATS and w.device.type == "cpu" and module.out_features % PANEL_ROWS == 0
+            and module.in_features % 2 == 0)
 
 
 def wanted(device: torch.device) -> bool:

@@ -83,11 +83,13 @@ def load_model(
     quantization: str | QuantConfig = "none",
     quantization_group_size: int = 32,
     quantization_kernel: str = "auto",
+    cpu_panels: bool = True,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model ready for inference (eval mode, no grad needed).
 
     ``quantization`` (``common.quant.config``) swaps the linear layers for packed ones after loading;
-    what this device or model cannot run is refused before any weight is read.
+    what this device or model cannot run is refused before any weight is read. ``cpu_panels``: float
+    layers in 16-row panels on CPU (common/model/gemv.py; off where the caller slices the weights next).
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
@@ -117,7 +119,7 @@ def load_model(
     from common.model import gemv
 
     if gemv.wanted(torch.device(device)):  # TANDEM_CPU_GEMV=auto|on|off
-        gemv.gemv_linears(model, bucketed)
+        gemv.gemv_linears(model, bucketed, panels=cpu_panels)
     from common.model.fused_ops import fused_ops_for
 
     model.fused_ops = fused_ops_for(torch.device(device))  # TANDEM_FUSED_OPS=auto|on|off

@@ -117,7 +117,8 @@ class Rank:
             self.tp_comm: Communicator = ShmComm.attach(init.shm_comm_name, self.placement.tp_rank, t)
         else:
             self.tp_comm = GlooComm(tp_groups[stage], list(range(stage * t, (stage + 1) * t)))
-        self.model = load_model(init.model_dir, init.dtype, "cpu", init.attention_backend)
+        # row-major float layers (no panels): shard_model slices their rows and columns
+        self.model = load_model(init.model_dir, init.dtype, "cpu", init.attention_backend, cpu_panels=False)
         self.collective_seconds = 0.0
         shard_model(self.model, self.placement, TimedComm(self.tp_comm, self))
         if init.quantization not in ("", "none"):

@@ -27,7 +27,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in
             ("cpu_base.cpp", "cpu_quant.cpp", "cpu_quant_a8.cpp", "cpu_quant_panel.cpp", "cpu_gemv.cpp")]
 _FUNCTIONS = ["isa", "int4_matmul", "int8_matmul", "int4_matmul_a8", "int8_matmul_a8", "int4_dequantize",
               "int8_dequantize", "dense_matmul", "int8_matmul_panel", "int4_matmul_panel",
-              "int8_panel_path"]
+              "int8_panel_path", "dense_matmul_panel"]
 ISA_FLAGS: dict[str, list[str]] = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],

@@ -47,16 +47,51 @@ def test_gemv_layers_replace_linear_and_keep_its_results(monkeypatch: pytest.Mon
     monkeypatch.setenv("TANDEM_CPU_GEMV", "auto")
     assert gemv.wanted(torch.device("cpu"))
     assert not gemv.wanted(torch.device("meta"))
-    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 16, bias=False))
-    reference = [nn.functional.linear(torch.ones(3, 64), model[0].weight, model[0].bias)]
+    # 48 rows: panels; 17 rows (no multiple of 16): the row-major GEMV
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 17, bias=False))
+    w0, b0, w1 = model[0].weight.detach().clone(), model[0].bias.detach().clone(), model[1].weight.detach().clone()
     assert gemv.gemv_linears(model, bucketed=False) == 2
-    assert all(type(layer) is gemv.GemvLinear for layer in model)
+    assert type(model[0]) is gemv.PanelLinear and type(model[1]) is gemv.GemvLinear
+    assert torch.equal(model[0].weight, w0)
     x = torch.randn(3, 64)
-    torch.testing.assert_close(model(x), nn.functional.linear(nn.functional.linear(x, model[0].weight, model[0].bias),
-                                                              model[1].weight))
-    torch.testing.assert_close(model[0](torch.ones(3, 64)), reference[0])
-    big = torch.randn(40, 64)  # above GEMV_MAX_ROWS: the library's matmul
-    torch.testing.assert_close(model[0](big), nn.functional.linear(big, model[0].weight, model[0].bias))
+    torch.testing.assert_close(model(x), nn.functional.linear(nn.functional.linear(x, w0, b0), w1))
+    big = torch.randn(300, 64)  # above PANEL_MAX_ROWS: unpacked tiles through the library's matmul
+    torch.testing.assert_close(model[0](big), nn.functional.linear(big, w0, b0))
+    monkeypatch.setenv("TANDEM_CPU_PANELS", "off")
+    plain = nn.Sequential(nn.Linear(64, 48))
+    gemv.gemv_linears(plain, bucketed=False)
+    assert type(plain[0]) is gemv.GemvLinear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 17, 64])  # every tile shape (8, 4, 1 rows)
+@pytest.mark.parametrize(("k", "n"), [(64, 16), (96, 48), (576, 80)])  # odd panel counts: a one-panel tail
+def test_dense_matmul_panel_matches_linear(ops: object, m: int, k: int, n: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(m * 100 + k + n + 5)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    y = ops.dense_matmul_panel(x, gemv.pack_panels(w))  # type: ignore[attr-defined]
+    assert y.dtype == dtype and y.shape == (m, n)
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(y.float(), nn.functional.linear(x.float(), w.float()), rtol=rtol, atol=atol * k ** 0.5)
+    assert torch.equal(gemv.unpack_panels(gemv.pack_panels(w)), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_panel_row_does_not_depend_on_the_rows_beside_it(ops: object, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    panels = gemv.pack_panels(torch.randn(48, 160, generator=gen).to(dtype))
+    x = torch.randn(11, 160, generator=gen).to(dtype)
+    together = ops.dense_matmul_panel(x, panels)  # type: ignore[attr-defined]
+    for i in range(11):
+        assert torch.equal(ops.dense_matmul_panel(x[i : i + 1].contiguous(), panels)[0], together[i])  # type: ignore[attr-defined]
+
+
+def test_panel_layouts_are_refused_when_wrong(ops: object) -> None:
+    with pytest.raises(RuntimeError, match=r"\[N/16, K/2, 16, 2\]"):
+        ops.dense_matmul_panel(torch.randn(1, 64), torch.randn(48, 64).bfloat16())  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="x must be a contiguous"):
+        ops.dense_matmul_panel(torch.randn(1, 32), gemv.pack_panels(torch.randn(16, 64)))  # type: ignore[attr-defined]
 
 
 def test_the_mode_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,9 +102,39 @@ def test_the_mode_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         gemv.wanted(torch.device("cpu"))
 
 
-def test_the_loaded_model_uses_them_for_the_tied_head_too(tiny_model_dir: object) -> None:
+def test_the_loaded_model_uses_them_for_the_tied_head_too(tiny_model_dir: object,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.attention.metadata import AttentionMetadata
     from common.model.loader import load_model
 
     model = load_model(tiny_model_dir, dtype="float32")
-    assert any(type(m) is gemv.GemvLinear for m in model.modules())
-    assert model.head_matmul is gemv.linear
+    monkeypatch.setenv("TANDEM_CPU_GEMV", "off")
+    reference = load_model(tiny_model_dir, dtype="float32")  # the plain modules
+    assert any(type(m) is gemv.PanelLinear for m in model.modules())
+    assert type(model.lm_head) is gemv.PanelLinear
+    assert model.weight_bytes == reference.weight_bytes
+    for n in (1, 12):  # decode size and a prefill
+        ids = torch.arange(1, n + 1)
+        meta = AttentionMetadata.build([n], [0])
+        with torch.no_grad():
+            got = model.compute_logits(model(ids, torch.arange(n), meta))
+            want = reference.compute_logits(reference(ids, torch.arange(n), meta))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_tied_head_becomes_panels_read_by_the_lookup_too() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(64, 32)
+            self.lm_head: nn.Module | None = None
+
+    model = Tied()
+    table = model.embed_tokens.weight.detach().clone()
+    gemv.gemv_linears(model, bucketed=False)
+    assert type(model.lm_head) is gemv.PanelLinear and type(model.embed_tokens) is gemv.PanelEmbedding
+    ids = torch.tensor([0, 17, 63, 16])
+    assert torch.equal(model.embed_tokens(ids), table[ids])
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(model.lm_head(x), x @ table.T)
+    assert sum(b.numel() for b in model.buffers()) == table.numel() and not list(model.parameters())
