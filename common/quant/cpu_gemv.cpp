@@ -142,14 +142,18 @@ constexpr int64_t kDensePanel = 16;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
+// Pairs k2 of [k0, k1) of MR rows x NV panels; ``first``: start from zero, else from y (K is blocked so a
+// tile's weights stay in L1 while every row group passes over them).
 template <int MR, int NV>
-void dense_panel_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t p0) {
+void dense_panel_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t p0,
+                           int64_t k0, int64_t k1, bool first) {
   const int64_t stride = kDensePanel * K;  // elements per panel
   __m512 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v)
+      acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * N + (p0 + v) * kDensePanel);
   const uint16_t* w0 = w + p0 * stride;
-  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+  for (int64_t k2 = k0; k2 < k1; ++k2) {
     __m512bh wv[NV];
     for (int v = 0; v < NV; ++v) {
       prefetch(w0 + v * stride + k2 * 32 + 512);
@@ -220,18 +224,24 @@ torch::Tensor dense_matmul_panel(torch::Tensor x, torch::Tensor w) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     constexpr int NV = 2;
+    constexpr int64_t kPairsPerBlock = 256;  // K block: 2 panels x 512 weights x 2 bytes = 32 KiB, one L1
+    const int64_t pairs = K / 2;
     at::parallel_for(0, (panels + NV - 1) / NV, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t p = t * NV;
         const bool full = p + NV <= panels;
-        int64_t m = 0;
-        for (; m + 8 <= M; m += 8) {
-          if (full) dense_panel_tile_bf16<8, NV>(xp + m * K, K, wp, out.data + m * N, N, p);
-          else dense_panel_tile_bf16<8, 1>(xp + m * K, K, wp, out.data + m * N, N, p);
-        }
-        for (; m < M; ++m) {
-          if (full) dense_panel_tile_bf16<1, NV>(xp + m * K, K, wp, out.data + m * N, N, p);
-          else dense_panel_tile_bf16<1, 1>(xp + m * K, K, wp, out.data + m * N, N, p);
+        for (int64_t k0 = 0; k0 < pairs; k0 += kPairsPerBlock) {
+          const int64_t k1 = std::min(pairs, k0 + kPairsPerBlock);
+          const bool first = k0 == 0;
+          int64_t m = 0;
+          for (; m + 8 <= M; m += 8) {
+            if (full) dense_panel_tile_bf16<8, NV>(xp + m * K, K, wp, out.data + m * N, N, p, k0, k1, first);
+            else dense_panel_tile_bf16<8, 1>(xp + m * K, K, wp, out.data + m * N, N, p, k0, k1, first);
+          }
+          for (; m < M; ++m) {
+            if (full) dense_panel_tile_bf16<1, NV>(xp + m * K, K, wp, out.data + m * N, N, p, k0, k1, first);
+            else dense_panel_tile_bf16<1, 1>(xp + m * K, K, wp, out.data + m * N, N, p, k0, k1, first);
+          }
         }
       }
     });

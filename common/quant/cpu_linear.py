@@ -5,12 +5,13 @@
 batches (prefill, big decode batches) dequantize a slice of rows at a time into a cache-sized tile in the
 activation dtype and hand it to torch's GEMM, so they run near GEMM speed while DRAM serves packed bytes.
 
-``Int4LinearA8`` / ``Int8LinearA8`` (``tandem_a8``, the CPU default) are the same layers with the decode-size
-GEMV on int8 activations: each row of x is rounded to int8 in blocks of 32 (one fp32 scale each, as
-llama.cpp's Q8 activations) and the packed weights meet it in integer dot products (AVX512-VNNI
-``vpdpbusd``, AVX2 ``vpmaddubsw``). That is ~2x fewer instructions per weight, which a 4-bit GEMV needs
-to stream at memory speed; the activations' rounding costs about 0.5% relative error per product
-(docs/quantization.md has the perplexity). Batches above ``GEMV_MAX_ROWS`` use the float path.
+``Int4LinearA8`` / ``Int8LinearA8`` (``tandem_a8``, the CPU default) run on int8 activations: each row of x
+is rounded to int8 in blocks of 32 (one fp32 scale each, as llama.cpp's Q8 activations) and the packed
+weights meet it in integer dot products. Matrices whose rows are a multiple of 16 are held in 16-row panels
+(``common/quant/panels.py``) and one kernel serves every batch size (AVX512-VNNI ``vpdpbusd`` where the CPU
+has it, ``cpu_quant_panel.cpp``); other shapes keep the row-major GEMV (``cpu_quant_a8.cpp``) up to
+``GEMV_MAX_ROWS`` rows and the float path above. The activations' rounding costs about 0.5% relative error
+per product (docs/quantization.md has the perplexity).
 
 ``Int4LinearTorch`` / ``Int8LinearTorch`` wrap PyTorch's own weight-only ops
 (``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``): well kept, and fast with bf16
@@ -29,9 +30,9 @@ from common.quant.formats import Int4Weight, Int8Weight
 from common.quant.linear import QuantizedLinear
 from common.quant.panels import (
     PANEL_ROWS,
-    int8_panel_scales,
     pack_int4_panels,
     pack_int8_panels,
+    panel_groups_by_row,
     panels_fit,
     unpack_int4_panels,
     unpack_int8_panels,
@@ -162,11 +163,11 @@ class _Panels:
         if len(self._args) == 3:  # int4
             q, scales, zeros = self._args
             codes = unpack_int4_panels(q, rows).to(dtype).view(row1 - row0, scales.shape[1], -1)
-            s, z = (int8_panel_scales(t, self.out_features)[row0:row1, :, None].to(dtype) for t in (scales, zeros))
+            s, z = (panel_groups_by_row(t, self.out_features)[row0:row1, :, None].to(dtype) for t in (scales, zeros))
             return (codes * s + z).view(row1 - row0, -1)
         q, scales = self._args
         w = unpack_int8_panels(q, rows).to(dtype)
-        s = int8_panel_scales(scales, self.out_features)[row0:row1].to(dtype)  # [rows, K/G]
+        s = panel_groups_by_row(scales, self.out_features)[row0:row1].to(dtype)  # [rows, K/G]
         return (w.view(row1 - row0, s.shape[1], -1) * s[..., None]).view(row1 - row0, -1)
 
 

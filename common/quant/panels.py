@@ -61,7 +61,7 @@ def unpack_int8_panels(q: torch.Tensor, rows: torch.Tensor | None = None) -> tor
     return q[rows // PANEL_ROWS, :, rows % PANEL_ROWS, :].reshape(rows.shape[0], k4 * 4)
 
 
-def int8_panel_scales(scales: torch.Tensor, n: int) -> torch.Tensor:
+def panel_groups_by_row(scales: torch.Tensor, n: int) -> torch.Tensor:
     """Panel scales (or zeros) back to ``[N, K/G]`` (int8 with one scale per row: ``[N, 1]``)."""
     return scales.reshape(n, 1) if scales.dim() == 1 else _row_major(scales)
 
