@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _FLOATS = (torch.float32, torch.bfloat16)
 _state: dict[str, ModuleType | None] = {}
+_limits: dict[str, int] = {}
 
 
 def gemv_mode() -> str:
@@ -87,6 +88,27 @@ class GemvBucketedLinear(GemvLinear):
 PANEL_MAX_ROWS = 256  # up to here the panel kernel; above, oneDNN / MKL on unpacked tiles (measured faster)
 
 
+AMX_MIN_ROWS = 2  # from 2 rows AMX tiles (where the CPU has them) beat vdpbf16ps: 30 layers, 4 rows 13.0 vs 18.4 ms
+
+
+def _amx_min_rows(ops: ModuleType) -> int:
+    """Rows from which ``dense_matmul_panel`` runs AMX tiles (``TANDEM_CPU_AMX=auto|on|off``; off: never)."""
+    if "amx_min_rows" not in _limits:
+        mode = os.environ.get("TANDEM_CPU_AMX", "auto").strip().lower() or "auto"
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"TANDEM_CPU_AMX={mode!r}; choose one of auto, on, off")
+        amx = ops.dense_panel_path() == "amx"
+        if mode == "on" and not amx:
+            raise RuntimeError("TANDEM_CPU_AMX=on but this CPU (or its kernel) grants no AMX tiles")
+        _limits["amx_min_rows"] = AMX_MIN_ROWS if amx and mode != "off" else 1 << 62
+    return _limits["amx_min_rows"]
+
+
+def _panel_max_rows(ops: ModuleType) -> int:
+    """Rows up to which panels multiply as they lie: any count with AMX, else ``PANEL_MAX_ROWS``."""
+    return 1 << 62 if _amx_min_rows(ops) < 1 << 62 else PANEL_MAX_ROWS
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> bf16 ``[N/16, K/2, 16, 2]`` or fp32 ``[N/16, K, 16]`` (``dense_matmul_panel``'s layout)."""
     n, k = weight.shape
@@ -127,8 +149,9 @@ class PanelLinear(nn.Linear):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         ops = _state.get("ops")
-        if x2.shape[0] <= PANEL_MAX_ROWS and ops is not None and x2.dtype in _FLOATS:
-            y = ops.dense_matmul_panel(x2 if x2.is_contiguous() else x2.contiguous(), self.panels)
+        if ops is not None and x2.dtype in _FLOATS and x2.shape[0] <= _panel_max_rows(ops):
+            y = ops.dense_matmul_panel(x2 if x2.is_contiguous() else x2.contiguous(), self.panels,
+                                       _amx_min_rows(ops))
         else:
             y = self._tiled(x2)
         if self.bias is not None:

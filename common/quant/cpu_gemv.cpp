@@ -210,7 +210,17 @@ void dense_panel_tile_fma(const float* x, int64_t K, const void* wv, float* y, i
 
 }  // namespace
 
-torch::Tensor dense_matmul_panel(torch::Tensor x, torch::Tensor w) {
+// Which loop ``dense_matmul_panel`` runs for bf16 panels on this CPU: amx (from ``amx_min_rows`` rows;
+// ``vdpbf16ps`` below), avx512bf16, or fma (fp32 multiply-adds of widened weights).
+std::string dense_panel_path() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (amx_ready()) return "amx";
+  if (cpu_has_bf16_dot()) return "avx512bf16";
+#endif
+  return "fma";
+}
+
+torch::Tensor dense_matmul_panel(torch::Tensor x, torch::Tensor w, int64_t amx_min_rows) {
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   TORCH_CHECK(w.is_contiguous() && ((bf16 && w.dim() == 4 && w.size(2) == kDensePanel && w.size(3) == 2) ||
                                     (w.scalar_type() == at::kFloat && w.dim() == 3 && w.size(2) == kDensePanel)),
@@ -218,6 +228,15 @@ torch::Tensor dense_matmul_panel(torch::Tensor x, torch::Tensor w) {
   const int64_t panels = w.size(0), N = panels * kDensePanel, K = bf16 ? w.size(1) * 2 : w.size(1);
   const int64_t M = x.size(0);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K, "x must be a contiguous [M, ", K, "] tensor");
+#ifdef TANDEM_HAVE_AMX
+  if (bf16 && x.scalar_type() == at::kBFloat16 && M >= amx_min_rows && K % 32 == 0 && amx_ready()) {
+    torch::Tensor y = torch::empty({M, N}, x.options());
+    amx_dense_panels(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
+                     reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), panels,
+                     AmxOut{y.data_ptr(), true, N, M});
+    return y;
+  }
+#endif
   Out out(x, M, N);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (bf16 && x.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot()) {

@@ -1,8 +1,9 @@
 """The compiled CPU kernels, one build per instruction set, picked at run time.
 
-One module from five sources: ``cpu_base.cpp`` (the vector layer), ``cpu_quant.cpp``, ``cpu_quant_a8.cpp``,
-``cpu_quant_panel.cpp``, ``cpu_gemv.cpp``. The AVX-512 build also holds an AVX512-VNNI inner loop, chosen by
-the CPU at run time (``int8_panel_path()``).
+One module from six sources: ``cpu_base.cpp`` (the vector layer), ``cpu_quant.cpp``, ``cpu_quant_a8.cpp``,
+``cpu_quant_panel.cpp``, ``cpu_amx.cpp``, ``cpu_gemv.cpp``. The AVX-512 build also holds AVX512-VNNI,
+AVX512-BF16 and AMX inner loops, chosen by the CPU at run time (``int8_panel_path()``,
+``dense_panel_path()``).
 
 The machines Tandem runs on change (AVX2 only one day, AVX-512 the next), so nothing is compiled with
 ``-march=native``: the source is built with explicit flags into a module named after its instruction set
@@ -24,10 +25,10 @@ log = logging.getLogger(__name__)
 
 # One translation unit, in this order: the vector layer, then the kernels standing on it.
 _SOURCES = [Path(__file__).with_name(name) for name in
-            ("cpu_base.cpp", "cpu_quant.cpp", "cpu_quant_a8.cpp", "cpu_quant_panel.cpp", "cpu_gemv.cpp")]
+            ("cpu_base.cpp", "cpu_quant.cpp", "cpu_quant_a8.cpp", "cpu_quant_panel.cpp", "cpu_amx.cpp", "cpu_gemv.cpp")]
 _FUNCTIONS = ["isa", "int4_matmul", "int8_matmul", "int4_matmul_a8", "int8_matmul_a8", "int4_dequantize",
               "int8_dequantize", "dense_matmul", "int8_matmul_panel", "int4_matmul_panel",
-              "int8_panel_path", "dense_matmul_panel"]
+              "int8_panel_path", "dense_matmul_panel", "dense_panel_path"]
 ISA_FLAGS: dict[str, list[str]] = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from common.model.gemv import PanelEmbedding
 from common.quant.config import FLAG, GROUP_FLAG, QuantConfig, QuantizationError, QuantMethod
 from common.quant.embedding import QuantizedEmbedding
 from common.quant.formats import (
@@ -112,7 +113,8 @@ def quantize_model(model: LlamaForCausalLM, config: QuantConfig, gguf: GGUFBlock
                 continue
             direct, requantized = direct + from_gguf, requantized + (not from_gguf)
             layer.set_submodule(ours, make_linear(weight, linear.bias, device, dtype, _kernel(config, kernel)))
-    tied = model.lm_head is None
+    # tied: no LM head, or (a model loaded with float panels) an embedding that reads the head's panels
+    tied = model.lm_head is None or isinstance(model.embed_tokens, PanelEmbedding)
     head = model.embed_tokens if model.lm_head is None else model.lm_head
     assert isinstance(head, nn.Embedding | nn.Linear), "the LM head is already quantized"
     head_weight = head.weight
@@ -125,6 +127,8 @@ def quantize_model(model: LlamaForCausalLM, config: QuantConfig, gguf: GGUFBlock
             # The published Q8_0 rows are the checkpoint's own values: one copy serves both ends. A head
             # quantized here keeps the float table (the lookup would otherwise inherit the rounding).
             model.embed_tokens = QuantizedEmbedding(model.lm_head, dtype)
+        elif isinstance(model.embed_tokens, PanelEmbedding):  # the float table, row-major as unpaneled
+            model.embed_tokens = nn.Embedding.from_pretrained(model.embed_tokens.weight, freeze=True)
     log.info("quantization %s: %d matrices from GGUF blocks as published, %d quantized at load",
              config.describe(), direct, requantized)
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from common.model import gemv
-from common.quant.cpu_kernels import quant_kernels, runnable_isas
+from common.quant.cpu_kernels import cpu_flags, quant_kernels, runnable_isas
 
 ISAS = runnable_isas()[:2]
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
@@ -55,7 +55,7 @@ def test_gemv_layers_replace_linear_and_keep_its_results(monkeypatch: pytest.Mon
     assert torch.equal(model[0].weight, w0)
     x = torch.randn(3, 64)
     torch.testing.assert_close(model(x), nn.functional.linear(nn.functional.linear(x, w0, b0), w1))
-    big = torch.randn(300, 64)  # above PANEL_MAX_ROWS: unpacked tiles through the library's matmul
+    big = torch.randn(300, 64)  # above PANEL_MAX_ROWS: panels with AMX, else unpacked tiles through torch's GEMM
     torch.testing.assert_close(model[0](big), nn.functional.linear(big, w0, b0))
     monkeypatch.setenv("TANDEM_CPU_PANELS", "off")
     plain = nn.Sequential(nn.Linear(64, 48))
@@ -63,35 +63,65 @@ def test_gemv_layers_replace_linear_and_keep_its_results(monkeypatch: pytest.Mon
     assert type(plain[0]) is gemv.GemvLinear
 
 
+NO_AMX = 1 << 62  # dense_matmul_panel's amx_min_rows: never
+
+
+@pytest.mark.parametrize("amx_min_rows", [1, NO_AMX])  # AMX tiles where the CPU has them; the vector loops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 17, 64])  # every tile shape (8, 4, 1 rows)
-@pytest.mark.parametrize(("k", "n"), [(64, 16), (96, 48), (576, 80)])  # odd panel counts: a one-panel tail
-def test_dense_matmul_panel_matches_linear(ops: object, m: int, k: int, n: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 17, 33, 64])  # every tile shape (8, 4, 1; 32, 16, a tail)
+@pytest.mark.parametrize(("k", "n"), [(48, 32), (64, 16), (96, 48), (576, 80)])  # one-panel tails; K % 32 != 0
+def test_dense_matmul_panel_matches_linear(ops: object, m: int, k: int, n: int, dtype: torch.dtype,
+                                           amx_min_rows: int) -> None:
     gen = torch.Generator().manual_seed(m * 100 + k + n + 5)
     w = torch.randn(n, k, generator=gen).to(dtype)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    y = ops.dense_matmul_panel(x, gemv.pack_panels(w))  # type: ignore[attr-defined]
+    y = ops.dense_matmul_panel(x, gemv.pack_panels(w), amx_min_rows)  # type: ignore[attr-defined]
     assert y.dtype == dtype and y.shape == (m, n)
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(y.float(), nn.functional.linear(x.float(), w.float()), rtol=rtol, atol=atol * k ** 0.5)
     assert torch.equal(gemv.unpack_panels(gemv.pack_panels(w)), w)
 
 
+@pytest.mark.parametrize("amx_min_rows", [1, NO_AMX])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_panel_row_does_not_depend_on_the_rows_beside_it(ops: object, dtype: torch.dtype) -> None:
+def test_a_panel_row_does_not_depend_on_the_rows_beside_it(ops: object, dtype: torch.dtype, amx_min_rows: int) -> None:
     gen = torch.Generator().manual_seed(2)
     panels = gemv.pack_panels(torch.randn(48, 160, generator=gen).to(dtype))
-    x = torch.randn(11, 160, generator=gen).to(dtype)
-    together = ops.dense_matmul_panel(x, panels)  # type: ignore[attr-defined]
-    for i in range(11):
-        assert torch.equal(ops.dense_matmul_panel(x[i : i + 1].contiguous(), panels)[0], together[i])  # type: ignore[attr-defined]
+    x = torch.randn(37, 160, generator=gen).to(dtype)  # AMX: a group of 32 rows, then a padded tail of 5
+    together = ops.dense_matmul_panel(x, panels, amx_min_rows)  # type: ignore[attr-defined]
+    for i in (0, 1, 16, 31, 32, 36):
+        alone = ops.dense_matmul_panel(x[i : i + 1].contiguous(), panels, amx_min_rows)  # type: ignore[attr-defined]
+        assert torch.equal(alone[0], together[i])
+
+
+def test_the_amx_path_is_reported_and_its_mode_checked(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = ops.dense_panel_path()  # type: ignore[attr-defined]
+    flags = cpu_flags()
+    assert path in ("amx", "avx512bf16", "fma")
+    if path == "amx":
+        assert {"amx_tile", "amx_bf16"} <= flags
+    monkeypatch.setattr(gemv, "_limits", {})
+    monkeypatch.setenv("TANDEM_CPU_AMX", "off")
+    assert gemv._amx_min_rows(ops) == NO_AMX  # type: ignore[arg-type]
+    assert gemv._panel_max_rows(ops) == gemv.PANEL_MAX_ROWS  # type: ignore[arg-type]
+    monkeypatch.setattr(gemv, "_limits", {})
+    monkeypatch.setenv("TANDEM_CPU_AMX", "on")
+    if path == "amx":
+        assert gemv._amx_min_rows(ops) == gemv.AMX_MIN_ROWS  # type: ignore[arg-type]
+    else:
+        with pytest.raises(RuntimeError, match="TANDEM_CPU_AMX=on"):
+            gemv._amx_min_rows(ops)  # type: ignore[arg-type]
+    monkeypatch.setattr(gemv, "_limits", {})
+    monkeypatch.setenv("TANDEM_CPU_AMX", "maybe")
+    with pytest.raises(ValueError, match="TANDEM_CPU_AMX='maybe'; choose one of auto, on, off"):
+        gemv._amx_min_rows(ops)  # type: ignore[arg-type]
 
 
 def test_panel_layouts_are_refused_when_wrong(ops: object) -> None:
     with pytest.raises(RuntimeError, match=r"\[N/16, K/2, 16, 2\]"):
-        ops.dense_matmul_panel(torch.randn(1, 64), torch.randn(48, 64).bfloat16())  # type: ignore[attr-defined]
+        ops.dense_matmul_panel(torch.randn(1, 64), torch.randn(48, 64).bfloat16(), 1)  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="x must be a contiguous"):
-        ops.dense_matmul_panel(torch.randn(1, 32), gemv.pack_panels(torch.randn(16, 64)))  # type: ignore[attr-defined]
+        ops.dense_matmul_panel(torch.randn(1, 32), gemv.pack_panels(torch.randn(16, 64)), 1)  # type: ignore[attr-defined]
 
 
 def test_the_mode_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

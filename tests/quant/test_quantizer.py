@@ -182,6 +182,22 @@ def test_a_tied_head_quantized_at_load_keeps_the_float_table(tiny_model_factory:
     assert next(model.parameters()).dtype == model.dtype == torch.float32  # what the engine sizes KV from
 
 
+def test_quantizing_a_model_loaded_with_float_panels_keeps_one_float_table(
+        tiny_model_factory: Callable[..., Path]) -> None:
+    from common.model.gemv import PanelEmbedding, gemv_kernels
+
+    if gemv_kernels() is None:
+        pytest.skip("the CPU kernels could not be built")
+    model_dir = tiny_model_factory(tie_word_embeddings=True)
+    model = load_model(model_dir, dtype="float32")  # tied head as panels, the lookup reading them
+    assert isinstance(model.embed_tokens, PanelEmbedding)
+    table = model.embed_tokens.weight.clone()
+    quantize_model(model, QuantConfig.parse("int8"))
+    assert type(model.embed_tokens) is torch.nn.Embedding  # float rows, row-major, registered in the model
+    assert torch.equal(model.embed_tokens.weight, table)
+    assert isinstance(model.lm_head, QuantizedLinear)
+
+
 def test_gguf_q8_0_embedding_rows_are_the_published_values(q4_gguf: tuple[Path, Path]) -> None:
     gguf_path, hf_dir = q4_gguf
     reference = load_model(hf_dir, dtype="float32")
