@@ -26,8 +26,22 @@ case "$name" in
     llamacpp)
         "$PYTHON" -m venv "$VENV"
         PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
-        # Built for this machine's CPU (AVX-512 etc. detected by llama.cpp's CMake), 2 jobs.
-        CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} "${PIP[@]}" llama-cpp-python==0.3.36
+        # Built for this machine's CPU (AVX-512 etc. detected by llama.cpp's CMake), 2 jobs. On a CPU with
+        # AMX, 0.3.36's AMX matmul dies with SIGILL (`tilezero` in ggml_backend_amx_mul_mat, seen on a
+        # 2-core Xeon VM; llama.cpp issue #28756 is the same class): there the build names the CPU's
+        # other instruction sets itself and leaves AMX out, so llama.cpp runs its AVX-512 repacked kernels.
+        flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+        if [[ " $flags " == *" amx_tile "* && -z "${CMAKE_ARGS:-}" ]]; then
+            args=(-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+            for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx512f:AVX512 avx512vbmi:AVX512_VBMI \
+                        avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI; do
+                [[ " $flags " == *" ${pair%%:*} "* ]] && args+=("-DGGML_${pair#*:}=ON")
+            done
+            export CMAKE_ARGS="${args[*]}"
+            echo ">> llama.cpp without AMX: CMAKE_ARGS=$CMAKE_ARGS"
+        fi
+        CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} "${PIP[@]}" --no-cache-dir \
+            llama-cpp-python==0.3.36
         ;;
     *) echo "unknown peer '$name': vllm or llamacpp" >&2; exit 1 ;;
 esac

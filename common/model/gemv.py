@@ -6,19 +6,26 @@ oneDNN's bf16 GEMV streams 11-14 GB/s and MKL's fp32 one 12 GB/s.
 
 - ``PanelLinear`` (the default where out_features is a multiple of 16): the weight held in 16-row panels
   (``pack_panels``), multiplied by ``dense_matmul_panel`` (``common/quant/cpu_gemv.cpp``): each thread
-  streams whole panels, ``vdpbf16ps`` on AVX512-BF16. bf16, 2 threads: batch 1 31 GB/s (9.8 -> 6.8 ms for
-  30 layers), 8 rows 21 -> 8 ms, 64 rows 41.5 ms against oneDNN's 48.7. Above ``PANEL_MAX_ROWS`` rows
-  (prefill) oneDNN's GEMM is faster (0.72x at 512 rows for the panel kernel), so tiles are unpacked for it.
-  A tied LM head becomes a ``PanelLinear`` too and the token lookup reads its rows (``PanelEmbedding``):
-  one copy of the matrix. ``TANDEM_CPU_PANELS=off`` keeps row-major weights.
+  streams whole panels, ``vdpbf16ps`` on AVX512-BF16. bf16, 2 threads, AMD EPYC: batch 1 31 GB/s (9.8 ->
+  6.8 ms for 30 layers), 8 rows 21 -> 8 ms, 64 rows 41.5 ms against oneDNN's 48.7. Without AMX, above
+  ``PANEL_MAX_ROWS`` rows (prefill) oneDNN's GEMM is faster (0.72x at 512 rows for the panel kernel), so
+  tiles are unpacked for it. Where the CPU grants AMX (Intel Sapphire Rapids on), from ``AMX_MIN_ROWS``
+  rows the panels go straight into AMX tiles (``common/quant/cpu_amx.cpp``: the bf16 panel layout is the
+  tile unit's B layout) at every row count; measured on a 2-core Xeon with AMX, 30 layers: 4 rows 18.4
+  (``vdpbf16ps``) -> 13.0 ms, 64 rows oneDNN 44 -> 28-36 ms, 256 rows 121 -> 100-110 ms, 512 rows about
+  even. ``TANDEM_CPU_AMX=auto|on|off``. A tied LM head becomes a ``PanelLinear`` too and the token lookup
+  reads its rows (``PanelEmbedding``): one copy of the matrix. ``TANDEM_CPU_PANELS=off`` keeps row-major
+  weights.
 - ``GemvLinear`` (other shapes): ``dense_matmul``, row-major tiles with software prefetch (bf16 17-22 GB/s,
   fp32 24-25 GB/s) up to ``GEMV_MAX_ROWS``, ``F.linear`` above it (row-bucketed for 16-bit activations,
   common/model/row_buckets.py); an untied-shape head points ``head_matmul`` at ``linear``.
 
 ``gemv_linears(model)`` swaps the model's plain ``nn.Linear`` layers in place. ``TANDEM_CPU_GEMV=auto|on|off``
-(auto: on CPU where the kernels build; on: or a start-up error; off: the library's matmuls only). Each
-row's result does not depend on how many rows share the call, so speculative verification rows equal
-plain decode rows.
+(auto: on CPU where the kernels build; on: or a start-up error; off: the library's matmuls only). Within
+a path each row's result does not depend on the rows beside it. Where AMX runs from 2 rows, a 1-row
+decode (``vdpbf16ps``) and a multi-row call (AMX tiles) sum in a different order, so in bf16 a
+speculative verification row can differ from the plain decode row in the last bit (fp32 panels have one
+path: rows equal).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 from torch import nn
 
 from common.model.row_buckets import bucket_rows, linear_bucketed
+from common.quant.cpu_kernels import NO_AMX, amx_enabled
 from common.quant.cpu_linear import GEMV_MAX_ROWS, TILE_ELEMENTS  # one limit for float and packed weights
 from common.quant.panels import PANEL_ROWS
 
@@ -92,21 +100,15 @@ AMX_MIN_ROWS = 2  # from 2 rows AMX tiles (where the CPU has them) beat vdpbf16p
 
 
 def _amx_min_rows(ops: ModuleType) -> int:
-    """Rows from which ``dense_matmul_panel`` runs AMX tiles (``TANDEM_CPU_AMX=auto|on|off``; off: never)."""
+    """Rows from which ``dense_matmul_panel`` runs AMX tiles (``TANDEM_CPU_AMX``; never: ``NO_AMX``)."""
     if "amx_min_rows" not in _limits:
-        mode = os.environ.get("TANDEM_CPU_AMX", "auto").strip().lower() or "auto"
-        if mode not in ("auto", "on", "off"):
-            raise ValueError(f"TANDEM_CPU_AMX={mode!r}; choose one of auto, on, off")
-        amx = ops.dense_panel_path() == "amx"
-        if mode == "on" and not amx:
-            raise RuntimeError("TANDEM_CPU_AMX=on but this CPU (or its kernel) grants no AMX tiles")
-        _limits["amx_min_rows"] = AMX_MIN_ROWS if amx and mode != "off" else 1 << 62
+        _limits["amx_min_rows"] = AMX_MIN_ROWS if amx_enabled(ops) else NO_AMX
     return _limits["amx_min_rows"]
 
 
 def _panel_max_rows(ops: ModuleType) -> int:
     """Rows up to which panels multiply as they lie: any count with AMX, else ``PANEL_MAX_ROWS``."""
-    return 1 << 62 if _amx_min_rows(ops) < 1 << 62 else PANEL_MAX_ROWS
+    return NO_AMX if _amx_min_rows(ops) < NO_AMX else PANEL_MAX_ROWS
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

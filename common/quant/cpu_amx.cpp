@@ -65,13 +65,20 @@ struct AmxOut {
   void* y;
   bool bf16;
   int64_t N, M;
+  const float* col_scale = nullptr;  // per output column (int8 with one scale per row of the weights)
 };
 
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
 inline void amx_store(const float* c, const AmxOut& out, int64_t m, int64_t col) {
   const int64_t rows = std::min<int64_t>(16, out.M - m);
-  if (out.bf16) {
+  if (out.col_scale != nullptr) {
+    const __m512 s = _mm512_loadu_ps(out.col_scale + col);
+    auto* y = static_cast<uint16_t*>(out.y) + m * out.N + col;
+    for (int64_t r = 0; r < rows; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * out.N),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(c + r * 16), s))));
+  } else if (out.bf16) {
     auto* y = static_cast<uint16_t*>(out.y) + m * out.N + col;
     for (int64_t r = 0; r < rows; ++r)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * out.N),
@@ -129,24 +136,26 @@ inline void amx_tile(const uint16_t* xa, const uint16_t* xb, int64_t K, const ui
   }
 }
 
-// Row group m (32 rows at xa, xb = xa + 16 rows; or 16 rows at xa) over panel pairs [c0, c1).
+// Row group m (32 rows at xa, xb = xa + 16 rows; or 16 rows at xa) over panels [p0, p1) of the chunk whose
+// bf16 panels start at ``w``.
 template <bool ROWS2, bool PF>
-inline void amx_rows(const uint16_t* xa, const uint16_t* xb, int64_t K, const uint16_t* w, int64_t panels,
-                     const AmxOut& out, int64_t m, int64_t c0, int64_t c1, float* c) {
-  for (int64_t t = c0; t < c1; ++t) {
-    const int64_t p = 2 * t;
-    const uint16_t* b0 = w + p * kAmxPanel * K;
-    if (p + 1 < panels) amx_tile<ROWS2, true, PF>(xa, xb, K, b0, out, p, m, c);
+inline void amx_rows(const uint16_t* xa, const uint16_t* xb, int64_t K, const uint16_t* w, int64_t p0, int64_t p1,
+                     const AmxOut& out, int64_t m, float* c) {
+  for (int64_t p = p0; p < p1; p += 2) {
+    const uint16_t* b0 = w + (p - p0) * kAmxPanel * K;
+    if (p + 1 < p1) amx_tile<ROWS2, true, PF>(xa, xb, K, b0, out, p, m, c);
     else amx_tile<ROWS2, false, PF>(xa, xb, K, b0, out, p, m, c);
   }
 }
 
-// out [M, N] = x [M, K] bf16 (K a multiple of 32) times the panels w [N/16, K/2, 16, 2]. Rows go in groups
-// of 32, then 16; the last partial group is copied into 16 zero-padded rows. A thread takes its panel
-// pairs in chunks of ``kAmxChunkBytes`` of weights: the first row group pulls a chunk from DRAM into L2,
-// the others read it there, and each row group's x stays in L1 while it passes over the chunk.
-void amx_dense_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t panels,
-                      const AmxOut& out) {
+// out [M, N] = x [M, K] bf16 (K a multiple of 32) times ``panels`` bf16 panels [K/2, 16, 2] that
+// ``source(p0, p1, scratch)`` gives (a pointer to panels p0 .. p1: the weights themselves, or a chunk
+// dequantized into ``scratch``). Rows go in groups of 32, then 16; the last partial group is copied into
+// 16 zero-padded rows. A thread takes its panel pairs in chunks of ``kAmxChunkBytes`` of bf16 weights: the
+// first row group pulls a chunk into L2 (from DRAM, prefetching, or as the source writes it), the others
+// read it there, and each row group's x stays in L1 while it passes over the chunk.
+template <bool PREFETCH, typename Source>
+void amx_panels(const uint16_t* x, int64_t M, int64_t K, int64_t panels, const AmxOut& out, const Source& source) {
   const int64_t pair_bytes = 2 * kAmxPanel * K * 2;
   const int64_t chunk = std::max<int64_t>(1, kAmxChunkBytes / pair_bytes);
   const int64_t full = M / 16 * 16;
@@ -163,27 +172,114 @@ void amx_dense_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w
     }
     _tile_loadconfig(&cfg);
     alignas(64) float c[4 * 256];
+    static thread_local std::vector<uint16_t> scratch;  // kept across calls: no fresh pages per call
     for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
-      const int64_t c1 = std::min(t1, c0 + chunk);
-      // the first row group streams the chunk from DRAM (prefetching), the others find it in L2
+      const int64_t p0 = 2 * c0, p1 = std::min(panels, 2 * std::min(t1, c0 + chunk));
+      const uint16_t* w = source(p0, p1, scratch);
+      bool first = PREFETCH;  // only the first row group streams the chunk from DRAM
       int64_t m = 0;
-      bool first = true;
       for (; m + 32 <= full; m += 32, first = false) {
-        if (first) amx_rows<true, true>(x + m * K, x + (m + 16) * K, K, w, panels, out, m, c0, c1, c);
-        else amx_rows<true, false>(x + m * K, x + (m + 16) * K, K, w, panels, out, m, c0, c1, c);
+        if (first) amx_rows<true, true>(x + m * K, x + (m + 16) * K, K, w, p0, p1, out, m, c);
+        else amx_rows<true, false>(x + m * K, x + (m + 16) * K, K, w, p0, p1, out, m, c);
       }
       if (m < full) {
-        if (first) amx_rows<false, true>(x + m * K, nullptr, K, w, panels, out, m, c0, c1, c);
-        else amx_rows<false, false>(x + m * K, nullptr, K, w, panels, out, m, c0, c1, c);
+        if (first) amx_rows<false, true>(x + m * K, nullptr, K, w, p0, p1, out, m, c);
+        else amx_rows<false, false>(x + m * K, nullptr, K, w, p0, p1, out, m, c);
         first = false;
       }
       if (full < M) {
-        if (first) amx_rows<false, true>(tail.data(), nullptr, K, w, panels, out, full, c0, c1, c);
-        else amx_rows<false, false>(tail.data(), nullptr, K, w, panels, out, full, c0, c1, c);
+        if (first) amx_rows<false, true>(tail.data(), nullptr, K, w, p0, p1, out, full, c);
+        else amx_rows<false, false>(tail.data(), nullptr, K, w, p0, p1, out, full, c);
       }
     }
     _tile_release();
   });
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+// A group's per-row scale (or zero) as the 4 vectors ``dequant_quad`` multiplies by: rows 4j .. 4j + 3,
+// each value 4 times (computed once per group, not per step).
+struct RowVectors {
+  __m512 v[4];
+  explicit RowVectors(__m512 s) {
+    v[0] = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), s);
+    v[1] = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4), s);
+    v[2] = _mm512_permutexvar_ps(_mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8), s);
+    v[3] = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12), s);
+  }
+};
+
+// One 64-byte step of 16 rows x 4 weights (int8 codes, or 4-bit codes widened to bytes) -> the two bf16
+// pair lines of the panel layout (weights 0, 1 and 2, 3 of each row): w = q (SCALE: x s; ZERO: + z).
+template <bool SIGNED, bool SCALE, bool ZERO>
+inline void dequant_quad(__m512i bytes, const RowVectors* s, const RowVectors* z, uint16_t* line0,
+                         uint16_t* line1) {
+  const __m128i part[4] = {_mm512_castsi512_si128(bytes), _mm512_extracti32x4_epi32(bytes, 1),
+                           _mm512_extracti32x4_epi32(bytes, 2), _mm512_extracti32x4_epi32(bytes, 3)};
+  __m512 f[4];
+  for (int j = 0; j < 4; ++j) {  // rows 4j .. 4j + 3, 4 weights each
+    f[j] = _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(part[j]) : _mm512_cvtepu8_epi32(part[j]));
+    if constexpr (SCALE && ZERO) f[j] = _mm512_fmadd_ps(f[j], s->v[j], z->v[j]);
+    else if constexpr (SCALE) f[j] = _mm512_mul_ps(f[j], s->v[j]);
+  }
+  // as dwords: [row 0 pair 0, row 0 pair 1, row 1 pair 0, ...], rows 0-7 then rows 8-15
+  const __m512i h0 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+  const __m512i h1 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[3], f[2]));
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  _mm512_storeu_si512(line0, _mm512_permutex2var_epi32(h0, even, h1));
+  _mm512_storeu_si512(line1, _mm512_permutex2var_epi32(h0, odd, h1));
+}
+
+// int8 panels p0 .. p1 ([P, K/4, 16, 4]; scales fp32 [P, K/G, 16]) as bf16 panels. One scale per row
+// (G == K) is not applied here: the codes are exact in bf16 and the tile's sums are scaled at the store.
+void dequant_int8_panels(const int8_t* q, const float* scales, int64_t K, int64_t G, int64_t p0, int64_t p1,
+                         uint16_t* dst) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* qp = q + p * kAmxPanel * K;
+    uint16_t* out = dst + (p - p0) * kAmxPanel * K;
+    if (G == K) {
+      for (int64_t k4 = 0; k4 < K / 4; ++k4)
+        dequant_quad<true, false, false>(_mm512_loadu_si512(qp + k4 * 64), nullptr, nullptr, out + 2 * k4 * 32,
+                                         out + (2 * k4 + 1) * 32);
+      continue;
+    }
+    for (int64_t g = 0; g < K / G; ++g) {
+      const RowVectors s(_mm512_loadu_ps(scales + (p * (K / G) + g) * kAmxPanel));
+      for (int64_t k4 = g * G / 4; k4 < (g + 1) * G / 4; ++k4)
+        dequant_quad<true, true, false>(_mm512_loadu_si512(qp + k4 * 64), &s, nullptr, out + 2 * k4 * 32,
+                                        out + (2 * k4 + 1) * 32);
+    }
+  }
+}
+
+// int4 panels p0 .. p1 ([P, K/8, 16, 4] nibbles; scales, zeros fp16 [P, K/G, 16]) as bf16 panels.
+void dequant_int4_panels(const uint8_t* q, const uint16_t* scales, const uint16_t* zeros, int64_t K, int64_t G,
+                         int64_t p0, int64_t p1, uint16_t* dst) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* qp = q + p * kAmxPanel * K / 2;
+    uint16_t* out = dst + (p - p0) * kAmxPanel * K;
+    for (int64_t g = 0; g < K / G; ++g) {
+      const int64_t at = (p * (K / G) + g) * kAmxPanel;
+      const RowVectors s(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at))));
+      const RowVectors z(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zeros + at))));
+      for (int64_t k8 = g * G / 8; k8 < (g + 1) * G / 8; ++k8) {
+        const __m512i v = _mm512_loadu_si512(qp + k8 * 64);
+        uint16_t* o = out + 4 * k8 * 32;
+        dequant_quad<false, true, true>(_mm512_and_si512(v, low), &s, &z, o, o + 32);  // weights 0-3 of the step
+        dequant_quad<false, true, true>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), &s, &z, o + 64, o + 96);
+      }
+    }
+  }
+}
+#pragma GCC pop_options
+
+void amx_dense_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t panels,
+                      const AmxOut& out) {
+  amx_panels<true>(x, M, K, panels, out,
+                   [&](int64_t p0, int64_t, std::vector<uint16_t>&) { return w + p0 * kAmxPanel * K; });
 }
 
 #pragma GCC pop_options
@@ -193,3 +289,58 @@ bool amx_ready() { return false; }
 #endif
 
 }  // namespace
+
+// Quantized panels through AMX (bf16 activations, x as it is: no int8 rounding): each thread dequantizes
+// a chunk of its panels into bf16 in L2 and every row group multiplies it there. From a few rows the
+// tile unit outruns the VNNI loops (``int8_matmul_panel``), whose cost grows with every row.
+torch::Tensor int8_matmul_panel_amx(torch::Tensor x, torch::Tensor q, torch::Tensor scales, int64_t group_size) {
+  check_panels(q, 4, group_size, q.size(1) * 4);
+  TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8 [N/16, K/4, 16, 4]");
+  const int64_t P = q.size(0), N = P * kAmxPanel, K = q.size(1) * 4, M = x.size(0), G = group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / G),
+              "scales must be contiguous fp32 [N] (one per row) or [N/16, K/group_size, 16]");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K && x.scalar_type() == at::kBFloat16,
+              "x must be a contiguous bf16 [M, ", K, "] tensor");
+  TORCH_CHECK(K % 32 == 0 && amx_ready(), "AMX panels need AMX tiles (this CPU or build has none) and K % 32 == 0");
+  torch::Tensor y = torch::empty({M, N}, x.options());
+#ifdef TANDEM_HAVE_AMX
+  const auto* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  amx_panels<false>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, P,
+                    AmxOut{y.data_ptr(), true, N, M, G == K ? sp : nullptr},
+                    [&](int64_t p0, int64_t p1, std::vector<uint16_t>& scratch) {
+                      scratch.resize((p1 - p0) * kAmxPanel * K);
+                      dequant_int8_panels(qp, sp, K, G, p0, p1, scratch.data());
+                      return static_cast<const uint16_t*>(scratch.data());
+                    });
+#endif
+  return y;
+}
+
+torch::Tensor int4_matmul_panel_amx(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor zeros,
+                                    int64_t group_size) {
+  check_panels(q, 8, group_size, q.size(1) * 8);
+  TORCH_CHECK(q.scalar_type() == at::kByte, "q must be uint8 [N/16, K/8, 16, 4]");
+  const int64_t P = q.size(0), N = P * kAmxPanel, K = q.size(1) * 8, M = x.size(0), G = group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && zeros.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  zeros.is_contiguous() && scales.numel() == N * (K / G) && zeros.numel() == scales.numel(),
+              "scales, zeros must be contiguous fp16 [N/16, K/group_size, 16]");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K && x.scalar_type() == at::kBFloat16,
+              "x must be a contiguous bf16 [M, ", K, "] tensor");
+  TORCH_CHECK(K % 32 == 0 && amx_ready(), "AMX panels need AMX tiles (this CPU or build has none) and K % 32 == 0");
+  torch::Tensor y = torch::empty({M, N}, x.options());
+#ifdef TANDEM_HAVE_AMX
+  const auto* qp = q.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::Half>());
+  amx_panels<false>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, P,
+                    AmxOut{y.data_ptr(), true, N, M},
+                    [&](int64_t p0, int64_t p1, std::vector<uint16_t>& scratch) {
+                      scratch.resize((p1 - p0) * kAmxPanel * K);
+                      dequant_int4_panels(qp, sp, zp, K, G, p0, p1, scratch.data());
+                      return static_cast<const uint16_t*>(scratch.data());
+                    });
+#endif
+  return y;
+}
+

@@ -28,7 +28,8 @@ _SOURCES = [Path(__file__).with_name(name) for name in
             ("cpu_base.cpp", "cpu_quant.cpp", "cpu_quant_a8.cpp", "cpu_quant_panel.cpp", "cpu_amx.cpp", "cpu_gemv.cpp")]
 _FUNCTIONS = ["isa", "int4_matmul", "int8_matmul", "int4_matmul_a8", "int8_matmul_a8", "int4_dequantize",
               "int8_dequantize", "dense_matmul", "int8_matmul_panel", "int4_matmul_panel",
-              "int8_panel_path", "dense_matmul_panel", "dense_panel_path"]
+              "int8_panel_path", "dense_matmul_panel", "dense_panel_path",
+              "int8_matmul_panel_amx", "int4_matmul_panel_amx"]
 ISA_FLAGS: dict[str, list[str]] = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -108,3 +109,23 @@ def _build(isa: str) -> ModuleType:
                            f"{first}; --quantization on CPU needs a C++ compiler and ninja") from exc
     log.info("quantized CPU kernels: %s", module.isa())
     return module
+
+
+NO_AMX = 1 << 62  # a row threshold no call reaches: AMX off
+_amx_state: dict[str, bool] = {}
+
+
+def amx_enabled(ops: ModuleType) -> bool:
+    """Whether the AMX loops run (``TANDEM_CPU_AMX=auto|on|off``): auto where the CPU and its kernel grant
+    AMX tiles (``ops.dense_panel_path() == "amx"``), on: that or an error, off: never."""
+    mode = os.environ.get("TANDEM_CPU_AMX", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"TANDEM_CPU_AMX={mode!r}; choose one of auto, on, off")
+    key = f"{mode}:{ops.__name__}"
+    if key not in _amx_state:
+        amx = ops.dense_panel_path() == "amx"
+        if mode == "on" and not amx:
+            raise RuntimeError("TANDEM_CPU_AMX=on but this CPU (or its kernel, or this build) grants no AMX tiles")
+        _amx_state[key] = amx and mode != "off"
+    return _amx_state[key]
+

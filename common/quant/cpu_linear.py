@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.quant.cpu_kernels import quant_kernels
+from common.quant.cpu_kernels import NO_AMX, amx_enabled, quant_kernels
 from common.quant.formats import Int4Weight, Int8Weight
 from common.quant.linear import QuantizedLinear
 from common.quant.panels import (
@@ -40,6 +40,7 @@ from common.quant.panels import (
 
 GEMV_MAX_ROWS = 8  # above this, dequantize-and-GEMM wins (measured on AVX2 and AVX-512)
 PANEL_MAX_ROWS_NO_VNNI = 64  # panels without VNNI beat dequantize-and-GEMM up to here (AVX2 build)
+AMX_QUANT_MIN_ROWS = 16  # from here (bf16 activations, AMX granted) dequantized chunks through AMX tiles win
 TILE_ELEMENTS = 1 << 19  # weights per dequantized tile: 2 MiB of fp32, stays in L2+L3
 
 
@@ -144,12 +145,18 @@ class _Panels:
         if self.panels:
             self.out_features, self.in_features = n, k
             ops = quant_kernels()
-            self._panel = ops.int4_matmul_panel if isinstance(weight, Int4Weight) else ops.int8_matmul_panel
+            int4 = isinstance(weight, Int4Weight)
+            self._panel = ops.int4_matmul_panel if int4 else ops.int8_matmul_panel
             self._panel_rows = 1 << 62 if ops.int8_panel_path() == "vnni" else PANEL_MAX_ROWS_NO_VNNI
+            amx = amx_enabled(ops) and k % 32 == 0
+            self._amx = (ops.int4_matmul_panel_amx if int4 else ops.int8_matmul_panel_amx) if amx else None
+            self._amx_rows = AMX_QUANT_MIN_ROWS if amx else NO_AMX
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.panels:
             return super().matmul(x)  # type: ignore[misc]
+        if x.shape[0] >= self._amx_rows and x.dtype is torch.bfloat16 and self._amx is not None:
+            return self._amx(x if x.is_contiguous() else x.contiguous(), *self._args, self.group_size)
         if x.shape[0] > self._panel_rows:
             return _tiled_gemm(x.contiguous(), self.out_features, self._dequantize).to(x.dtype)
         if x.dtype is torch.float16:

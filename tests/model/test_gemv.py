@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from common.model import gemv
+from common.quant import cpu_kernels
 from common.quant.cpu_kernels import cpu_flags, quant_kernels, runnable_isas
 
 ISAS = runnable_isas()[:2]
@@ -101,6 +102,7 @@ def test_the_amx_path_is_reported_and_its_mode_checked(ops: object, monkeypatch:
     if path == "amx":
         assert {"amx_tile", "amx_bf16"} <= flags
     monkeypatch.setattr(gemv, "_limits", {})
+    monkeypatch.setattr(cpu_kernels, "_amx_state", {})
     monkeypatch.setenv("TANDEM_CPU_AMX", "off")
     assert gemv._amx_min_rows(ops) == NO_AMX  # type: ignore[arg-type]
     assert gemv._panel_max_rows(ops) == gemv.PANEL_MAX_ROWS  # type: ignore[arg-type]

@@ -10,8 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.quant.cpu_kernels import quant_kernels
-from common.quant.cpu_linear import GEMV_MAX_ROWS, PANEL_MAX_ROWS_NO_VNNI, Int4LinearA8, Int8LinearA8
+from common.quant.cpu_kernels import amx_enabled, quant_kernels
+from common.quant.cpu_linear import (
+    AMX_QUANT_MIN_ROWS,
+    GEMV_MAX_ROWS,
+    PANEL_MAX_ROWS_NO_VNNI,
+    Int4LinearA8,
+    Int8LinearA8,
+)
 from common.quant.formats import (
     QuantizedWeight,
     quantize_fp8,
@@ -55,8 +61,9 @@ def test_tandem_cpu_linear_matches_reference(fmt: str, m: int, dtype: torch.dtyp
 @pytest.mark.parametrize("m", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 40, 70])
 @pytest.mark.parametrize("fmt", ["int4", "int8", "int8-grouped", "int8-unpaneled", "int4-unpaneled"])
 def test_the_default_cpu_linear_rounds_activations_where_its_kernel_does(fmt: str, m: int, dtype: torch.dtype) -> None:
-    # weights in 16-row panels round x at every size (above PANEL_MAX_ROWS_NO_VNNI only with VNNI); a
-    # matrix whose rows are no multiple of 16 keeps the row-major kernels, rounding x at decode sizes only
+    # weights in 16-row panels round x at every size (above PANEL_MAX_ROWS_NO_VNNI only with VNNI), except
+    # bf16 batches of AMX_QUANT_MIN_ROWS and more where AMX runs (dequantized chunks, x as it is); a matrix
+    # whose rows are no multiple of 16 keeps the row-major kernels, rounding x at decode sizes only
     w, x = _data(m, n=40 if fmt.endswith("unpaneled") else 48)
     weight = quantize_int4(w, 64) if fmt.startswith("int4") else quantize_int8(w, 32 if fmt == "int8-grouped" else None)
     linear = make_linear(weight, None, CPU, dtype)
@@ -66,7 +73,8 @@ def test_the_default_cpu_linear_rounds_activations_where_its_kernel_does(fmt: st
     y = linear(x.to(dtype))
     assert y.dtype == dtype
     if paneled:
-        rounded = m <= (1 << 62 if quant_kernels().int8_panel_path() == "vnni" else PANEL_MAX_ROWS_NO_VNNI)
+        amx = dtype is torch.bfloat16 and m >= AMX_QUANT_MIN_ROWS and amx_enabled(quant_kernels())
+        rounded = not amx and m <= (1 << 62 if quant_kernels().int8_panel_path() == "vnni" else PANEL_MAX_ROWS_NO_VNNI)
     else:
         rounded = m <= GEMV_MAX_ROWS
     reference = reference_a8_matmul if rounded else reference_matmul

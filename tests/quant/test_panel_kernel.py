@@ -117,3 +117,36 @@ def test_the_layout_round_trips() -> None:
     assert torch.equal(unpack_int4_panels(q4, rows), w4.unpack()[rows])
     back = int4_panel_weight(q4, s4, z4, 32)
     assert torch.equal(back.q, w4.q) and torch.equal(back.scales, w4.scales) and torch.equal(back.zeros, w4.zeros)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int8-grouped", "int4"])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 32, 40, 64])  # 32-row groups, 16, a padded tail
+@pytest.mark.parametrize(("k", "n"), [(64, 48), (576, 80), (1536, 32)])  # one-panel tails; chunks of 1 pair
+def test_amx_panels_match_the_reference(m: int, k: int, n: int, fmt: str) -> None:
+    ops = quant_kernels()
+    if ops.dense_panel_path() != "amx":  # type: ignore[attr-defined]
+        pytest.skip("this CPU grants no AMX tiles")
+    gen = torch.Generator().manual_seed(m + k + n)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    if fmt == "int4":
+        weight = quantize_int4(w, 32)
+        y = ops.int4_matmul_panel_amx(x, *pack_int4_panels(weight), 32)  # type: ignore[attr-defined]
+    else:
+        weight = quantize_int8(w, 32 if fmt == "int8-grouped" else None)
+        y = ops.int8_matmul_panel_amx(x, *pack_int8_panels(weight), weight.group_size)  # type: ignore[attr-defined]
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # x as it is (no int8 rounding); the weights rounded to bf16 once dequantized, the output to bf16
+    expected = x.float() @ weight.dequantize().bfloat16().float().T
+    torch.testing.assert_close(y.float(), expected, rtol=1.6e-2, atol=1e-2 * k ** 0.5 / 8)
+
+
+def test_amx_panels_refuse_what_they_cannot_run() -> None:
+    ops = quant_kernels()
+    weight = quantize_int8(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="x must be a contiguous bf16"):
+        ops.int8_matmul_panel_amx(torch.randn(4, 64), *pack_int8_panels(weight), 64)  # type: ignore[attr-defined]
+    if ops.dense_panel_path() != "amx":  # type: ignore[attr-defined]
+        with pytest.raises(RuntimeError, match="AMX panels need AMX tiles"):
+            ops.int8_matmul_panel_amx(torch.randn(4, 64).bfloat16(), *pack_int8_panels(weight), 64)  # type: ignore[attr-defined]
+
