@@ -67,12 +67,19 @@ def test_gemv_layers_replace_linear_and_keep_its_results(monkeypatch: pytest.Mon
 NO_AMX = 1 << 62  # dense_matmul_panel's amx_min_rows: never
 
 
+def _skip_same_loop(ops: object, dtype: torch.dtype, amx_min_rows: int) -> None:
+    """amx_min_rows=1 runs the NO_AMX case's loop again where there is no AMX path (fp32; no AMX)."""
+    if amx_min_rows != NO_AMX and (dtype is not torch.bfloat16 or ops.dense_panel_path() != "amx"):  # type: ignore[attr-defined]
+        pytest.skip("no AMX path here: the same loop as amx_min_rows=NO_AMX")
+
+
 @pytest.mark.parametrize("amx_min_rows", [1, NO_AMX])  # AMX tiles where the CPU has them; the vector loops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 17, 33, 64])  # every tile shape (8, 4, 1; 32, 16, a tail)
 @pytest.mark.parametrize(("k", "n"), [(48, 32), (64, 16), (96, 48), (576, 80)])  # one-panel tails; K % 32 != 0
 def test_dense_matmul_panel_matches_linear(ops: object, m: int, k: int, n: int, dtype: torch.dtype,
                                            amx_min_rows: int) -> None:
+    _skip_same_loop(ops, dtype, amx_min_rows)
     gen = torch.Generator().manual_seed(m * 100 + k + n + 5)
     w = torch.randn(n, k, generator=gen).to(dtype)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -86,6 +93,7 @@ def test_dense_matmul_panel_matches_linear(ops: object, m: int, k: int, n: int, 
 @pytest.mark.parametrize("amx_min_rows", [1, NO_AMX])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_panel_row_does_not_depend_on_the_rows_beside_it(ops: object, dtype: torch.dtype, amx_min_rows: int) -> None:
+    _skip_same_loop(ops, dtype, amx_min_rows)
     gen = torch.Generator().manual_seed(2)
     panels = gemv.pack_panels(torch.randn(48, 160, generator=gen).to(dtype))
     x = torch.randn(37, 160, generator=gen).to(dtype)  # AMX: a group of 32 rows, then a padded tail of 5
