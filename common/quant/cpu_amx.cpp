@@ -288,6 +288,31 @@ void amx_dense_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w
 bool amx_ready() { return false; }
 #endif
 
+// y [M, P * 16] bf16 = x [M, K] bf16 times P quantized panels, each chunk dequantized by
+// ``dequant(p0, p1, dst)`` into bf16 panels; ``col_scale``: per output column, applied at the store.
+template <typename Dequant>
+torch::Tensor amx_dequantized(const torch::Tensor& x, int64_t P, int64_t K, const float* col_scale,
+                              const Dequant& dequant) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K && x.scalar_type() == at::kBFloat16,
+              "x must be a contiguous bf16 [M, ", K, "] tensor");
+  TORCH_CHECK(K % 32 == 0 && amx_ready(), "AMX panels need AMX tiles (this CPU or build has none) and K % 32 == 0");
+  const int64_t M = x.size(0), N = P * kAmxPanel;
+  torch::Tensor y = torch::empty({M, N}, x.options());
+#ifdef TANDEM_HAVE_AMX
+  amx_panels<false>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, P,
+                    AmxOut{y.data_ptr(), true, N, M, col_scale},
+                    [&](int64_t p0, int64_t p1, std::vector<uint16_t>& scratch) {
+                      scratch.resize((p1 - p0) * kAmxPanel * K);
+                      dequant(p0, p1, scratch.data());
+                      return static_cast<const uint16_t*>(scratch.data());
+                    });
+#else
+  (void)col_scale;
+  (void)dequant;
+#endif
+  return y;
+}
+
 }  // namespace
 
 // Quantized panels through AMX (bf16 activations, x as it is: no int8 rounding): each thread dequantizes
@@ -296,51 +321,37 @@ bool amx_ready() { return false; }
 torch::Tensor int8_matmul_panel_amx(torch::Tensor x, torch::Tensor q, torch::Tensor scales, int64_t group_size) {
   check_panels(q, 4, group_size, q.size(1) * 4);
   TORCH_CHECK(q.scalar_type() == at::kChar, "q must be int8 [N/16, K/4, 16, 4]");
-  const int64_t P = q.size(0), N = P * kAmxPanel, K = q.size(1) * 4, M = x.size(0), G = group_size;
+  const int64_t P = q.size(0), N = P * kAmxPanel, K = q.size(1) * 4, G = group_size;
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / G),
               "scales must be contiguous fp32 [N] (one per row) or [N/16, K/group_size, 16]");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K && x.scalar_type() == at::kBFloat16,
-              "x must be a contiguous bf16 [M, ", K, "] tensor");
-  TORCH_CHECK(K % 32 == 0 && amx_ready(), "AMX panels need AMX tiles (this CPU or build has none) and K % 32 == 0");
-  torch::Tensor y = torch::empty({M, N}, x.options());
-#ifdef TANDEM_HAVE_AMX
   const auto* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  amx_panels<false>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, P,
-                    AmxOut{y.data_ptr(), true, N, M, G == K ? sp : nullptr},
-                    [&](int64_t p0, int64_t p1, std::vector<uint16_t>& scratch) {
-                      scratch.resize((p1 - p0) * kAmxPanel * K);
-                      dequant_int8_panels(qp, sp, K, G, p0, p1, scratch.data());
-                      return static_cast<const uint16_t*>(scratch.data());
-                    });
+  return amx_dequantized(x, P, K, G == K ? sp : nullptr, [&](int64_t p0, int64_t p1, uint16_t* dst) {
+#ifdef TANDEM_HAVE_AMX  // (other builds refuse in amx_dequantized)
+    dequant_int8_panels(qp, sp, K, G, p0, p1, dst);
+#else
+    (void)p0, (void)p1, (void)dst, (void)qp, (void)sp;
 #endif
-  return y;
+  });
 }
 
 torch::Tensor int4_matmul_panel_amx(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor zeros,
                                     int64_t group_size) {
   check_panels(q, 8, group_size, q.size(1) * 8);
   TORCH_CHECK(q.scalar_type() == at::kByte, "q must be uint8 [N/16, K/8, 16, 4]");
-  const int64_t P = q.size(0), N = P * kAmxPanel, K = q.size(1) * 8, M = x.size(0), G = group_size;
+  const int64_t P = q.size(0), N = P * kAmxPanel, K = q.size(1) * 8, G = group_size;
   TORCH_CHECK(scales.scalar_type() == at::kHalf && zeros.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   zeros.is_contiguous() && scales.numel() == N * (K / G) && zeros.numel() == scales.numel(),
               "scales, zeros must be contiguous fp16 [N/16, K/group_size, 16]");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K && x.scalar_type() == at::kBFloat16,
-              "x must be a contiguous bf16 [M, ", K, "] tensor");
-  TORCH_CHECK(K % 32 == 0 && amx_ready(), "AMX panels need AMX tiles (this CPU or build has none) and K % 32 == 0");
-  torch::Tensor y = torch::empty({M, N}, x.options());
-#ifdef TANDEM_HAVE_AMX
   const auto* qp = q.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::Half>());
-  amx_panels<false>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, P,
-                    AmxOut{y.data_ptr(), true, N, M},
-                    [&](int64_t p0, int64_t p1, std::vector<uint16_t>& scratch) {
-                      scratch.resize((p1 - p0) * kAmxPanel * K);
-                      dequant_int4_panels(qp, sp, zp, K, G, p0, p1, scratch.data());
-                      return static_cast<const uint16_t*>(scratch.data());
-                    });
+  return amx_dequantized(x, P, K, nullptr, [&](int64_t p0, int64_t p1, uint16_t* dst) {
+#ifdef TANDEM_HAVE_AMX  // (other builds refuse in amx_dequantized)
+    dequant_int4_panels(qp, sp, zp, K, G, p0, p1, dst);
+#else
+    (void)p0, (void)p1, (void)dst, (void)qp, (void)sp, (void)zp;
 #endif
-  return y;
+  });
 }
 
