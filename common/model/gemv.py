@@ -129,10 +129,11 @@ def unpack_panels(panels: torch.Tensor, p0: int = 0, p1: int | None = None) -> t
 
 class PanelLinear(nn.Linear):
     """A float linear layer whose weight is held in 16-row panels (``dense_matmul_panel``): one contiguous
-    stream per panel at decode sizes, ``vdpbf16ps`` where the CPU has AVX512-BF16. Above
-    ``PANEL_MAX_ROWS`` rows (prefill) cache-sized tiles are unpacked to row-major and multiplied by torch's
-    GEMM. ``weight`` returns a row-major copy, so code that reads an ``nn.Linear``'s weight (quantizing or
-    sharding a loaded model) still can; the layer holds only the panels."""
+    stream per panel at decode sizes, ``vdpbf16ps`` where the CPU has AVX512-BF16, AMX tiles from
+    ``AMX_MIN_ROWS`` rows at every size where it grants them. Without AMX, above ``PANEL_MAX_ROWS`` rows
+    (prefill) cache-sized tiles are unpacked to row-major and multiplied by torch's GEMM. ``weight``
+    returns a row-major copy, so code that reads an ``nn.Linear``'s weight (quantizing or sharding a
+    loaded model) still can; the layer holds only the panels."""
 
     panels: torch.Tensor
 
