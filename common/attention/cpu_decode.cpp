@@ -234,6 +234,14 @@ void weighted_values_n(int gn, const scalar_t* const* vrows, int64_t len, const 
   weighted_values<scalar_t, ND, 1>(vrows, len, p, outs);
 }
 
+// Tokens ahead of the first K sweep whose block is prefetched (two 16-token blocks).
+constexpr int64_t kPrefetchTokens = 32;
+
+inline void prefetch_rows(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+}
+
 template <typename scalar_t, int ND>
 void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t kstride[3],
                            const int64_t vstride[3], const int32_t* tables, int64_t table_stride,
@@ -242,6 +250,7 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
   static_assert(ND % 2 == 0, "head_dim must be a multiple of 2W");
   constexpr int64_t D = W * ND;
   constexpr int kMaxHeads = max_heads<ND>();
+  constexpr int kMaxGroup = 4;  // query heads per K sweep (SmolLM2: 3; Llama 3 8B: 4)
   const int64_t G = H / Hkv;
   std::vector<float> qf(D), scores, of(G * D);
   std::vector<const scalar_t*> krows, vrows;  // a KV head's rows, token by token (no division per token)
@@ -252,6 +261,13 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
     scores.resize(G * stride);
     krows.resize(len);
     vrows.resize(len);
+    if (s + 1 < end) {  // the next sequence's first blocks, which the sweep's prefetch does not reach
+      const int32_t* next = tables + (s + 1) * table_stride;
+      for (int64_t b = 0; b * block_size < std::min(lens[s + 1], kPrefetchTokens); ++b) {
+        prefetch_rows(kc + next[b] * kstride[0], block_size * kstride[1] * sizeof(scalar_t));
+        prefetch_rows(vc + next[b] * vstride[0], block_size * vstride[1] * sizeof(scalar_t));
+      }
+    }
     for (int64_t h = 0; h < Hkv; ++h) {
       for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
         const scalar_t* kp = kc + table[b] * kstride[0] + h * kstride[2];
@@ -261,34 +277,46 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
           vrows[t] = vp + (t - start) * vstride[1];
         }
       }
-      // Pass 1: each query head's scores, W tokens at a time; softmax.
-      for (int64_t g = 0; g < G; ++g) {
-        const scalar_t* qh = q + (s * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[lane_of<scalar_t>(d)] = static_cast<float>(qh[d]) * scale;
-        vec qv[ND];
-        row_to_vectors(qf.data(), qv, ND);
-        float* sc = scores.data() + g * stride;
-        vec part[W];
+      // Pass 1: the group's scores, W tokens at a time: each K row is read and widened once for all of the
+      // group's query heads (up to kMaxGroup at a time); then each head's softmax.
+      for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
+        const int gn = static_cast<int>(std::min<int64_t>(kMaxGroup, G - g0));
+        vec qv[kMaxGroup][ND];
+        for (int g = 0; g < gn; ++g) {
+          const scalar_t* qh = q + (s * H + h * G + g0 + g) * D;
+          for (int64_t d = 0; d < D; ++d) qf[lane_of<scalar_t>(d)] = static_cast<float>(qh[d]) * scale;
+          row_to_vectors(qf.data(), qv[g], ND);
+        }
+        alignas(64) vec part[kMaxGroup][W];
+        const bool first_sweep = h == 0 && g0 == 0;
         for (int64_t t0 = 0; t0 < len; t0 += W) {
           const int64_t n = std::min<int64_t>(W, len - t0);
-          for (int64_t i = 0; i < W; ++i) {
-            if (i >= n) {
-              part[i] = vzero();
-              continue;
-            }
+          if (first_sweep && t0 % block_size == 0 && t0 + kPrefetchTokens < len) {
+            // The sequence's blocks lie anywhere in the cache: fetch a block's K and V rows (every KV head)
+            // ahead of the first sweep, so this and the later sweeps (other heads, pass 2) find them in L2.
+            const int64_t b = (t0 + kPrefetchTokens) / block_size;
+            prefetch_rows(kc + table[b] * kstride[0], block_size * kstride[1] * sizeof(scalar_t));
+            prefetch_rows(vc + table[b] * vstride[0], block_size * vstride[1] * sizeof(scalar_t));
+          }
+          for (int64_t i = 0; i < n; ++i) {
             vec kv[ND];
             row_to_vectors(krows[t0 + i], kv, ND);
-            vec a = vmul(kv[0], qv[0]), c = vmul(kv[1], qv[1]);
-            for (int j = 2; j < ND; j += 2) {
-              a = vfma(kv[j], qv[j], a);
-              c = vfma(kv[j + 1], qv[j + 1], c);
+            for (int g = 0; g < gn; ++g) {
+              vec a = vmul(kv[0], qv[g][0]), c = vmul(kv[1], qv[g][1]);
+              for (int j = 2; j < ND; j += 2) {
+                a = vfma(kv[j], qv[g][j], a);
+                c = vfma(kv[j + 1], qv[g][j + 1], c);
+              }
+              part[g][i] = vadd(a, c);
             }
-            part[i] = vadd(a, c);
           }
-          vstore(sc + t0, reduce_lanes(part));
+          for (int g = 0; g < gn; ++g) {
+            for (int64_t i = n; i < W; ++i) part[g][i] = vzero();
+            vstore(scores.data() + (g0 + g) * stride + t0, reduce_lanes(part[g]));
+          }
         }
-        softmax_row(sc, len);
       }
+      for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + g * stride, len);
       // Pass 2: the group's outputs, up to kMaxHeads heads per sweep over V.
       for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads) {
         const int gn = static_cast<int>(std::min<int64_t>(kMaxHeads, G - g0));

@@ -9,7 +9,7 @@ already in the paged cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -63,6 +63,12 @@ class AttentionMetadata:
     def is_prefill_only(self) -> bool:
         """No sequence has cached context: attention needs only the new tokens' K/V."""
         return all(s == q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu, strict=True))
+
+    @cached_property
+    def kv_written(self) -> AttentionMetadata:
+        """The same batch with ``slot_mapping`` None: its new K/V are in the cache already (a fused op wrote
+        them), so a backend only reads. Made once per batch; every layer asks."""
+        return replace(self, slot_mapping=None)
 
     @staticmethod
     def build(

@@ -7,7 +7,9 @@ and a temporary. ``FusedOps`` does each group in one pass:
 - ``add_rms_norm(x, residual, weight, eps)``: ``residual += x`` then RMSNorm of it (the residual stream
   is carried beside the hidden state, as vLLM's layers do, so the add costs no extra pass);
 - ``silu_mul(gate_up)``: ``silu(gate) * up`` over the fused gate/up projection's output;
-- ``rotary_(q, k, cos_sin, positions)``: rotary embedding in place on the qkv projection's views.
+- ``rotary_(q, k, cos_sin, positions)``: rotary embedding in place on the qkv projection's views;
+- ``rotary_write_kv_(q, k, v, cos_sin, positions, kv, slot_mapping)``: the same, then the new tokens' K/V
+  into their paged-cache slots (``common.kv.kv_cache.write_kv``), so attention finds them written.
 
 ``EagerOps`` is the reference (the same torch ops ``layers.py`` runs) and every kernel is tested against
 it. ``CppOps`` is ``cpu_fused.cpp``, built per instruction set like the quantized kernels
@@ -29,10 +31,12 @@ from types import ModuleType
 
 import torch
 
+from common.kv.kv_cache import write_kv
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_fused.cpp")
-_FUNCTIONS = ["add_rms_norm", "silu_mul", "rotary_"]
+_FUNCTIONS = ["add_rms_norm", "silu_mul", "rotary_", "rotary_write_kv_"]
 FUSED_MODES = ("auto", "on", "off")
 _lock = threading.Lock()
 _modules: dict[str, ModuleType | None] = {}
@@ -63,6 +67,13 @@ class EagerOps:
             x1, x2 = x.chunk(2, dim=-1)
             x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
 
+    def rotary_write_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                         positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                         slot_mapping: torch.Tensor) -> None:
+        # rotary_ in place, then k (rotated) and v: [n, Hkv, D] into kv's caches [blocks, block_size, Hkv, D]
+        self.rotary_(q, k, cos_sin, positions)
+        write_kv(kv[0], kv[1], k, v, slot_mapping)
+
 
 class CppOps:
     """``cpu_fused.cpp``: one pass per group, fp32 accumulation; CPU tensors only."""
@@ -85,6 +96,14 @@ class CppOps:
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:
         self._m.rotary_(q, k, cos_sin, positions)
+
+    def rotary_write_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                         positions: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                         slot_mapping: torch.Tensor) -> None:
+        if kv[0].dtype != k.dtype:  # a cache of another dtype: the reference casts as it writes
+            EagerOps().rotary_write_kv_(q, k, v, cos_sin, positions, kv, slot_mapping)
+            return
+        self._m.rotary_write_kv_(q, k, v, cos_sin, positions, kv[0], kv[1], slot_mapping)
 
 
 FusedOps = EagerOps | CppOps

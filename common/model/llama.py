@@ -62,15 +62,22 @@ class LlamaAttention(nn.Module):
 
     def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                       kv_cache: LayerKV | None, ops: FusedOps) -> torch.Tensor:
-        """``forward`` with rotary applied in place on the qkv projection's output (no split copies)."""
+        """``forward`` with rotary applied in place on the qkv projection's output (no split copies) and,
+        with a paged cache, fused with writing the new K/V into it."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        ops.rotary_(q, k, self.rotary.table(qkv.device, qkv.dtype, meta.max_seq_len), positions)
+        table = self.rotary.table(qkv.device, qkv.dtype, meta.max_seq_len)
         layer_cache = kv_cache.layer(self.layer_idx) if kv_cache is not None else None
-        out = self.backend.forward(q, k, v, layer_cache, meta, self.scale)
+        if layer_cache is not None and meta.slot_mapping is not None:
+            # rotary and the K/V write in one pass; the backend then only reads (slot_mapping None)
+            ops.rotary_write_kv_(q, k, v, table, positions, layer_cache, meta.slot_mapping)
+            out = self.backend.forward(q, k, v, layer_cache, meta.kv_written, self.scale)
+        else:
+            ops.rotary_(q, k, table, positions)
+            out = self.backend.forward(q, k, v, layer_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

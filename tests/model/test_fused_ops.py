@@ -75,6 +75,42 @@ def test_rotary_in_place_on_qkv_views_matches_eager(cpp: CppOps, dtype: torch.dt
     torch.testing.assert_close(views(eager)[0], want_q, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_write_kv_matches_rotary_then_write(cpp: CppOps, dtype: torch.dtype) -> None:
+    from common.config.model_config import RopeScaling
+    from common.kv.kv_cache import write_kv
+    from common.model.layers import RotaryEmbedding
+
+    n, heads, kv_heads, d, block_size = 5, 6, 2, 16, 4
+    rope = RotaryEmbedding(d, 10000.0, 64, RopeScaling())
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    positions = torch.tensor([0, 3, 9, 40, 63])
+    slots = torch.tensor([0, 7, 13, 2, 30])  # scattered over blocks 0, 1, 3, 0, 7
+    table = rope.table(qkv.device, dtype, 64)
+    # The caches as a layer sees them: strided views of one [blocks, layers, 2, block_size, Hkv, D] tensor.
+    data = torch.full((8, 2, 2, block_size, kv_heads, d), float("nan"), dtype=dtype)
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k = t[:, : heads * d], t[:, heads * d : (heads + kv_heads) * d]
+        return (q.view(n, heads, d), k.view(n, kv_heads, d), t[:, (heads + kv_heads) * d :].view(n, kv_heads, d))
+
+    want, want_cache = qkv.clone(), data.clone()
+    q, k, v = views(want)
+    cpp.rotary_(q, k, table, positions)
+    write_kv(want_cache[:, 1, 0], want_cache[:, 1, 1], k, v, slots)
+    got, got_cache = qkv.clone(), data.clone()
+    cpp.rotary_write_kv_(*views(got), table, positions, (got_cache[:, 1, 0], got_cache[:, 1, 1]), slots)
+    assert torch.equal(got, want)  # q and k rotated in place exactly as rotary_ does, v untouched
+    torch.testing.assert_close(got_cache, want_cache, atol=0, rtol=0, equal_nan=True)  # only the 5 slots
+    eager, eager_cache = qkv.clone(), data.clone()
+    EagerOps().rotary_write_kv_(*views(eager), table, positions, (eager_cache[:, 1, 0], eager_cache[:, 1, 1]), slots)
+    torch.testing.assert_close(eager_cache, want_cache, equal_nan=True, **TOL[dtype])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpp.rotary_write_kv_(*views(qkv.clone()), table, positions, (got_cache[:, 1, 0], got_cache[:, 1, 1]),
+                             torch.tensor([0, 1, 2, 3, 8 * block_size]))
+
+
 def test_mode_off_and_cuda_use_the_reference_forward() -> None:
     assert fused_ops_for(torch.device("cpu"), "off") is None
     assert fused_ops_for(torch.device("cuda"), "on") is None
