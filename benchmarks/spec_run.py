@@ -28,9 +28,11 @@ class BenchConfig:
 
     @staticmethod
     def parse(text: str) -> BenchConfig:
-        """``ngram:k=8:n=1-4[:fixed]``, ``layers:k=4:L=8[:fixed]`` or ``draft:k=8:q=int4[:m=MODEL][:ngram[=N]][:fixed]``
-        (fixed: no adaptive k; ngram[=N]: n-gram lookup first, for matches of >= N tokens (default 3), the
-        draft where it finds none; a draft model is the target itself, quantized ``q``, unless ``m`` names one)."""
+        """``ngram:k=8:n=1-4[:fixed]``, ``layers:k=4:L=8[:fixed]`` or
+        ``draft:k=8:q=int4[:m=MODEL][:ngram[=N]][:nk=K][:fixed]`` (fixed: no adaptive k; ngram[=N]: n-gram
+        lookup first, for matches of >= N tokens (default 3), the draft where it finds none; nk=K: the lookup
+        proposes up to K tokens (default k); a draft model is the target itself, quantized ``q``, unless ``m``
+        names one)."""
         method_name, *options = text.strip().split(":")
         method = {"ngram": SpeculativeMethod.NGRAM, "layers": SpeculativeMethod.DRAFT_LAYERS,
                   "draft": SpeculativeMethod.DRAFT_MODEL}.get(method_name)
@@ -56,17 +58,20 @@ class BenchConfig:
                 kwargs["ngram_first"] = True
                 if value:  # ngram=N: the lookup's drafts after matches of >= N tokens
                     kwargs["ngram_first_min_n"] = int(value)
+            elif key == "nk" and method is SpeculativeMethod.DRAFT_MODEL:
+                kwargs["ngram_first_max_tokens"] = int(value)
             elif key == "fixed":
                 kwargs["adaptive"] = False
             else:
-                raise ValueError(f"config {text!r}: unknown option {key!r} (k, n, L, q, m, ngram, fixed)")
+                raise ValueError(f"config {text!r}: unknown option {key!r} (k, n, L, q, m, ngram, nk, fixed)")
         spec = SpeculativeConfig(**kwargs)
         if method is SpeculativeMethod.NGRAM:
             label = f"ngram k={spec.num_speculative_tokens} n={spec.ngram_min_n}-{spec.ngram_max_n}"
         elif method is SpeculativeMethod.DRAFT_MODEL:
             who = "self" if spec.draft_model == SELF_DRAFT else spec.draft_model
             label = (f"draft {who} {spec.draft_quantization} k={spec.num_speculative_tokens}"
-                     + (f" +ngram>={spec.ngram_first_min_n}" if spec.ngram_first else ""))
+                     + (f" +ngram>={spec.ngram_first_min_n}" if spec.ngram_first else "")
+                     + (f" (lookup k={spec.ngram_first_max_tokens})" if spec.ngram_first_max_tokens else ""))
         else:
             label = f"layers L={spec.draft_layers} k={spec.num_speculative_tokens}"
         return BenchConfig(label + ("" if spec.adaptive else " fixed"), spec)

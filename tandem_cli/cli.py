@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from common.config.settings import ModelSettings, NodeSettings, SecuritySettings, env_name, load_settings
 
 if TYPE_CHECKING:
+    from common.config.engine_config import SpeculativeConfig
     from common.telemetry.settings import TelemetrySettings
     from tandem_cli.client import ClientSecurity
 
@@ -103,10 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
-    from common.engine.node_setup import speculative_config
-
-    spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers, args.draft_model,
-                              args.draft_quantization, args.speculative_ngram_first)
+    spec = _speculative(args)
     llm = LLM(settings.model, dtype=settings.dtype, device=settings.device,
               attention_backend=settings.attention_backend, quantization=settings.quantization,
               quantization_group_size=settings.quantization_group_size,
@@ -213,19 +211,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             run_prefill(_model_settings(args), node, security)
         elif args.role == "colocated":
-            from common.engine.node_setup import speculative_config
             from tandem_cli.colocated_server import run_colocated
 
-            spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers,
-                                      args.draft_model, args.draft_quantization, args.speculative_ngram_first)
-            run_colocated(_model_settings(args), node, _colocated_public_settings(args), spec, security)
+            run_colocated(_model_settings(args), node, _colocated_public_settings(args), _speculative(args), security)
         else:
-            from common.engine.node_setup import speculative_config
             from decode_service.server import run_decode
 
-            spec = speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers,
-                                      args.draft_model, args.draft_quantization, args.speculative_ngram_first)
-            run_decode(_model_settings(args), node, spec, security)
+            run_decode(_model_settings(args), node, _speculative(args), security)
     finally:
         shutdown_tracing()
     return 0
@@ -372,6 +364,14 @@ _TELEMETRY_FLAGS = ("telemetry: traces export when OTEL_EXPORTER_OTLP_ENDPOINT i
                     "variables); /metrics with --metrics-port")
 
 
+def _speculative(args: argparse.Namespace) -> SpeculativeConfig:
+    """The speculative-decoding flags (``_add_speculative_flags``) as one config."""
+    from common.engine.node_setup import speculative_config
+
+    return speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers, args.draft_model,
+                              args.draft_quantization, args.speculative_ngram_first, args.speculative_ngram_max_tokens)
+
+
 def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (decode nodes)")
     g.add_argument("--speculative", default="none", help="none | ngram | draft_layers | draft_model")
@@ -383,6 +383,9 @@ def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-ngram-first", action="store_true",
                    help="draft_model: n-gram lookup in the request's own tokens first, the draft model where it "
                    "finds nothing")
+    g.add_argument("--speculative-ngram-max-tokens", type=int, default=None,
+                   help="with --speculative-ngram-first: the lookup proposes up to this many tokens (default: "
+                   "--num-speculative-tokens; the draft model stays at that)")
 
 
 def main(argv: list[str] | None = None) -> int:

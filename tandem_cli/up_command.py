@@ -47,7 +47,9 @@ def _decode_args(args: argparse.Namespace) -> tuple[str, ...]:
     return (*parallel, "--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens),
             "--draft-layers", str(args.draft_layers), "--draft-model", args.draft_model,
             "--draft-quantization", args.draft_quantization,
-            *(("--speculative-ngram-first",) if args.speculative_ngram_first else ()))
+            *(("--speculative-ngram-first",) if args.speculative_ngram_first else ()),
+            *(("--speculative-ngram-max-tokens", str(args.speculative_ngram_max_tokens))
+              if args.speculative_ngram_max_tokens is not None else ()))
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -117,6 +117,9 @@ class SpeculativeConfig:
     # ... taking the lookup's drafts only after a match of at least this many tokens: a 1-token match's first
     # draft is accepted ~25% of the time, a 3+-token match's ~90%, the int4 self-draft's ~95%.
     ngram_first_min_n: int = 3
+    # ... and proposing up to this many tokens (None: num_speculative_tokens). A lookup's drafts cost only
+    # their verification, so a long copied span can run past the draft model's k (input-grounded text).
+    ngram_first_max_tokens: int | None = None
     # Above this many decoding requests a step is compute-bound and speculation stops paying: switch it off.
     max_batch_size: int = 8
     adaptive: bool = True  # per-request k follows the observed acceptance rate
@@ -140,6 +143,12 @@ class SpeculativeConfig:
                              f"the draft model where it finds nothing), not {self.method.value}")
         if self.ngram_first_min_n < 1:
             raise ValueError(f"ngram_first_min_n must be >= 1, got {self.ngram_first_min_n}")
+        if self.ngram_first_max_tokens is not None:
+            if not self.ngram_first:
+                raise ValueError("--speculative-ngram-max-tokens goes with --speculative-ngram-first")
+            if not 1 <= self.ngram_first_max_tokens <= 16:
+                raise ValueError("--speculative-ngram-max-tokens must be in [1, 16], "
+                                 f"got {self.ngram_first_max_tokens}")
         if self.draft_layers < 1:
             raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
         if self.max_batch_size < 1:
@@ -150,6 +159,13 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method is not SpeculativeMethod.NONE
+
+    @property
+    def max_drafts_per_step(self) -> int:
+        """Draft slots a request may get per step: k, or the n-gram lookup's own limit where it drafts first."""
+        if self.ngram_first and self.ngram_first_max_tokens is not None:
+            return max(self.num_speculative_tokens, self.ngram_first_max_tokens)
+        return self.num_speculative_tokens
 
     @property
     def draft_economics(self) -> DraftEconomics:

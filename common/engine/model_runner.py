@@ -175,8 +175,9 @@ class ModelRunner:
                         self.ngram_proposals += 1
                     else:
                         rest.append(i)
-            if rest:
-                self.draft.propose(chunks, rest, drafts, probs, self._sampling_state)
+            if rest:  # with the lookup's own limit the slots may exceed k; the draft model still proposes <= k
+                limit = self.speculative.num_speculative_tokens if self.speculative.ngram_first_max_tokens else None
+                self.draft.propose(chunks, rest, drafts, probs, self._sampling_state, limit)
         return drafts, probs
 
     def _draft_with_early_layers(self, chunks: list[ScheduledChunk], slots: list[int],

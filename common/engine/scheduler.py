@@ -278,7 +278,7 @@ class Scheduler:
         if (spec is None or request.num_computed_tokens != request.num_tokens - 1 or not p.can_speculate
                 or len(request.output_token_ids) < p.min_tokens):
             return 0
-        k = p.num_speculative_tokens if p.num_speculative_tokens is not None else spec.num_speculative_tokens
+        k = p.num_speculative_tokens if p.num_speculative_tokens is not None else spec.max_drafts_per_step
         if spec.adaptive:
             k = adaptive_num_drafts(request, k, spec.draft_economics)
         # No drafts past the end: the last token is the target's own.

@@ -133,9 +133,11 @@ class PanelLinear(nn.Linear):
     ``AMX_MIN_ROWS`` rows at every size where it grants them. Without AMX, above ``PANEL_MAX_ROWS`` rows
     (prefill) cache-sized tiles are unpacked to row-major and multiplied by torch's GEMM. ``weight``
     returns a row-major copy, so code that reads an ``nn.Linear``'s weight (quantizing or sharding a
-    loaded model) still can; the layer holds only the panels."""
+    loaded model) still can; the layer holds only the panels. ``float_out``: fp32 outputs whatever the
+    input dtype (an LM head: the logits go to sampling in fp32, with no bf16 rounding on the way)."""
 
     panels: torch.Tensor
+    float_out = False
 
     def __init__(self, linear: nn.Linear, bucketed: bool) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: no weight parameter
@@ -154,7 +156,7 @@ class PanelLinear(nn.Linear):
         ops = _state.get("ops")
         if ops is not None and x2.dtype in _FLOATS and x2.shape[0] <= _panel_max_rows(ops):
             y = ops.dense_matmul_panel(x2 if x2.is_contiguous() else x2.contiguous(), self.panels,
-                                       _amx_min_rows(ops))
+                                       _amx_min_rows(ops), self.float_out)
         else:
             y = self._tiled(x2)
         if self.bias is not None:
@@ -172,7 +174,7 @@ class PanelLinear(nn.Linear):
         for p0 in range(0, self.panels.shape[0], step):
             p1 = min(self.panels.shape[0], p0 + step)
             torch.mm(xs, unpack_panels(self.panels, p0, p1).T, out=out[:, p0 * PANEL_ROWS : p1 * PANEL_ROWS])
-        return (out[:m] if rows != m else out).to(x.dtype)
+        return (out[:m] if rows != m else out).to(torch.float32 if self.float_out else x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, panels of {PANEL_ROWS} rows"
@@ -213,6 +215,7 @@ def _panel_tied_head(model: nn.Module, bucketed: bool) -> bool:
     head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     head.weight = nn.Parameter(weight.detach(), requires_grad=False)
     model.lm_head = PanelLinear(head, bucketed)
+    model.lm_head.float_out = True
     model.embed_tokens = PanelEmbedding(model.lm_head)
     return True
 
@@ -231,7 +234,9 @@ def gemv_linears(model: nn.Module, bucketed: bool, panels: bool = True) -> int:
             continue
         if panels and _fits_panels(module):
             parent_name, _, child = name.rpartition(".")
-            model.get_submodule(parent_name).set_submodule(child, PanelLinear(module, bucketed))
+            panel = PanelLinear(module, bucketed)
+            panel.float_out = name == "lm_head"  # an untied head: its logits in fp32 as well
+            model.get_submodule(parent_name).set_submodule(child, panel)
         else:
             module.__class__ = cls
         count += 1

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -180,16 +181,20 @@ const float* float_x(const torch::Tensor& x, int64_t K, std::vector<float>& scra
 }
 
 // The [M, N] result in x's dtype: fp32 is written in place; bf16 is computed in ``scratch`` and rounded once.
+// A kernel's output: fp32 sums written to ``data`` (every element, so the scratch needs no zeroing), then
+// ``finish`` rounds them into y when y is bf16. ``float_out``: y is fp32 whatever x is (the LM head's
+// logits, which sampling wants in fp32: no bf16 rounding and no second pass to widen them).
 struct Out {
   torch::Tensor y;
-  std::vector<float> scratch;
+  std::unique_ptr<float[]> scratch;
   float* data;
-  Out(const torch::Tensor& x, int64_t M, int64_t N) : y(torch::empty({M, N}, x.options())) {
-    if (x.scalar_type() == at::kFloat) {
+  Out(const torch::Tensor& x, int64_t M, int64_t N, bool float_out = false)
+      : y(torch::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options())) {
+    if (y.scalar_type() == at::kFloat) {
       data = y.data_ptr<float>();
     } else {
-      scratch.resize(M * N);
-      data = scratch.data();
+      scratch.reset(new float[M * N]);
+      data = scratch.get();
     }
   }
   torch::Tensor finish() {

@@ -220,7 +220,7 @@ std::string dense_panel_path() {
   return "fma";
 }
 
-torch::Tensor dense_matmul_panel(torch::Tensor x, torch::Tensor w, int64_t amx_min_rows) {
+torch::Tensor dense_matmul_panel(torch::Tensor x, torch::Tensor w, int64_t amx_min_rows, bool float_out) {
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   TORCH_CHECK(w.is_contiguous() && ((bf16 && w.dim() == 4 && w.size(2) == kDensePanel && w.size(3) == 2) ||
                                     (w.scalar_type() == at::kFloat && w.dim() == 3 && w.size(2) == kDensePanel)),
@@ -230,14 +230,14 @@ torch::Tensor dense_matmul_panel(torch::Tensor x, torch::Tensor w, int64_t amx_m
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K, "x must be a contiguous [M, ", K, "] tensor");
 #ifdef TANDEM_HAVE_AMX
   if (bf16 && x.scalar_type() == at::kBFloat16 && M >= amx_min_rows && K % 32 == 0 && amx_ready()) {
-    torch::Tensor y = torch::empty({M, N}, x.options());
+    torch::Tensor y = torch::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
     amx_dense_panels(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
                      reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), panels,
-                     AmxOut{y.data_ptr(), true, N, M});
+                     AmxOut{y.data_ptr(), !float_out, N, M});
     return y;
   }
 #endif
-  Out out(x, M, N);
+  Out out(x, M, N, float_out);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (bf16 && x.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot()) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());

@@ -28,6 +28,8 @@
 namespace {
 
 constexpr int64_t PANEL = 16;  // output rows per panel
+// A decode row (one activation row) streams each panel once: prefetch this many bytes ahead in it.
+constexpr int64_t kPanelPrefetch = 1024;
 
 struct PanelArgs {
   const QuantX& xq;
@@ -74,6 +76,7 @@ void panel_tile_vnni(const PanelArgs& a, int64_t m0, int64_t p0) {
         const int64_t k8 = b * (SUB / 8) + kk;
         __m512i lo[NV], hi[NV];
         for (int v = 0; v < NV; ++v) {
+          if (MR == 1) prefetch(w0 + v * stride + k8 * 64 + kPanelPrefetch);
           const __m512i raw = _mm512_loadu_si512(w0 + v * stride + k8 * 64);
           lo[v] = _mm512_and_si512(raw, low);
           hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
@@ -88,7 +91,10 @@ void panel_tile_vnni(const PanelArgs& a, int64_t m0, int64_t p0) {
       for (int kk = 0; kk < SUB / 4; ++kk) {
         const int64_t k4 = b * (SUB / 4) + kk;
         __m512i w[NV];
-        for (int v = 0; v < NV; ++v) w[v] = _mm512_xor_si512(_mm512_loadu_si512(w0 + v * stride + k4 * 64), flip);
+        for (int v = 0; v < NV; ++v) {
+          if (MR == 1) prefetch(w0 + v * stride + k4 * 64 + kPanelPrefetch);
+          w[v] = _mm512_xor_si512(_mm512_loadu_si512(w0 + v * stride + k4 * 64), flip);
+        }
         for (int m = 0; m < MR; ++m) {
           const __m512i xb = bcast4(x0 + m * K + k4 * 4);
           for (int v = 0; v < NV; ++v) iacc[m][v] = _mm512_dpbusd_epi32(iacc[m][v], w[v], xb);

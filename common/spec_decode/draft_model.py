@@ -46,9 +46,12 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, chunks: list[ScheduledChunk], slots: list[int], drafts: list[list[int]],
-                probs: list[torch.Tensor | None], sampling_state: Callable[[Request], RequestSamplingState]) -> None:
-        """Fill ``drafts[i]`` (and ``probs[i]``, the draft's distributions) for every chunk index in ``slots``."""
+                probs: list[torch.Tensor | None], sampling_state: Callable[[Request], RequestSamplingState],
+                limit: int | None = None) -> None:
+        """Fill ``drafts[i]`` (and ``probs[i]``, the draft's distributions) for every chunk index in ``slots``:
+        as many tokens as the chunk has draft slots, at most ``limit``."""
         bs = self.block_size
+        wanted = {i: min(chunks[i].num_draft_slots, limit or chunks[i].num_draft_slots) for i in slots}
         # Catch up: tokens computed..start (the chunk's own, the request's last) in one ragged forward.
         starts = {i: min(self._computed.get(chunks[i].request.request_id, 0), chunks[i].start) for i in slots}
         input_ids: list[int] = []
@@ -69,8 +72,8 @@ class DraftModelProposer:
             self._computed[chunks[i].request.request_id] = chunks[i].start + 1
             self._fed[chunks[i].request.request_id] = 0
         active = list(slots)
-        for j in range(1, max(chunks[i].num_draft_slots for i in slots)):
-            active = [i for i in active if chunks[i].num_draft_slots > j]
+        for j in range(1, max(wanted.values())):
+            active = [i for i in active if wanted[i] > j]
             if not active:
                 break
             pos = [chunks[i].start + j for i in active]

@@ -127,3 +127,48 @@ def test_ngram_first_drafts_repeats_by_lookup_and_stays_exact(target: LlamaForCa
 def test_ngram_first_needs_the_draft_model_method() -> None:
     with pytest.raises(ValueError, match="--speculative-ngram-first goes with --speculative draft_model"):
         SpeculativeConfig(method=SpeculativeMethod.NGRAM, ngram_first=True)
+
+
+def test_the_lookup_may_propose_past_the_draft_models_k(target: LlamaForCausalLM,
+                                                        other_draft: LlamaForCausalLM) -> None:
+    """ngram_first_max_tokens: a repeated span is drafted up to that many tokens at once; the draft model
+    still proposes at most k. Greedy stays plain decoding's; no block leaks."""
+    import dataclasses
+
+    spec = dataclasses.replace(SPEC, num_speculative_tokens=2, ngram_first=True, ngram_first_max_tokens=8,
+                               adaptive=False)
+    assert spec.max_drafts_per_step == 8
+    proposed: list[tuple[bool, int]] = []  # (by the lookup, how many) per speculating request-step
+    engine = ColocatedEngine(target, CacheConfig(num_blocks=64, block_size=8),
+                             SchedulerConfig(max_num_batched_tokens=96), speculative=spec, draft_model=other_draft)
+    runner = engine.runner
+    propose = runner._propose
+
+    def counted(chunks: list) -> tuple:  # type: ignore[type-arg]
+        before = runner.ngram_proposals
+        drafts, probs = propose(chunks)
+        by_lookup = runner.ngram_proposals > before
+        proposed.extend((by_lookup, len(d)) for d in drafts if d)
+        return drafts, probs
+
+    setattr(runner, "_propose", counted)  # noqa: B010
+    vocab = target.config.vocab_size
+    work = [(list(range(10, 30)) * 3, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)),
+            (prompts(1, vocab, seed=21)[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))]
+    got = run_staggered(engine, work, arrivals=[0, 0])
+    for i, (p, params) in enumerate(work):
+        assert got[f"r{i}"] == contiguous_greedy(target, p, params.max_tokens), i
+    assert max(n for lookup, n in proposed if lookup) > 2  # the lookup ran past k
+    assert all(n <= 2 for lookup, n in proposed if not lookup)  # the draft model did not
+    engine.kv.check_integrity()
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_the_lookups_own_limit_needs_ngram_first_and_a_range() -> None:
+    with pytest.raises(ValueError, match="--speculative-ngram-max-tokens goes with --speculative-ngram-first"):
+        SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL, draft_model="d", ngram_first_max_tokens=8)
+    with pytest.raises(ValueError, match=r"--speculative-ngram-max-tokens must be in \[1, 16\], got 17"):
+        SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL, draft_model="d", ngram_first=True,
+                          ngram_first_max_tokens=17)
+    spec = SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL, draft_model="d", num_speculative_tokens=8)
+    assert spec.max_drafts_per_step == 8

@@ -83,11 +83,37 @@ def test_dense_matmul_panel_matches_linear(ops: object, m: int, k: int, n: int, 
     gen = torch.Generator().manual_seed(m * 100 + k + n + 5)
     w = torch.randn(n, k, generator=gen).to(dtype)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    y = ops.dense_matmul_panel(x, gemv.pack_panels(w), amx_min_rows)  # type: ignore[attr-defined]
+    y = ops.dense_matmul_panel(x, gemv.pack_panels(w), amx_min_rows, False)  # type: ignore[attr-defined]
     assert y.dtype == dtype and y.shape == (m, n)
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(y.float(), nn.functional.linear(x.float(), w.float()), rtol=rtol, atol=atol * k ** 0.5)
     assert torch.equal(gemv.unpack_panels(gemv.pack_panels(w)), w)
+
+
+@pytest.mark.parametrize("amx_min_rows", [1, NO_AMX])
+@pytest.mark.parametrize("m", [1, 9, 64])
+def test_float_out_is_the_bf16_output_before_its_rounding(ops: object, m: int, amx_min_rows: int) -> None:
+    # An LM head's logits: the same fp32 sums, not rounded to bf16 (and no second pass to widen them).
+    _skip_same_loop(ops, torch.bfloat16, amx_min_rows)
+    gen = torch.Generator().manual_seed(m)
+    panels = gemv.pack_panels(torch.randn(80, 576, generator=gen).bfloat16())
+    x = torch.randn(m, 576, generator=gen).bfloat16()
+    rounded = ops.dense_matmul_panel(x, panels, amx_min_rows, False)  # type: ignore[attr-defined]
+    sums = ops.dense_matmul_panel(x, panels, amx_min_rows, True)  # type: ignore[attr-defined]
+    assert (rounded.dtype, sums.dtype) == (torch.bfloat16, torch.float32)
+    assert torch.equal(sums.bfloat16(), rounded)
+    assert not torch.equal(sums, rounded.float())  # the rounding is really gone
+
+
+def test_a_tied_panel_head_returns_fp32_logits() -> None:
+    head = nn.Linear(64, 48, bias=False).bfloat16()
+    layer = gemv.PanelLinear(head, bucketed=False)
+    layer.float_out = True
+    x = torch.randn(3, 64).bfloat16()
+    for rows in (x, torch.cat([x] * 100)):  # the panel kernel, and the unpacked tiles above PANEL_MAX_ROWS
+        y = layer(rows)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, nn.functional.linear(rows.float(), head.weight.float()), rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("amx_min_rows", [1, NO_AMX])
@@ -97,9 +123,9 @@ def test_a_panel_row_does_not_depend_on_the_rows_beside_it(ops: object, dtype: t
     gen = torch.Generator().manual_seed(2)
     panels = gemv.pack_panels(torch.randn(48, 160, generator=gen).to(dtype))
     x = torch.randn(37, 160, generator=gen).to(dtype)  # AMX: a group of 32 rows, then a padded tail of 5
-    together = ops.dense_matmul_panel(x, panels, amx_min_rows)  # type: ignore[attr-defined]
+    together = ops.dense_matmul_panel(x, panels, amx_min_rows, False)  # type: ignore[attr-defined]
     for i in (0, 1, 16, 31, 32, 36):
-        alone = ops.dense_matmul_panel(x[i : i + 1].contiguous(), panels, amx_min_rows)  # type: ignore[attr-defined]
+        alone = ops.dense_matmul_panel(x[i : i + 1].contiguous(), panels, amx_min_rows, False)  # type: ignore[attr-defined]
         assert torch.equal(alone[0], together[i])
 
 
@@ -129,9 +155,9 @@ def test_the_amx_path_is_reported_and_its_mode_checked(ops: object, monkeypatch:
 
 def test_panel_layouts_are_refused_when_wrong(ops: object) -> None:
     with pytest.raises(RuntimeError, match=r"\[N/16, K/2, 16, 2\]"):
-        ops.dense_matmul_panel(torch.randn(1, 64), torch.randn(48, 64).bfloat16(), 1)  # type: ignore[attr-defined]
+        ops.dense_matmul_panel(torch.randn(1, 64), torch.randn(48, 64).bfloat16(), 1, False)  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="x must be a contiguous"):
-        ops.dense_matmul_panel(torch.randn(1, 32), gemv.pack_panels(torch.randn(16, 64)), 1)  # type: ignore[attr-defined]
+        ops.dense_matmul_panel(torch.randn(1, 32), gemv.pack_panels(torch.randn(16, 64)), 1, False)  # type: ignore[attr-defined]
 
 
 def test_the_mode_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
