@@ -151,17 +151,15 @@ class PanelLinear(nn.Linear):
         return unpack_panels(self.panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
         ops = _state.get("ops")
-        if ops is not None and x2.dtype in _FLOATS and x2.shape[0] <= _panel_max_rows(ops):
-            y = ops.dense_matmul_panel(x2 if x2.is_contiguous() else x2.contiguous(), self.panels,
-                                       _amx_min_rows(ops), self.float_out)
-        else:
-            y = self._tiled(x2)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*lead, self.out_features)
+        if x.dim() == 2:  # the model's [tokens, features] (no reshapes: a decode step makes ~120 calls)
+            if ops is not None and x.dtype in _FLOATS and x.shape[0] <= _panel_max_rows(ops):
+                y = ops.dense_matmul_panel(x if x.is_contiguous() else x.contiguous(), self.panels,
+                                           _amx_min_rows(ops), self.float_out)
+            else:
+                y = self._tiled(x)
+            return y if self.bias is None else y + self.bias
+        return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
