@@ -12,6 +12,7 @@ target's logits at every draft position are verified exactly (``common.spec_deco
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +22,7 @@ from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
 from common.engine.scheduler_output import StepResult
 from common.kv.kv_cache import KVCache, KVCacheSpec
 from common.sampling.sampler import RequestSamplingState, Sampler, target_probs
+from common.spec_decode.draft_cost import DraftCostMeter
 from common.spec_decode.draft_model import DraftModelProposer
 from common.spec_decode.ngram import NgramProposer
 from common.spec_decode.rejection import verify
@@ -71,6 +73,7 @@ class ModelRunner:
         self.forward_seconds = 0.0  # time in the target's forward + sampling / verification
         self.num_steps = 0
         self.ngram_proposals = 0  # draft_model with ngram_first: requests the n-gram lookup drafted for
+        self.draft_cost = DraftCostMeter()  # a draft's cost here, for adaptive k (batch-1 decode steps)
 
     def close(self) -> None:
         """Nothing to stop in one process (a parallel runner stops its ranks)."""
@@ -105,7 +108,7 @@ class ModelRunner:
         if self.draft is not None:
             for request_id in output.preempted:  # its blocks, and the draft's KV in them, are gone
                 self.draft.forget(request_id)
-        start = time.perf_counter()
+        step_start = start = time.perf_counter()
         drafts, draft_probs = self._propose(output.chunks)
         self.draft_seconds += time.perf_counter() - start
         start = time.perf_counter()
@@ -125,7 +128,12 @@ class ModelRunner:
                 for row, i in enumerate(sampling):
                     if drafts[i]:
                         self.draft.accept(output.chunks[i].request.request_id, result.num_accepted[row])
-        self.forward_seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        self.forward_seconds += end - start
+        chunks = output.chunks
+        if self.speculative.enabled and len(chunks) == 1 and chunks[0].num_tokens == 1:  # a batch-1 decode step
+            self.draft_cost.record(end - step_start, len(drafts[0]))
+            result = replace(result, draft_cost=self.draft_cost.cost)
         return result
 
     def _verify(self, chunks: list[ScheduledChunk], sampling: list[int], drafts: list[list[int]],

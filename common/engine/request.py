@@ -46,6 +46,8 @@ class Request:
     first_token_time: float | None = None
     # Speculative decoding: running acceptance-rate estimate (drives adaptive k) and counters.
     spec_acceptance: float = 0.6
+    # ... and of the chance a draft after an accepted one is accepted too (None: the prior, economics')
+    spec_continuation: float | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 

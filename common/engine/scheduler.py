@@ -45,20 +45,29 @@ _PAUSED_RECOVERY = 0.1
 _ACCEPTANCE_PRIOR = 0.6
 
 
-def adaptive_num_drafts(request: Request, max_drafts: int, economics: DraftEconomics) -> int:
+def adaptive_num_drafts(request: Request, max_drafts: int, economics: DraftEconomics,
+                        measured_cost: float | None = None) -> int:
     """How many of ``max_drafts`` are worth proposing for ``request``.
 
     ``request.spec_acceptance`` estimates a, the chance that the first draft is accepted; drafts 1..j
-    are then all accepted with chance a * h**(j - 1) (h: ``economics.continuation``, or a itself). Draft j
-    pays while that exceeds its cost c: k = 1 + floor(log(c / a) / log(h)). When not even one draft pays
-    (a <= c) speculation pauses (0) and the estimate recovers a little (``_PAUSED_RECOVERY``).
+    are then all accepted with chance a * h**(j - 1) (h: the request's own ``spec_continuation`` estimate,
+    else ``economics.continuation``, or a itself for independent drafts). Draft j pays while that exceeds
+    its cost c (``measured_cost`` where the runner has measured it, else ``economics.cost``):
+    k = 1 + floor(log(c / a) / log(h)). When not even one draft pays (a <= c) speculation pauses (0) and
+    the estimate recovers a little (``_PAUSED_RECOVERY``).
     """
-    a, cost = request.spec_acceptance, economics.cost
+    a = request.spec_acceptance
+    cost = measured_cost if measured_cost is not None else economics.cost
     if a <= cost:
         request.spec_acceptance = a + _PAUSED_RECOVERY * (_ACCEPTANCE_PRIOR - a)
         return 0
-    h = economics.continuation if economics.continuation is not None else a
-    if h >= 1.0:
+    if economics.continuation is None:  # independent drafts: each as likely as the first
+        h = a
+    else:
+        h = request.spec_continuation if request.spec_continuation is not None else economics.continuation
+    if h <= 0.0:
+        return 1
+    if h >= 1.0 or cost <= 0.0:  # every draft pays (a measured cost can be ~0: drafts free within noise)
         return max_drafts
     return min(max_drafts, 1 + int(math.log(cost / a) / math.log(h)))
 
@@ -73,6 +82,7 @@ class Scheduler:
         self.num_spec_steps = 0  # request-steps that verified at least one draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.draft_cost: float | None = None  # the runner's measured cost of a draft (StepResult.draft_cost)
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -180,6 +190,10 @@ class Scheduler:
         output with their ``reserved_block_ids`` and no tokens.
         """
         outputs, self._reserved = self._reserved, []
+        # The measured price of a draft replaces the default economics' (a config that names its own keeps it).
+        if (result is not None and result.draft_cost is not None and self.speculative is not None
+                and self.speculative.economics is None):
+            self.draft_cost = result.draft_cost
         row = 0
         block_size = self.kv.block_size
         for chunk in output.chunks:
@@ -280,7 +294,7 @@ class Scheduler:
             return 0
         k = p.num_speculative_tokens if p.num_speculative_tokens is not None else spec.max_drafts_per_step
         if spec.adaptive:
-            k = adaptive_num_drafts(request, k, spec.draft_economics)
+            k = adaptive_num_drafts(request, k, spec.draft_economics, self.draft_cost)
         # No drafts past the end: the last token is the target's own.
         remaining = min(p.max_tokens - len(request.output_token_ids), self.max_model_len - request.num_tokens) - 1
         return max(0, min(k, remaining, budget))
@@ -293,6 +307,15 @@ class Scheduler:
         # The estimate is of the first draft's acceptance (see adaptive_num_drafts). accepted / drafts would
         # also count the drafts after a rejection, never judged, as failures, and shrink k when it was generous.
         request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * (1.0 if accepted else 0.0)
+        # After an accepted first draft, drafts 2..accepted continued the run and the next one (if any was
+        # proposed) broke it: the continuation h's observations in this step.
+        if accepted and drafts > 1:
+            kept, broke = accepted - 1, int(accepted < drafts)
+            if kept + broke:
+                prior = self.speculative.draft_economics.continuation if self.speculative else None
+                h = request.spec_continuation if request.spec_continuation is not None else prior
+                if h is not None:
+                    request.spec_continuation = h + 0.3 * (kept / (kept + broke) - h)
         self.num_spec_steps += 1
         self.num_draft_tokens += drafts
         self.num_accepted_tokens += accepted

@@ -155,3 +155,20 @@ def test_speculates_when_a_prefill_chunk_leaves_one_prompt_token(tiny: LlamaForC
     assert engine.scheduler.num_draft_tokens > 0
     engine.kv.check_integrity()
     assert engine.kv.num_used_blocks == 0
+
+
+def test_batch_1_steps_measure_what_a_draft_costs(tiny: LlamaForCausalLM) -> None:
+    """The runner times batch-1 decode steps with and without drafts; once it has enough of each, the
+    scheduler prices drafts with the measured cost (and the output stays plain greedy decoding's)."""
+    spec = SpeculativeConfig(method=SpeculativeMethod.NGRAM, num_speculative_tokens=4)
+    engine = ColocatedEngine(tiny, CacheConfig(num_blocks=64, block_size=8), SchedulerConfig(),
+                             speculative=spec)
+    # A motif repeated (the lookup drafts) and then new text (it finds nothing: plain steps).
+    prompt = repetitive(1, tiny.config.vocab_size, seed=9)[0] + prompts(1, tiny.config.vocab_size, seed=10)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    got = run_staggered(engine, [(prompt, params)], arrivals=[0])
+    assert got["r0"] == contiguous_greedy(tiny, prompt, 60)
+    meter = engine.runner.draft_cost
+    assert meter.num_plain + meter.num_drafted > 0 and meter.plain_s is not None and meter.plain_s > 0
+    if min(meter.num_plain, meter.num_drafted) >= meter.min_samples:  # what the scheduler was told
+        assert engine.scheduler.draft_cost == pytest.approx(meter.cost, rel=0.5)

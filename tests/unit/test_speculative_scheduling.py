@@ -71,16 +71,50 @@ def test_adaptive_num_drafts_pauses_below_cost_and_recovers() -> None:
 def test_ngram_slots_follow_first_draft_acceptance() -> None:
     s = make(SpeculativeMethod.NGRAM, k=16)
     request = decoding(s)
-    assert verify_step(s, accepted=2) == 16  # prior 0.6: runs make all 16 worth it
+    assert verify_step(s, accepted=2) == 16  # prior a 0.6, h 0.9: runs make all 16 worth it
     assert request.spec_acceptance == pytest.approx(0.7 * 0.6 + 0.3)  # the first draft was accepted
+    # 2 of 16 accepted: the run continued once and broke once, so h moves 0.3 of the way to 1/2
+    assert request.spec_continuation == pytest.approx(0.9 + 0.3 * (0.5 - 0.9))
     for _ in range(4):
-        verify_step(s, accepted=0)
-    # 0.72 * 0.7**4 = 0.173: 0.173 * 0.9**16 = 0.032 > 0.03
+        verify_step(s, accepted=0)  # a first draft rejected says nothing of h
+    assert request.spec_continuation == pytest.approx(0.78)
+    # 0.72 * 0.7**4 = 0.173: 0.173 * 0.78**7 = 0.030 > 0.03 (the 8th draft's 0.023 is not)
     assert request.spec_acceptance == pytest.approx(0.72 * 0.7**4)
-    assert verify_step(s, accepted=0) == 16
+    assert verify_step(s, accepted=0) == 8
     # every rejection cuts the estimate by 0.7: fewer drafts, then a pause below the cost
-    assert [verify_step(s, accepted=0) for _ in range(5)] == [14, 10, 7, 4, 0]
+    assert [verify_step(s, accepted=0) for _ in range(5)] == [6, 5, 3, 2, 0]
     assert s.num_accepted_tokens == 2
+
+
+def test_the_continuation_follows_the_runs_a_request_accepts() -> None:
+    s = make(SpeculativeMethod.NGRAM, k=4)
+    request = decoding(s)
+    assert request.spec_continuation is None  # the prior (0.9) until a run is observed
+    verify_step(s, accepted=4)  # all 4 kept: 3 continuations, none broken
+    assert request.spec_continuation == pytest.approx(0.9 + 0.3 * (1.0 - 0.9))
+    verify_step(s, accepted=1)  # the first kept, the second rejected: a run broken at once
+    assert request.spec_continuation == pytest.approx(0.93 + 0.3 * (0.0 - 0.93))
+
+
+def test_a_measured_draft_cost_replaces_the_default_economics() -> None:
+    s = make(SpeculativeMethod.NGRAM, k=16)
+    decoding(s)
+    out = s.schedule()
+    (chunk,) = out.chunks
+    assert chunk.num_draft_slots == 16  # the default cost 0.03
+    s.update(out, StepResult([[7]], [None], [chunk.num_draft_slots], [0], draft_cost=0.2))
+    assert s.draft_cost == 0.2
+    # a = 0.42, h = 0.9, c = 0.2: 0.42 * 0.9**7 = 0.201 > 0.2, the 9th draft's 0.18 is not
+    assert s.schedule().chunks[0].num_draft_slots == 8
+    # A config that names its own economics keeps them.
+    pinned = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=None,
+                                       watermark=0.0), KVCacheManager(64, 4), max_model_len=256,
+                       speculative=SpeculativeConfig(method=SpeculativeMethod.NGRAM, num_speculative_tokens=16,
+                                                     economics=NGRAM))
+    decoding(pinned)
+    out = pinned.schedule()
+    pinned.update(out, StepResult([[7]], [None], [out.chunks[0].num_draft_slots], [0], draft_cost=0.2))
+    assert pinned.draft_cost is None
 
 
 def test_draft_layers_pause_when_drafts_do_not_pay_and_probe_again() -> None:
