@@ -85,9 +85,11 @@ class DraftEconomics:
             raise ValueError(f"draft continuation must be in (0, 1], got {self.continuation}")
 
 
-# Defaults, measured with SmolLM2 on a 2-core CPU (benchmarks/bench_speculative.py); override them with
-# SpeculativeConfig.economics for another model or machine. An n-gram draft only adds a query row to the
-# verification forward, which at small batch is bound by reading the weights: ~3% of a step per row. Its
+# Priors, measured with SmolLM2 on a 2-core CPU (benchmarks/bench_speculative.py). While serving, the
+# runner measures a draft's real cost at batch 1 (common/spec_decode/draft_cost.py) and each request its own
+# continuation, and those replace the priors; SpeculativeConfig.economics pins a cost instead. An n-gram
+# draft only adds a query row to the verification forward, which at small batch is bound by reading the
+# weights: ~3% of a step per row (~8% on a 2-core Zen 5, whose fast memory leaves more to compute). Its
 # drafts come in runs: a proposal whose first token is right is usually a span being copied, and each next
 # draft is then accepted 75-95% of the time. An early-layer draft runs L target layers and the LM head
 # once more per draft (a third of a step or more), and its drafts are roughly independent.
