@@ -367,7 +367,6 @@ _TELEMETRY_FLAGS = ("telemetry: traces export when OTEL_EXPORTER_OTLP_ENDPOINT i
 def _speculative(args: argparse.Namespace) -> SpeculativeConfig:
     """The speculative-decoding flags (``_add_speculative_flags``) as one config."""
     from common.engine.node_setup import speculative_config
-
     return speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers, args.draft_model,
                               args.draft_quantization, args.speculative_ngram_first, args.speculative_ngram_max_tokens)
 
@@ -383,9 +382,8 @@ def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-ngram-first", action="store_true",
                    help="draft_model: n-gram lookup in the request's own tokens first, the draft model where it "
                    "finds nothing")
-    g.add_argument("--speculative-ngram-max-tokens", type=int, default=None,
-                   help="with --speculative-ngram-first: the lookup proposes up to this many tokens (default: "
-                   "--num-speculative-tokens; the draft model stays at that)")
+    g.add_argument("--speculative-ngram-max-tokens", type=int, default=None, help="with --speculative-ngram-first: "
+                   "the lookup's own limit (default --num-speculative-tokens, which still bounds the draft model)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -205,38 +205,17 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin, torch::Ten
   });
 }
 
+// The paged K/V write of common/attention/cpu_kv_write.cpp, compiled into this module after this file
+// (common/model/fused_ops.py's sources), so both modules share one definition.
+void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
+              torch::Tensor slot_mapping);
+
 // rotary_ on q and k, then each token's (rotated) k and its v row into the token's cache slot: what a
-// decode layer does between its qkv projection and attention, in one call instead of two (and the
-// eager path's index arithmetic). Caches: [blocks, block_size, H_kv, D] views (any strides but D's, which
-// is 1), the dtype of k; slot_mapping: [n] int64, slot = block * block_size + offset.
+// decode layer does between its qkv projection and attention, in one call instead of two. Caches:
+// [blocks, block_size, H_kv, D] views (any strides but D's, which is 1), the dtype of k; slot_mapping: [n]
+// int64, slot = block * block_size + offset.
 void rotary_write_kv_(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos_sin, torch::Tensor positions,
                       torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slot_mapping) {
   rotary_(q, k, cos_sin, positions);
-  TORCH_CHECK(v.dim() == 3 && v.sizes() == k.sizes() && v.stride(2) == 1 && v.scalar_type() == k.scalar_type(),
-              "v: [n, H_kv, D] like k, unit stride over D");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
-              "caches must be [blocks, block_size, H_kv, D] with unit stride over D");
-  TORCH_CHECK(key_cache.scalar_type() == k.scalar_type() && value_cache.scalar_type() == k.scalar_type(),
-              "caches must have k's dtype");
-  const int64_t n = k.size(0), Hkv = k.size(1), D = k.size(2);
-  TORCH_CHECK(key_cache.size(2) == Hkv && key_cache.size(3) == D && value_cache.sizes() == key_cache.sizes(),
-              "caches: heads or head_dim do not match k");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() && slot_mapping.numel() == n,
-              "slot_mapping: [n] int64, one slot per token");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t block_size = key_cache.size(1), num_blocks = key_cache.size(0), elem = k.element_size();
-  auto* kc = static_cast<char*>(key_cache.data_ptr());
-  auto* vc = static_cast<char*>(value_cache.data_ptr());
-  const auto* kp = static_cast<const char*>(k.data_ptr());
-  const auto* vp = static_cast<const char*>(v.data_ptr());
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
-    TORCH_CHECK(slots[t] >= 0 && block < num_blocks, "slot ", slots[t], " is outside the cache");
-    for (int64_t h = 0; h < Hkv; ++h) {
-      std::memcpy(kc + (block * key_cache.stride(0) + offset * key_cache.stride(1) + h * key_cache.stride(2)) * elem,
-                  kp + (t * k.stride(0) + h * k.stride(1)) * elem, D * elem);
-      std::memcpy(vc + (block * value_cache.stride(0) + offset * value_cache.stride(1) + h * value_cache.stride(2)) * elem,
-                  vp + (t * v.stride(0) + h * v.stride(1)) * elem, D * elem);
-    }
-  }
+  write_kv(key_cache, value_cache, k, v, slot_mapping);
 }

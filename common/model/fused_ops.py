@@ -35,7 +35,9 @@ from common.kv.kv_cache import write_kv
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_fused.cpp")
+# cpu_fused.cpp, then the paged K/V write it calls (one definition, shared with the attention module)
+_SOURCES = [Path(__file__).with_name("cpu_fused.cpp"),
+            Path(__file__).parents[1] / "attention" / "cpu_kv_write.cpp"]
 _FUNCTIONS = ["add_rms_norm", "silu_mul", "rotary_", "rotary_write_kv_"]
 FUSED_MODES = ("auto", "on", "off")
 _lock = threading.Lock()
@@ -151,7 +153,8 @@ def _build(isa: str) -> ModuleType | None:
         # -fopenmp: at::parallel_for shares torch's OpenMP pool. -fno-math-errno lets exp vectorise
         # (glibc's vector math) without -ffast-math's reassociation of the dtype roundings.
         flags = ["-O3", "-fopenmp", "-fno-math-errno", *ISA_FLAGS[isa]]
-        module = load_inline(name=f"tandem_fused_{isa}", cpp_sources=[_SOURCE.read_text()], functions=_FUNCTIONS,
+        source = "\n".join(p.read_text() for p in _SOURCES)
+        module = load_inline(name=f"tandem_fused_{isa}", cpp_sources=[source], functions=_FUNCTIONS,
                              extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler or ninja: the unfused forward serves
         log.warning("fused CPU ops unavailable (%s: %s); using the unfused forward", type(exc).__name__,
