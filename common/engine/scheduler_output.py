@@ -40,7 +40,7 @@ class StepResult:
     num_drafts: list[int]  # drafts verified per chunk (0 without speculation)
     num_accepted: list[int]
     # What one draft cost in this runner, as a fraction of a plain decode step (proposing plus verifying;
-    # measured at batch 1: common/engine/model_runner.py's DraftCostMeter); None: not measured yet.
+    # measured at batch 1 by common/spec_decode/draft_cost.py's DraftCostMeter); None: not measured yet.
     draft_cost: float | None = None
 
     @staticmethod
