@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from common.engine.scheduler_output import SchedulerOutput
     from common.model.llama import LlamaDecoderLayer
 
+SMALL_OPS = "model: other (norms, rotary, SiLU, residuals, calls)"
 # The parts outside the model's matmuls and attention: what the fused ops and a lean runner shrink.
-NON_MATMUL_PARTS = ("model: other (norms, rotary, SiLU, residuals, calls)", "sampler", "runner inputs + metadata",
-                    "scheduler (schedule + update)")
+NON_MATMUL_PARTS = (SMALL_OPS, "sampler", "runner inputs + metadata", "scheduler (schedule + update)")
 
 
 @dataclass
@@ -37,7 +37,7 @@ class StepProfile:
         # The forward split three ways: its linear layers, attention, and everything else (norms, rotary,
         # SiLU, residual adds, module calls): the non-matmul share that fused ops shrink.
         parts = [("model: linear layers (matmuls)", s["matmul"]), ("model: attention", s["attention"]),
-                 ("model: other (norms, rotary, SiLU, residuals, calls)", s["model"] - s["matmul"] - s["attention"]),
+                 (SMALL_OPS, s["model"] - s["matmul"] - s["attention"]),
                  ("LM head (compute_logits)", s["logits"]),
                  ("sampler", s["sampler"]),
                  ("runner inputs + metadata", s["execute"] - s["model"] - s["logits"] - s["sampler"]),
@@ -111,9 +111,10 @@ def print_profile(title: str, profile: StepProfile) -> None:
           f"({profile.batch / per_step:.1f} tok/s while decoding)\n")
     print("| part | ms/step | share |")
     print("|---|---:|---:|")
-    for name, seconds in profile.breakdown():
+    parts = profile.breakdown()
+    for name, seconds in parts:
         print(f"| {name} | {seconds * 1e3:.1f} | {100 * seconds / per_step:.0f}% |")
-    small = dict(profile.breakdown())["model: other (norms, rotary, SiLU, residuals, calls)"]
+    small = dict(parts)[SMALL_OPS]
     print(f"\nNon-matmul time (the model's small ops, the sampler, the runner and the scheduler: every part but "
           f"the linear layers, attention and the LM head): **{100 * profile.non_matmul_share:.0f}%** of the step; "
           f"the model's small ops alone {100 * small / per_step:.0f}%.")

@@ -180,7 +180,6 @@ const float* float_x(const torch::Tensor& x, int64_t K, std::vector<float>& scra
   return scratch.data();
 }
 
-// The [M, N] result in x's dtype: fp32 is written in place; bf16 is computed in ``scratch`` and rounded once.
 // A kernel's output: fp32 sums written to ``data`` (every element, so the scratch needs no zeroing), then
 // ``finish`` rounds them into y when y is bf16. ``float_out``: y is fp32 whatever x is (the LM head's
 // logits, which sampling wants in fp32: no bf16 rounding and no second pass to widen them).
