@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 venv:
 	@bash scripts/setup-venv.sh
 	@bash scripts/gen-protos.sh
+	@$(PY) -m common.kernel_build
 
 demo: venv
 	$(VENV)/bin/tandem up --demo

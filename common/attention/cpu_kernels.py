@@ -1,8 +1,8 @@
 """Compiled CPU kernels (``cpu_decode.cpp``), built on first use with torch's C++ extension loader.
 
 The build needs a C++ compiler and ninja; it takes about a minute once, then loads from torch's
-extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; concurrent builds by
-several processes wait on torch's file lock). Where the build is impossible the torch backend keeps its
+extension cache (``common.kernel_build``: concurrent builds by several processes wait on one lock, which a
+killed build does not leave behind). Where the build is impossible the torch backend keeps its
 pure-PyTorch path: ``paged_decode_kernel()`` returns None and says why once in the log.
 ``TANDEM_CPU_KERNELS=0`` turns the compiled path off (the benchmark's baseline, or to rule it out).
 
@@ -46,8 +46,7 @@ def paged_decode_kernel() -> ModuleType | None:
 
 def _build() -> ModuleType | None:
     try:
-        from torch.utils.cpp_extension import load_inline
-
+        from common.kernel_build import load_kernel_module
         from common.quant.cpu_kernels import ISA_FLAGS, best_isa
 
         isa = best_isa()
@@ -58,11 +57,8 @@ def _build() -> ModuleType | None:
         # from glibc's vector math library and reassociated fp32 sums; scores are finite (only rows
         # < seq_len are read), so finite-math assumptions hold.
         flags = ["-O3", "-fopenmp", "-ffast-math", *ISA_FLAGS[isa]]
-        module = load_inline(
-            name=f"tandem_cpu_decode_{isa}", cpp_sources=["\n".join(p.read_text() for p in _SOURCES)],
-            functions=["paged_decode", "write_kv"],
-            extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
-        )
+        module = load_kernel_module(f"tandem_cpu_decode_{isa}", "\n".join(p.read_text() for p in _SOURCES),
+                                    ["paged_decode", "write_kv"], flags)
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch path serves instead
         log.warning("compiled CPU decode attention unavailable (%s: %s); using the PyTorch path",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

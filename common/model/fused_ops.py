@@ -146,16 +146,14 @@ def cpp_module(isa: str | None = None) -> ModuleType | None:
 
 def _build(isa: str) -> ModuleType | None:
     try:
-        from torch.utils.cpp_extension import load_inline
-
+        from common.kernel_build import load_kernel_module
         from common.quant.cpu_kernels import ISA_FLAGS
 
         # -fopenmp: at::parallel_for shares torch's OpenMP pool. -fno-math-errno lets exp vectorise
         # (glibc's vector math) without -ffast-math's reassociation of the dtype roundings.
         flags = ["-O3", "-fopenmp", "-fno-math-errno", *ISA_FLAGS[isa]]
         source = "\n".join(p.read_text() for p in _SOURCES)
-        module = load_inline(name=f"tandem_fused_{isa}", cpp_sources=[source], functions=_FUNCTIONS,
-                             extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        module = load_kernel_module(f"tandem_fused_{isa}", source, _FUNCTIONS, flags)
     except Exception as exc:  # no compiler or ninja: the unfused forward serves
         log.warning("fused CPU ops unavailable (%s: %s); using the unfused forward", type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")

@@ -94,15 +94,12 @@ def quant_kernels(isa: str | None = None) -> ModuleType:
 
 def _build(isa: str) -> ModuleType:
     try:
-        from torch.utils.cpp_extension import load_inline
+        from common.kernel_build import load_kernel_module
 
         # -fopenmp: at::parallel_for is inline OpenMP and shares torch's thread pool (libgomp).
         flags = ["-O3", "-fopenmp", *ISA_FLAGS[isa]]
-        module = load_inline(
-            name=f"tandem_quant_{isa}", cpp_sources=["\n".join(p.read_text() for p in _SOURCES)],
-            functions=_FUNCTIONS,
-            extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
-        )
+        module = load_kernel_module(f"tandem_quant_{isa}", "\n".join(p.read_text() for p in _SOURCES),
+                                    _FUNCTIONS, flags)
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise RuntimeError(f"the quantized CPU kernels ({isa}) could not be built: {type(exc).__name__}: "
