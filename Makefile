@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 venv:
 	@bash scripts/setup-venv.sh
 	@bash scripts/gen-protos.sh
-	@$(PY) -m common.kernel_build
+	@$(PY) -m common.kernel_prebuild
 
 demo: venv
 	$(VENV)/bin/tandem up --demo

@@ -11,8 +11,7 @@ Builds live under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions`
 the Python and torch versions: torch's own versioner hashes only the sources and flags, so a module built
 against another torch would otherwise load and crash.
 
-``python -m common.kernel_build`` builds every kernel module this CPU runs (``make venv`` does, so that no
-node or test compiles under a start-up deadline); a module already built loads in about a second.
+``python -m common.kernel_prebuild`` builds every kernel module this CPU runs ahead of time.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ import fcntl
 import logging
 import os
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -61,43 +59,3 @@ def load_kernel_module(name: str, source: str, functions: Sequence[str], cflags:
                                build_directory=str(build_dir), verbose=False)
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
-
-
-def build_all() -> list[tuple[str, bool, float]]:
-    """Build (or load) every CPU kernel module for this CPU, as many at once as there are cores (each build
-    is one compiler process): [(what, built, seconds)]."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from common.attention.cpu_kernels import paged_decode_kernel
-    from common.model.fused_ops import cpp_module
-    from common.quant.cpu_kernels import quant_kernels
-
-    def timed(build: Callable[[], object]) -> tuple[bool, float]:
-        start = time.perf_counter()
-        try:
-            ok = build() is not None
-        except RuntimeError as exc:
-            log.warning("%s", exc)
-            ok = False
-        return ok, time.perf_counter() - start
-
-    builds: dict[str, Callable[[], object]] = {"quantized linears and GEMV": quant_kernels,
-                                               "fused layer ops": cpp_module,
-                                               "paged decode attention": paged_decode_kernel}
-    with ThreadPoolExecutor(max_workers=max(1, min(len(builds), os.cpu_count() or 1))) as pool:
-        done = {what: pool.submit(timed, build) for what, build in builds.items()}
-        return [(what, *future.result()) for what, future in done.items()]
-
-
-def main() -> int:
-    from common.quant.cpu_kernels import best_isa
-
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    print(f">> CPU kernels ({best_isa()}) in {build_root()}", flush=True)
-    for what, ok, seconds in build_all():
-        print(f"   {what}: {'ready' if ok else 'NOT BUILT (a slower path serves)'} ({seconds:.1f} s)", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 "$VENV/bin/ruff" check . || exit 1
 "$VENV/bin/mypy" common kv_transfer prefill_service decode_service gateway tandem_cli benchmarks || exit 1
-"$VENV/bin/python" -m pytest "$@"
+"$VENV/bin/python" -m pytest --durations=25 "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then
     echo "pytest collected no tests for this selection" >&2
