@@ -188,7 +188,7 @@ def parse_apis(text: str) -> tuple[Api, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face directory or the bundled model's name [TANDEM_MODEL]")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="[TANDEM_DTYPE, auto = bf16 on CPUs with AVX512-BF16/AMX, else fp32]")
+                   help="[TANDEM_DTYPE, auto = the faster dtype here, measured once and cached]")
     p.add_argument("--workload", choices=list(WORKLOADS), default="serving",
                    help="serving: independent chats; shared-prefix: one system prompt before short questions; "
                    "mixed: long prompts arriving while short chats decode [serving]")

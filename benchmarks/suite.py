@@ -258,7 +258,7 @@ def run_suite(cfg: SuiteConfig, sections: list[Section], command_line: str) -> S
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="local Hugging Face directory or the bundled model's name [TANDEM_MODEL]")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
-                   help="[TANDEM_DTYPE; auto = bf16 on CPUs with AVX512-BF16/AMX, else fp32]")
+                   help="[TANDEM_DTYPE; auto = the faster dtype here, measured once and cached]")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch threads of the offline sections and peers [every usable core]")
     p.add_argument("--quick", action="store_true", help="small workloads everywhere (a smoke run, minutes)")
