@@ -43,7 +43,12 @@ def build_all() -> list[tuple[str, bool, float]]:
 
 
 def main() -> int:
+    import torch
+
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if torch.cuda.is_available():
+        print(">> CPU kernels: not built ahead (CUDA is here; a CPU node builds them at start-up)", flush=True)
+        return 0
     print(f">> CPU kernels ({best_isa()}) in {build_root()}", flush=True)
     for what, ok, seconds in build_all():
         print(f"   {what}: {'ready' if ok else 'NOT BUILT (a slower path serves)'} ({seconds:.1f} s)", flush=True)

@@ -54,6 +54,7 @@ def _decode_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 def cmd_up(args: argparse.Namespace) -> int:
     import signal
+    import subprocess
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the services as Ctrl-C does
@@ -72,6 +73,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     log_dir = None if to_terminal else Path(args.log_dir) if args.log_dir else home / "logs"
     env = {"TANDEM_LOG_FORMAT": "text"} if to_terminal and "TANDEM_LOG_FORMAT" not in os.environ else {}
     launcher = Launcher(topology, log_dir=log_dir, env=env, restart=RestartPolicy())
+    # The CPU kernels once, here, rather than by every node under the launcher's health deadline (a cold
+    # build takes minutes; built, this costs the few seconds of importing torch).
+    subprocess.run([sys.executable, "-m", "common.kernel_prebuild"], check=False, stdout=sys.stderr)
     print(f"starting {args.prefill_nodes} prefill + {args.decode_nodes} decode nodes and the gateway...",
           file=sys.stderr)
     if log_dir is not None:
