@@ -55,8 +55,11 @@ RUN if ls docker/local/*.whl >/dev/null 2>&1; then export PIP_FIND_LINKS="$PWD/d
 # The code, installed in place (editable, as setup-venv.sh does); then the bundled SmolLM2 is converted
 # into TANDEM_HOME once, at build time, so that containers start in seconds.
 COPY --chown=tandem:tandem . .
+# The CPU image compiles its kernels here too, for the build machine's instruction set (a container on a CPU
+# with another one builds its own at start-up, within the nodes' health start period).
 RUN python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e . \
-    && tandem model prepare
+    && tandem model prepare \
+    && if [ "$TORCH_FLAVOUR" = cpu ]; then python -m common.kernel_prebuild; fi
 
 # gRPC: gateway / colocated 50051, prefill nodes 50061+, decode nodes 50071+ (+ their KV store port).
 EXPOSE 50051
