@@ -29,3 +29,11 @@ def test_report_lines_from_json() -> None:
     text = "\n".join(report_lines(data))
     assert "| int4 | float32 | 200 | 100 | **60.0** | 3.00x | 1.20x |" in text
     assert "+2.1%" in text and "90.0%" in text and "| llama.cpp | Q4_1 (GGUF) |" in text
+
+
+def test_w8a8_is_measured_only_where_the_cpu_multiplies_int8_natively() -> None:
+    from benchmarks.bench_quant import default_modes
+
+    assert default_modes({"avx2", "fma", "f16c"}) == "none,int8,int4"
+    assert default_modes({"avx2", "avx512f", "avx512_vnni"}) == "none,int8,int4,w8a8"
+    assert default_modes({"avx2", "avx_vnni"}) == "none,int8,int4,w8a8"
