@@ -36,9 +36,10 @@ def build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / tag
 
 
-def load_kernel_module(name: str, source: str, functions: Sequence[str], cflags: Sequence[str],
-                       ldflags: Sequence[str] = ("-fopenmp",)) -> ModuleType:
-    """Compile (once) and import the extension ``name`` from one C++ translation unit.
+def load_kernel_module(name: str, sources: Sequence[Path], functions: Sequence[str],
+                       cflags: Sequence[str]) -> ModuleType:
+    """Compile (once) and import the extension ``name``: ``sources`` joined, in order, into one translation
+    unit, linked with OpenMP (at::parallel_for shares torch's libgomp pool).
 
     Raises what ``load_inline`` raises (no compiler, no ninja, a compile error); callers decide whether a
     slower path serves instead.
@@ -54,8 +55,9 @@ def load_kernel_module(name: str, source: str, functions: Sequence[str], cflags:
             if baton.exists():  # no live Tandem builder holds it: we hold the flock
                 log.warning("removing %s left by a build that did not finish", baton)
                 baton.unlink(missing_ok=True)
+            source = "\n".join(path.read_text() for path in sources)
             return load_inline(name=name, cpp_sources=[source], functions=list(functions),
-                               extra_cflags=list(cflags), extra_ldflags=list(ldflags),
+                               extra_cflags=list(cflags), extra_ldflags=["-fopenmp"],
                                build_directory=str(build_dir), verbose=False)
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)

@@ -152,8 +152,7 @@ def _build(isa: str) -> ModuleType | None:
         # -fopenmp: at::parallel_for shares torch's OpenMP pool. -fno-math-errno lets exp vectorise
         # (glibc's vector math) without -ffast-math's reassociation of the dtype roundings.
         flags = ["-O3", "-fopenmp", "-fno-math-errno", *ISA_FLAGS[isa]]
-        source = "\n".join(p.read_text() for p in _SOURCES)
-        module = load_kernel_module(f"tandem_fused_{isa}", source, _FUNCTIONS, flags)
+        module = load_kernel_module(f"tandem_fused_{isa}", _SOURCES, _FUNCTIONS, flags)
     except Exception as exc:  # no compiler or ninja: the unfused forward serves
         log.warning("fused CPU ops unavailable (%s: %s); using the unfused forward", type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")

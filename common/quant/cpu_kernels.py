@@ -98,8 +98,7 @@ def _build(isa: str) -> ModuleType:
 
         # -fopenmp: at::parallel_for is inline OpenMP and shares torch's thread pool (libgomp).
         flags = ["-O3", "-fopenmp", *ISA_FLAGS[isa]]
-        module = load_kernel_module(f"tandem_quant_{isa}", "\n".join(p.read_text() for p in _SOURCES),
-                                    _FUNCTIONS, flags)
+        module = load_kernel_module(f"tandem_quant_{isa}", _SOURCES, _FUNCTIONS, flags)
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise RuntimeError(f"the quantized CPU kernels ({isa}) could not be built: {type(exc).__name__}: "
