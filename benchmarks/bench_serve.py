@@ -32,9 +32,12 @@ over the run, first send to last token. Each system first serves a few warm-up r
 
 Goodput (DistServe): requests/s that meet both latency SLOs, TTFT <= the TTFT SLO and TPOT <= the TPOT
 SLO, over the run's duration; SLO attainment: the share of all requests (failed ones miss) meeting both,
-and each alone (benchmarks/slo.py). ``--goodput ttft:MS,tpot:MS`` sets the SLOs; without it each workload
-has its own (benchmarks/workloads.py): serving ttft:2500,tpot:200; shared-prefix ttft:1500,tpot:200;
-mixed ttft:4000,tpot:200.
+and each alone (benchmarks/slo.py). ``--rate 1,2.5,4`` sweeps the load (each system started once runs every
+rate in turn, a column per system and rate) and adds DistServe's per-system figure: the highest rate whose
+attainment is >= 90%. At a light load every system meets its SLOs and the per-run goodput is the arrival
+rate for all of them; the sweep shows which one keeps meeting them as the load grows.
+``--goodput ttft:MS,tpot:MS`` sets the SLOs; without it each workload has its own (benchmarks/workloads.py):
+serving ttft:2500,tpot:200; shared-prefix ttft:1500,tpot:200; mixed ttft:4000,tpot:200.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from benchmarks.serve_client import Api, RequestRecord, drive
 from benchmarks.serve_stats import Summary, kind_table, markdown_table, not_started, summarize, system_json
 from benchmarks.slo import SLO, parse_slo
 from benchmarks.workloads import LOWEST_ORDINARY_ID, WORKLOADS, ServingWorkload, TimedRequest, Workload
+from gateway.prefill_policy import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,8 @@ class System:
         return ("--enable-prefix-caching",) if self.prefix_caching else ("--no-enable-prefix-caching",)
 
     def gateway_args(self, local_prefill_max_tokens: int) -> tuple[str, ...]:
-        return ("--local-prefill-max-tokens", str(local_prefill_max_tokens)) if self.local_prefill else ()
+        # Explicit both ways too: the gateway's default is conditional (DEFAULT_LOCAL_PREFILL_MAX_TOKENS).
+        return ("--local-prefill-max-tokens", str(local_prefill_max_tokens if self.local_prefill else 0))
 
 
 SYSTEMS: Mapping[str, System] = {s.name: s for s in (
@@ -88,7 +93,7 @@ SYSTEMS: Mapping[str, System] = {s.name: s for s in (
 )}
 DEFAULT_SYSTEMS = ("disaggregated", "colocated")
 DEFAULT_RATE = 1.0  # requests/s: near what one decode core sustains with SmolLM2 (README: the measured table)
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256  # the conditional system's threshold unless --local-prefill-max-tokens
+CAPACITY_ATTAINMENT = 0.9  # a rate sweep's goodput: the highest rate with this SLO attainment (DistServe's 90%)
 SERVING = ServingWorkload()  # the defaults the help text names for the per-length flags
 
 
@@ -126,12 +131,14 @@ def bench_system(system: System, args: argparse.Namespace, workload: Workload, v
     each); a system that fails to start or to serve its warm-up gets ``not_started`` summaries (no records)
     instead of an exception."""
     # A closed loop ignores the arrival times but keeps their order (the same at every rate).
-    requests = workload.requests(vocab_size, math.inf if args.concurrency else args.rate)
-    names = {api: system.name if len(apis) == 1 and api is Api.GRPC else f"{system.name}/{api.value}"
-             for api in apis}
+    rates: tuple[float, ...] = (math.inf,) if args.concurrency else rates_of(args)
+    legs = [(api, rate) for api in apis for rate in rates]
+    names = {(api, rate): column_name(system.name, api, rate, len(apis) > 1 or api is not Api.GRPC, len(rates) > 1)
+             for api, rate in legs}
+    num_requests = workload.num_requests
     started = time.perf_counter()
     measuring = False
-    runs: list[tuple[Api, list[RequestRecord], float]] = []
+    runs: list[tuple[tuple[Api, float], list[RequestRecord], float]] = []
     try:
         with deployment(system, model_args, args.prefill_nodes, args.decode_nodes, args.cpus, log_dir,
                         args.local_prefill_max_tokens) as (targets, placement):
@@ -143,24 +150,64 @@ def bench_system(system: System, args: argparse.Namespace, workload: Workload, v
                                                     api=api))
                 if failed := [r.error for r in warm_records if not r.ok]:
                     raise RuntimeError(f"warm-up requests over {api.value} failed: {failed[0]}")
-            for k, api in enumerate(apis):
-                _progress(f"{names[api]}: sending {len(requests)} requests")
+            for k, (api, rate) in enumerate(legs):
+                requests = workload.requests(vocab_size, rate)
+                _progress(f"{names[api, rate]}: sending {len(requests)} requests")
                 measuring = True
                 records, duration = asyncio.run(drive(targets[api], shifted(requests, k, vocab_size),
                                                       args.concurrency, args.timeout, api=api))
-                runs.append((api, records, duration))
+                runs.append(((api, rate), records, duration))
     except (RuntimeError, TimeoutError, OSError) as exc:
         if measuring:
             raise
         _progress(f"{system.name}: failed to start: {exc}")
-        return [(not_started(names[api], len(requests), f"failed to start: {exc}", slo), []) for api in apis]
+        return [(dataclasses.replace(not_started(names[leg], num_requests, f"failed to start: {exc}", slo),
+                                     rate=_finite(leg[1])), []) for leg in legs]
     results = []
-    for api, records, duration in runs:
-        summary = summarize(names[api], placement, records, duration, slo)
-        _progress(f"{names[api]}: {summary.completed}/{len(records)} done in {duration:.1f} s, "
+    for leg, records, duration in runs:
+        summary = dataclasses.replace(summarize(names[leg], placement, records, duration, slo), rate=_finite(leg[1]))
+        _progress(f"{names[leg]}: {summary.completed}/{len(records)} done in {duration:.1f} s, "
                   f"{summary.output_throughput:.1f} output tokens/s")
         results.append((summary, records))
     return results
+
+
+def _finite(rate: float) -> float | None:
+    return None if math.isinf(rate) else rate
+
+
+def column_name(system: str, api: Api, rate: float, by_api: bool, by_rate: bool) -> str:
+    """A result column: the system, "/front" when several fronts (or only OpenAI's), " @ R/s" when several rates."""
+    name = f"{system}/{api.value}" if by_api else system
+    return f"{name} @ {rate:g}/s" if by_rate else name
+
+
+def rates_of(args: argparse.Namespace) -> tuple[float, ...]:
+    """The arrival rates to run, in order (``--rate`` takes a list; tests and callers may set one float)."""
+    rate = args.rate if args.rate is not None else DEFAULT_RATE
+    return tuple(rate) if isinstance(rate, (tuple, list)) else (float(rate),)
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    """``--rate``: one arrival rate or a comma-separated increasing list (requests/s, inf = all at once)."""
+    try:
+        rates = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected requests/s such as 1 or 1,2.5,4, got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates) or list(rates) != sorted(set(rates)):
+        raise argparse.ArgumentTypeError(f"expected rates > 0 in increasing order, each once, got {text!r}")
+    return rates
+
+
+def capacity(summaries: Sequence[Summary], target: float = CAPACITY_ATTAINMENT) -> float | None:
+    """DistServe's goodput of one system over a rate sweep: the highest rate whose SLO attainment (both SLOs)
+    is at least ``target``, where every lower rate's also was; None when even the lowest misses it."""
+    best = None
+    for s in summaries:
+        if s.slo is None or s.rate is None or s.slo.num_requests == 0 or s.slo.met_both / s.slo.num_requests < target:
+            break
+        best = s.rate
+    return best
 
 
 def shifted(requests: Sequence[TimedRequest], k: int, vocab_size: int) -> list[TimedRequest]:
@@ -196,8 +243,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"{name} {w.full.num_requests}" for name, w in WORKLOADS.items()) + "; --quick " + ", ".join(
         str(w.quick.num_requests) for w in WORKLOADS.values()) + "]")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--rate", type=float, help="Poisson arrivals, requests/s (mixed: the short requests'; "
-                      f"the long ones come at a fraction of it); inf = all at once [{DEFAULT_RATE}]")
+    load.add_argument("--rate", type=parse_rates, help="Poisson arrivals, requests/s (mixed: the short requests'; "
+                      "the long ones come at a fraction of it); inf = all at once; a list (1,2.5,4) sweeps: each "
+                      "system started once runs every rate in turn, and the report gives each system's highest "
+                      f"rate with >= {CAPACITY_ATTAINMENT:.0%} SLO attainment (DistServe's goodput) [{DEFAULT_RATE}]")
     load.add_argument("--concurrency", type=int, help="closed loop: keep this many requests in flight instead")
     p.add_argument("--prompt-len", type=_length_range, help="serving: prompt lengths LOW:HIGH, log-uniform "
                    f"[{_show(SERVING.prompt_len)}, shorter with --quick]")
@@ -241,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     workload = configure_workload(args)
     slo = slo_of(args)
     if args.concurrency is None and args.rate is None:
-        args.rate = DEFAULT_RATE
+        args.rate = (DEFAULT_RATE,)
     args.cpus = args.cpus or tuple(sorted(os.sched_getaffinity(0)))
     settings = load_settings(ModelSettings, {"model": args.model, "dtype": args.dtype})
     model_dir = resolve_model(settings.model, settings.home, progress=True)
@@ -289,18 +338,35 @@ def results_json(results: Sequence[tuple[Summary, Sequence[RequestRecord]]], wor
     """``--json``'s document (its schema is what tests/benchmarks/test_serve_stats.py checks)."""
     return {
         "model": model, "dtype": dtype, "workload": {"name": workload.name, **dataclasses.asdict(workload)},
-        "rate": args.rate, "concurrency": args.concurrency, "cpus": list(args.cpus),
+        "rate": None if args.concurrency else rates_of(args)[0],
+        "rates": [] if args.concurrency else list(rates_of(args)), "concurrency": args.concurrency,
+        "cpus": list(args.cpus),
         "slo": dataclasses.asdict(slo_of(args)),
         "apis": [api.value for api in getattr(args, "api", (Api.GRPC,))],
         "local_prefill_max_tokens": getattr(args, "local_prefill_max_tokens", DEFAULT_LOCAL_PREFILL_MAX_TOKENS),
         "systems": [system_json(summary, records) for summary, records in results],
+        "capacity": capacities([summary for summary, _ in results]),
+        "capacity_attainment": CAPACITY_ATTAINMENT,
     }
+
+
+def capacities(summaries: Sequence[Summary]) -> dict[str, float | None]:
+    """Per system (and front), its goodput over the rate sweep (``capacity``); empty without a sweep."""
+    by_system: dict[str, list[Summary]] = {}
+    for s in summaries:
+        if s.rate is not None:
+            by_system.setdefault(s.system.split(" @ ")[0], []).append(s)
+    if all(len(runs) < 2 for runs in by_system.values()):
+        return {}
+    return {name: capacity(sorted(runs, key=lambda s: s.rate or 0.0)) for name, runs in by_system.items()}
 
 
 def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Namespace, model: str,
            dtype: str) -> str:
+    rates = rates_of(args)
     load = (f"closed loop, {args.concurrency} in flight" if args.concurrency
-            else "all at once" if math.isinf(args.rate) else f"Poisson arrivals at {args.rate:g} requests/s")
+            else "all at once" if math.isinf(rates[0]) else
+            f"Poisson arrivals at {', '.join(f'{r:g}' for r in rates)} requests/s")
     lines = [
         f"### Serving benchmark: {model} ({dtype}), {workload.name} workload, {workload.num_requests} requests, "
         f"{load}",
@@ -310,17 +376,36 @@ def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Name
         f"{', '.join(_FRONTS[api] for api in getattr(args, 'api', (Api.GRPC,)))}.",
         "",
         f"Goodput: requests/s meeting both SLOs ({slo_of(args).describe()}) over the run's duration; SLO "
-        "attainment: % of all requests sent (failed ones miss) meeting both SLOs, and each alone.",
+        "attainment: % of all requests sent (failed ones miss) meeting both SLOs, and each alone."
+        + (f" Over the rate sweep, a system's goodput in DistServe's sense is its highest rate with >= "
+           f"{CAPACITY_ATTAINMENT:.0%} attainment (last table)." if len(rates) > 1 else ""),
         "",
         markdown_table(summaries),
         "",
     ]
     if (by_kind := kind_table(summaries)) is not None:
         lines += [by_kind, ""]
+    if caps := capacities(summaries):
+        lines += [capacity_table(summaries, caps), ""]
     lines += [f"- {s.system}: {s.placement}" for s in summaries]
     for s in summaries:
         lines += [f"- {s.system} errors: {e}" for e in s.errors]
     return "\n".join(lines)
+
+
+def capacity_table(summaries: Sequence[Summary], caps: Mapping[str, float | None]) -> str:
+    """The sweep at a glance: each system's goodput at each rate, and its highest rate meeting the target."""
+    rates = sorted({s.rate for s in summaries if s.rate is not None})
+    goodput = {(s.system.split(" @ ")[0], s.rate): s.slo.goodput for s in summaries if s.slo is not None}
+    attained = {(s.system.split(" @ ")[0], s.rate): 100 * s.slo.met_both / s.slo.num_requests
+                for s in summaries if s.slo is not None and s.slo.num_requests}
+    head = ["system", *[f"goodput @ {r:g}/s (attainment)" for r in rates],
+            f"highest rate with >= {CAPACITY_ATTAINMENT:.0%} attainment"]
+    rows = [[name, *[f"{goodput[name, r]:.3f} ({attained[name, r]:.0f}%)" if (name, r) in goodput else "-"
+                     for r in rates], "none of these" if cap is None else f"{cap:g} requests/s"]
+            for name, cap in caps.items()]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 _FRONTS = {Api.GRPC: "gRPC Generate", Api.OPENAI: "OpenAI HTTP (streaming /v1/completions, columns /openai)"}

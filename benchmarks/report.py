@@ -136,7 +136,8 @@ def serving_lines(data: dict[str, Any]) -> list[str]:
     systems = data["systems"]
     w = data["workload"]
     params = ", ".join(f"{k} {v}" for k, v in w.items() if k != "name")
-    load = f"Poisson arrivals at {data['rate']:g} requests/s" if data.get("rate") else \
+    rates = data.get("rates") or ([data["rate"]] if data.get("rate") else [])
+    load = f"Poisson arrivals at {', '.join(f'{r:g}' for r in rates)} requests/s" if rates else \
         f"closed loop, {data.get('concurrency')} in flight"
     lines = [f"Workload `{w['name']}` ({params}); {load}; {data['dtype']}; cores {data['cpus']}.", ""]
     if slo := data.get("slo"):
@@ -170,6 +171,12 @@ def serving_lines(data: dict[str, Any]) -> list[str]:
                           *[dist(s.get("by_kind", {}).get(kind, {}), key, stat) for s in systems]]
                          for stat in ("p50", "p99")]
     lines += _table(["metric", *[s["system"] for s in systems]], rows)
+    if caps := data.get("capacity"):
+        target = data.get("capacity_attainment", 0.9)
+        lines += ["", f"Goodput over the rate sweep (DistServe): each system's highest rate with >= {target:.0%} SLO "
+                  "attainment.", "",
+                  *_table(["system", "highest rate (requests/s)"],
+                          [[name, "none" if cap is None else f"{cap:g}"] for name, cap in caps.items()], "lr")]
     lines += [f"- {s['system']}: {s['placement']}" for s in systems]
     return lines + [""]
 

@@ -67,6 +67,7 @@ class Summary:
     by_kind: dict[str, KindSummary] = field(default_factory=dict)  # in the order kinds first arrive
     slo: Attainment | None = None  # None: summarized without an SLO
     started: bool = True  # False: the system failed to start (or to serve its warm-up); nothing was measured
+    rate: float | None = None  # the Poisson arrival rate it ran at (requests/s); None: closed loop or all at once
 
     @property
     def request_throughput(self) -> float:

@@ -136,10 +136,11 @@ def http_relay_command(cfg: SuiteConfig) -> list[str]:
                "--log-dir", str(cfg.out_dir / "logs" / "http-relay"), "--json", _json(cfg, "http-relay"))
 
 
-def serve_command(workload: str, systems: str, rate: float, num_requests: int) -> Callable[[SuiteConfig], list[str]]:
+def serve_command(workload: str, systems: str, rates: str, num_requests: int) -> Callable[[SuiteConfig], list[str]]:
+    """``rates``: bench serve's ``--rate`` (a list sweeps the load; --quick runs only the first rate)."""
     def command(cfg: SuiteConfig) -> list[str]:
         return _py("benchmarks.bench_serve", "--model", str(cfg.model_dir), "--dtype", cfg.dtype,
-                   "--workload", workload, "--systems", systems, "--rate", str(rate),
+                   "--workload", workload, "--systems", systems, "--rate", rates.split(",")[0] if cfg.quick else rates,
                    *(["--quick"] if cfg.quick else ["--num-requests", str(num_requests)]),
                    "--log-dir", str(cfg.out_dir / "logs" / workload), "--json", _json(cfg, f"serve-{workload}"))
 
@@ -167,12 +168,15 @@ SECTIONS: tuple[Section, ...] = (
     Section("speculative", "Speculative decoding at batch 1", speculative_command, (170, 40)),
     Section("kv-transfer", "KV transfer bandwidth", kv_transfer_command, (40, 15)),
     Section("http-relay", "Gateway relay overhead: OpenAI HTTP SSE vs gRPC", http_relay_command, (25, 12)),
+    # The serving and mixed workloads sweep the load: at 1 request/s every system meets its SLOs on a fast
+    # machine, so goodput tells them apart only at the higher rates.
     Section("serve-serving", "Serving workload: disaggregated vs conditional vs colocated",
-            serve_command("serving", "disaggregated,conditional,colocated", 1.0, 32), (225, 90)),
-    Section("serve-shared-prefix", "Shared-prefix workload: prefix caching on vs off",
-            serve_command("shared-prefix", "disaggregated,disaggregated-nocache", 1.5, 32), (130, 60)),
+            serve_command("serving", "disaggregated,conditional,colocated", "1,2.5", 32), (300, 90)),
+    Section("serve-shared-prefix", "Shared-prefix workload: disaggregated vs conditional vs colocated, prefix "
+            "caching on vs off", serve_command("shared-prefix", "disaggregated,conditional,colocated,"
+                                               "disaggregated-nocache", "1.5", 32), (200, 80)),
     Section("serve-mixed", "Mixed workload (long prompts during decoding): disaggregated vs conditional vs "
-            "colocated", serve_command("mixed", "disaggregated,conditional,colocated", 1.0, 32), (240, 90)),
+            "colocated", serve_command("mixed", "disaggregated,conditional,colocated", "1,2.5,3.5", 48), (420, 90)),
     Section("parallel", "Tensor / pipeline parallel layouts and the all-reduce (gloo vs shared memory)",
             parallel_command, (420, 150)),
     Section("quantization", "Quantized weights: none / int8 / int4 / w8a8 beside llama.cpp", quant_command,

@@ -69,6 +69,12 @@ class _DecodeLeg:
     cached_tokens: int = 0
     queue_seconds: float = 0.0
     first_token_time: float | None = None
+    backlog_tokens: int = 0  # a local prefill's tokens in the node's prefill backlog until its first token
+
+    def settle_backlog(self) -> None:
+        """The local prefill produced its first token (or ended): its tokens leave the node's backlog."""
+        self.node.end_prefill(self.backlog_tokens)
+        self.backlog_tokens = 0
 
     @property
     def node_id(self) -> str:
@@ -97,7 +103,8 @@ class Coordinator:
         """
         block_hashes = hash_prompt_blocks(req.prompt_token_ids, self._block_size)
         num_prompt_blocks = len(req.prompt_token_ids) // self._block_size
-        decode = await self._reserve(req, deadline, num_prompt_blocks, self._prefill_locally(req, num_prompt_blocks))
+        local = self._prefill_locally(req, block_hashes, num_prompt_blocks)
+        decode = await self._reserve(req, deadline, num_prompt_blocks, local)
         span = trace.get_current_span()
         if span.is_recording() and decode.reservation is not None:
             r = decode.reservation
@@ -126,6 +133,7 @@ class Coordinator:
                         span.add_event("kv_load_failed", {"exception.message": str(exc)})
                     reader.cancel()
                     decode.call.cancel()
+                    decode.settle_backlog()
                     decode.node.end()
                     decode = await self._reserve(req, deadline, num_prompt_blocks, local=True)
                     queue, reader = _start_reading(decode, req.request_id)
@@ -166,6 +174,7 @@ class Coordinator:
             if not out.source_finished:
                 reader.cancel()
                 decode.call.cancel()
+            decode.settle_backlog()
             decode.node.end()
 
     def _delta(self, item: _QueueItem, decode: _DecodeLeg) -> Delta:
@@ -177,16 +186,21 @@ class Coordinator:
         d = item.delta
         if decode.first_token_time is None:  # a local prefill's first token
             decode.first_token_time = time.monotonic()
+            decode.settle_backlog()
             decode.cached_tokens, decode.queue_seconds = d.num_cached_tokens, d.queue_seconds
         return Delta(d.token_ids, d.logprobs, d.finish_reason or None)
 
-    def _prefill_locally(self, req: GatewayRequest, num_prompt_blocks: int) -> bool:
+    def _prefill_locally(self, req: GatewayRequest, block_hashes: list[bytes], num_prompt_blocks: int) -> bool:
         """Conditional disaggregation: whether the decode node the router would pick prefills this prompt."""
         if self._local_prefill.max_tokens == 0:
             return False
         node = self._router.pick_decode(num_prompt_blocks)
-        return node is not None and prefill_locally(self._local_prefill, len(req.prompt_token_ids), node,
-                                                    list(self._router.prefill.values()), self._block_size)
+        if node is None:
+            return False
+        cached = {target: blocks * self._block_size for target, blocks in
+                  self._router.affinity.matched_blocks(block_hashes).items()}
+        return prefill_locally(self._local_prefill, len(req.prompt_token_ids), node,
+                               list(self._router.prefill.values()), self._block_size, cached)
 
     async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int,
                        local: bool = False) -> _DecodeLeg:
@@ -227,7 +241,10 @@ class Coordinator:
                 call.cancel()
                 node.end()
                 raise ServiceError(f"decode node {node.target} answered without a {expected.replace('_', ' ')}")
-            return _DecodeLeg(node, call, None if local else first.reservation)
+            if not local:
+                return _DecodeLeg(node, call, first.reservation)
+            node.begin_prefill(len(req.prompt_token_ids))
+            return _DecodeLeg(node, call, None, backlog_tokens=len(req.prompt_token_ids))
 
     async def _prefill(self, req: GatewayRequest, decode: _DecodeLeg, reader: _Reader,
                        block_hashes: list[bytes], deadline: float,
@@ -244,6 +261,7 @@ class Coordinator:
                                                   num_cached_tokens=r.num_cached_tokens),
         )
         tried: list[str] = []
+        matched = self._router.affinity.matched_blocks(block_hashes)  # before pick_prefill records this prompt
         while True:
             node = self._router.pick_prefill(block_hashes, exclude=tried)
             if node is None and not tried:
@@ -252,7 +270,9 @@ class Coordinator:
             if node is None:
                 raise UnavailableError(f"no reachable prefill node (targets: {', '.join(self._router.prefill)})")
             tried.append(node.target)
+            backlog = max(1, len(req.prompt_token_ids) - matched.get(node.target, 0) * self._block_size)
             node.begin()
+            node.begin_prefill(backlog)
             started = time.monotonic()
             try:
                 call = self._pool.prefill(node.target).Prefill(request, timeout=_remaining(deadline))
@@ -264,6 +284,7 @@ class Coordinator:
                     continue
                 raise error from None
             finally:
+                node.end_prefill(backlog)
                 node.end()
 
     async def _unless_decode_fails(self, awaitable: Awaitable[T], reader: _Reader,

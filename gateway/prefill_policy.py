@@ -2,53 +2,84 @@
 
 Sending a prompt to a prefill node costs a KV transfer and a second queue; it pays when the prompt is long
 (its prefill would stall the decode node's running streams) and the prefill nodes keep up. NVIDIA Dynamo
-prefills locally below a length threshold and when the prefill queue is long; so does Tandem:
+prefills locally below a length threshold and when the prefill queue is long; Tandem measures both sides'
+queues in tokens of work (each node's prefill backlog: prompt tokens this gateway sent it that have not
+produced their first token yet), and weighs them with ``local_cost_factor`` (f):
 
-- a prompt of at most ``max_tokens`` tokens prefills on its decode node, always;
-- a longer one, up to ``busy_factor * max_tokens``, also does when every reachable prefill node already has
-  ``busy_queue_depth`` requests or more and the decode node has headroom (nothing queued, and free blocks
-  for the prompt and then some);
+- a prompt of at most ``max_tokens`` tokens prefills on its decode node unless that node is busy prefilling
+  long prompts while a prefill node is not: local when ``local backlog <= max_tokens`` or
+  ``local backlog + n <= f * (remote backlog + n)``;
+- a longer one goes to a prefill node unless the decode node would give it its first token sooner:
+  local when ``f * (local backlog + n) < remote backlog + n``, the decode node's side weighted because its
+  decode steps share the core and wait behind the prompt's chunks; and the decode node must have headroom
+  (nothing queued, free blocks for the prompt and ``headroom_blocks`` more). An idle prefill node always
+  takes it; one busy with a long prompt loses the next one to an idle decode node, as a colocated replica
+  would take it;
+- a prefill node's side counts only the prompt's tokens it does not hold already (its prefix cache, as the
+  router's affinity index knows it);
 - with no reachable prefill node at all, every prompt that fits prefills locally (degraded, not down).
 
 ``max_tokens = 0`` turns it off: every prompt goes to a prefill node (full disaggregation).
+``local_wins`` is the comparison itself, shared with the planner's simulator (benchmarks/planner).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.router import NodeState
 
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256  # chosen from the mixed workload's measurements (benchmarks/RESULTS.md)
+
 
 @dataclass(frozen=True)
 class LocalPrefillPolicy:
-    max_tokens: int = 0  # prompts up to this many tokens: a decode node always prefills them itself; 0: never
-    busy_queue_depth: int = 4  # a prefill node this deep (running + waiting) counts as busy
-    busy_factor: int = 4  # while all prefill nodes are busy, prompts up to busy_factor * max_tokens go local
-    headroom_blocks: int = 8  # free blocks the decode node must keep beyond the prompt to take a busy-time one
+    max_tokens: int = 0  # prompts up to this many tokens: the decode node's own unless it is busy; 0: never
+    # a prompt token prefilled on a decode node costs this many of a prefill node's (must be >= 1)
+    local_cost_factor: float = 1.5
+    headroom_blocks: int = 8  # free blocks the decode node must keep beyond a longer prompt to take it
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "busy_queue_depth", "busy_factor", "headroom_blocks"):
+        for name in ("max_tokens", "headroom_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"local prefill {name} must be >= 0, got {getattr(self, name)}")
+        if not self.local_cost_factor >= 1.0:
+            raise ValueError(f"local prefill local_cost_factor must be >= 1, got {self.local_cost_factor}")
+
+
+def local_wins(policy: LocalPrefillPolicy, num_prompt_tokens: int, local_backlog: int,
+               remote: Iterable[tuple[int, int]]) -> bool:
+    """Whether the decode node prefills a prompt itself, comparing the backlogs (the rules above).
+
+    ``local_backlog``: the decode node's prefill backlog in tokens; ``remote``: (backlog, cached prompt
+    tokens) of each reachable prefill node.
+    """
+    n, f = num_prompt_tokens, policy.local_cost_factor
+    remote_cost = min(backlog + n - cached for backlog, cached in remote)
+    if n <= policy.max_tokens:  # busy = more than a short prompt's worth of backlog, and more than remotely
+        return local_backlog <= policy.max_tokens or local_backlog + n <= f * remote_cost
+    return f * (local_backlog + n) < remote_cost
 
 
 def prefill_locally(policy: LocalPrefillPolicy, num_prompt_tokens: int, decode: NodeState,
-                    prefill_nodes: Sequence[NodeState], block_size: int) -> bool:
-    """Whether ``decode`` should prefill a prompt of ``num_prompt_tokens`` tokens itself."""
+                    prefill_nodes: Sequence[NodeState], block_size: int,
+                    prefill_cached_tokens: Mapping[str, int] | None = None) -> bool:
+    """Whether ``decode`` should prefill a prompt of ``num_prompt_tokens`` tokens itself.
+
+    ``prefill_cached_tokens``: per prefill node's target, the prompt's leading tokens it probably has cached.
+    """
     if policy.max_tokens == 0:
         return False
     reachable = [n for n in prefill_nodes if n.reachable]
     if not reachable:
         return True
-    if num_prompt_tokens <= policy.max_tokens:
-        return True
-    if num_prompt_tokens > policy.busy_factor * policy.max_tokens:
-        return False
-    if min(n.queue_depth for n in reachable) < policy.busy_queue_depth:
-        return False
-    load = decode.load
-    if load is None or load.num_waiting > 0:
-        return False
-    return load.free_blocks >= -(-num_prompt_tokens // block_size) + policy.headroom_blocks
+    if num_prompt_tokens > policy.max_tokens:
+        load = decode.load
+        if load is None or load.num_waiting > 0:
+            return False
+        if load.free_blocks < -(-num_prompt_tokens // block_size) + policy.headroom_blocks:
+            return False
+    cached = prefill_cached_tokens or {}
+    return local_wins(policy, num_prompt_tokens, decode.prefill_tokens,
+                      ((n.prefill_tokens, min(cached.get(n.target, 0), num_prompt_tokens - 1)) for n in reachable))

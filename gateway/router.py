@@ -40,6 +40,9 @@ class NodeState:
     load: NodeLoad | None = None  # None until the first successful poll
     reachable: bool = True  # optimistic until a poll or a call fails to connect
     inflight: int = 0  # this gateway's requests on the node right now
+    # prompt tokens this gateway sent the node to prefill (a prefill node's Prefill calls, a decode node's local
+    # prefills) whose first token has not come back yet: the node's prefill backlog, in tokens
+    prefill_tokens: int = 0
 
     @property
     def node_id(self) -> str:
@@ -56,6 +59,13 @@ class NodeState:
     def end(self) -> None:
         assert self.inflight > 0, f"{self.target}: end() without begin()"
         self.inflight -= 1
+
+    def begin_prefill(self, num_tokens: int) -> None:
+        self.prefill_tokens += num_tokens
+
+    def end_prefill(self, num_tokens: int) -> None:
+        assert self.prefill_tokens >= num_tokens, f"{self.target}: end_prefill() without begin_prefill()"
+        self.prefill_tokens -= num_tokens
 
 
 class AffinityIndex:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from common.config.settings import env_name
 from common.serving.channel import format_address
+from gateway.prefill_policy import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
 
 
 def _targets(value: tuple[str, ...] | str, field: str) -> tuple[str, ...]:
@@ -47,8 +48,9 @@ class GatewaySettings:
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
     http_port: int = 0  # the OpenAI-compatible HTTP API on host:http_port; 0: off (`tandem up`: 8000)
     # Conditional disaggregation (gateway/prefill_policy.py): prompts up to this many tokens prefill on their
-    # decode node, no KV transfer; longer ones too, up to 4x, while every prefill node is busy. 0: never.
-    local_prefill_max_tokens: int = 0
+    # decode node, no KV transfer (unless it is busy prefilling long ones); longer ones too while the prefill
+    # nodes' backlog would give their first token later. 0: never (every prompt to a prefill node).
+    local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     # When a prompt's KV never reaches its decode node (the prefill node or the transfer failed before the
     # first token): fail the request, or recompute (the decode node prefills the prompt itself).
     kv_load_failure_policy: str = "fail"

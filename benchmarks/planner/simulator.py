@@ -12,8 +12,10 @@ wait, not fail). Prefix caching: a node skips the full blocks of a prompt it has
   pushing each chunk's KV on its link as the chunk completes (``kv_transfer_per_token_s`` per token not
   already cached on the decode node, one transfer at a time per link); the first token reaches the client
   when the last chunk's KV has landed, and the request joins the decode node's running batch then.
-- conditional: the same, but a prompt of at most ``local_prefill_max_tokens`` is prefilled by its decode
-  node itself, chunks mixed into its decode steps (the gateway's threshold rule).
+- conditional: the same, but the gateway's rule (``gateway.prefill_policy.local_wins``: prefill backlogs in
+  tokens) decides which prompts the decode node prefills itself, chunks mixed into its decode steps: those
+  of at most ``local_prefill_max_tokens`` unless it is busy prefilling long ones, and longer ones when it
+  gives the first token sooner and nothing waits there.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from benchmarks.planner.cost_model import CostModel, StepShape
 from benchmarks.slo import SLO, Attainment
+from gateway.prefill_policy import LocalPrefillPolicy, local_wins
 
 if TYPE_CHECKING:
     from benchmarks.workloads import TimedRequest
@@ -116,6 +119,7 @@ class _Job:
     outputs: int = 0
     first_token_s: float | None = None
     decode_node: _Node | None = None  # a prefill node's job: where its KV goes
+    backlog: int = 0  # tokens it adds to its node's prefill backlog until its first token (as the gateway counts)
 
     @property
     def num_tokens(self) -> int:
@@ -132,6 +136,7 @@ class _Node:
     outstanding: int = 0
     cached: set[int] = field(default_factory=set)  # block keys computed here (no eviction)
     link_free_s: float = 0.0  # a prefill node's KV link
+    prefill_backlog: int = 0  # the gateway's view: prompt tokens sent here still without their first token
 
     def cached_tokens(self, keys: list[int], prompt_len: int, block: int) -> int:
         """Tokens of the prompt's leading full blocks cached here; the last prompt token is always computed."""
@@ -162,6 +167,7 @@ def simulate(requests: Sequence[TimedRequest], deployment: Deployment, cost: Cos
     rotation = itertools.count()
     done: dict[int, RequestTiming] = {}
     block = limits.block_size
+    policy = LocalPrefillPolicy(max_tokens=deployment.local_prefill_max_tokens)
 
     def at(t: float, action: Callable[[float], None]) -> None:
         heapq.heappush(events, (t, next(order), action))
@@ -176,14 +182,26 @@ def simulate(requests: Sequence[TimedRequest], deployment: Deployment, cost: Cos
         keys = block_keys(req.prompt_token_ids, block) if limits.prefix_caching else []
         decode = least_loaded(serve_nodes)
         decode.outstanding += 1
-        if deployment.colocated or n <= deployment.local_prefill_max_tokens:
-            decode.waiting.append(_Job(req, keys, n, n + req.output_len))
+        if deployment.colocated or prefill_here(decode, keys, n):
+            job = _Job(req, keys, n, n + req.output_len, backlog=0 if deployment.colocated else n)
+            decode.prefill_backlog += job.backlog
+            decode.waiting.append(job)
             kick(decode, now)
             return
         node = least_loaded(prefill_nodes, keys, n)  # prefix-cache affinity first, then load
         node.outstanding += 1
-        node.waiting.append(_Job(req, keys, n, n + 1, decode_node=decode))
+        job = _Job(req, keys, n, n + 1, decode_node=decode, backlog=max(1, n - node.cached_tokens(keys, n, block)))
+        node.prefill_backlog += job.backlog
+        node.waiting.append(job)
         kick(node, now)
+
+    def prefill_here(decode: _Node, keys: list[int], n: int) -> bool:
+        """Conditional disaggregation: the gateway's rule (``gateway.prefill_policy``) on the simulated backlogs."""
+        if policy.max_tokens == 0 or (n > policy.max_tokens and decode.waiting):
+            return False
+        return local_wins(policy, n, decode.prefill_backlog,
+                                                 [(p.prefill_backlog, p.cached_tokens(keys, n, block))
+                                                  for p in prefill_nodes])
 
     def kick(node: _Node, now: float) -> None:
         if node.busy:
@@ -229,6 +247,7 @@ def simulate(requests: Sequence[TimedRequest], deployment: Deployment, cost: Cos
             job.outputs += 1
             if job.first_token_s is None and not node.prefill_only:
                 job.first_token_s = now
+                node.prefill_backlog -= job.backlog
             if node.prefill_only or job.outputs == job.request.output_len:
                 node.running.remove(job)
                 node.outstanding -= 1
@@ -244,10 +263,11 @@ def simulate(requests: Sequence[TimedRequest], deployment: Deployment, cost: Cos
         end = min(start + n, job.prompt_len)
         node.link_free_s = max(node.link_free_s, now) + cost.kv_transfer_per_token_s * max(0, end - max(start, have))
         if start + n >= job.prompt_len:
-            at(node.link_free_s, lambda t: kv_arrived(decode, job, t))
+            at(node.link_free_s, lambda t: kv_arrived(node, decode, job, t))
 
-    def kv_arrived(decode: _Node, job: _Job, now: float) -> None:
+    def kv_arrived(prefill: _Node, decode: _Node, job: _Job, now: float) -> None:
         job.first_token_s = now
+        prefill.prefill_backlog -= job.backlog  # the Prefill call answers
         decode.cached.update(job.keys)
         if job.request.output_len == 1:
             decode.outstanding -= 1

@@ -83,7 +83,8 @@ def test_the_conditional_system_passes_its_threshold_to_the_gateway() -> None:
     assert parse().local_prefill_max_tokens == 256
     assert SYSTEMS["conditional"].gateway_args(256) == ("--local-prefill-max-tokens", "256")
     assert SYSTEMS["conditional"].disaggregated and SYSTEMS["conditional"].prefix_caching
-    assert SYSTEMS["disaggregated"].gateway_args(256) == () and SYSTEMS["colocated"].gateway_args(64) == ()
+    # The gateway's own default is conditional: the disaggregated system turns it off explicitly.
+    assert SYSTEMS["disaggregated"].gateway_args(256) == ("--local-prefill-max-tokens", "0")
 
 
 def test_a_system_that_fails_to_start_is_reported_and_the_json_and_report_carry_goodput(

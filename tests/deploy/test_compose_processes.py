@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.deploy.test_compose import enabled, load_compose
@@ -124,13 +125,19 @@ def deployment(tiny_served_model_dir: Path, tmp_path_factory: pytest.TempPathFac
 
 def test_generation_through_the_compose_services(deployment: ComposeOnLoopback, tiny_served_model_dir: Path) -> None:
     gateway = f"127.0.0.1:{deployment.port('gateway')}"
-    ps = prompts(3, seed=31)
+    # The gateway's default is conditional disaggregation: prompts up to 256 tokens prefill on the decode
+    # node, longer ones on the prefill node, their KV pushed to the decode node.
+    g = torch.Generator().manual_seed(33)
+    ps = [*prompts(2, seed=31), torch.randint(20, 49000, (300,), generator=g).tolist()]
     expected = reference(tiny_served_model_dir, ps, 6)
     for p, want in zip(ps, expected, strict=True):
         tokens, last = generate(gateway, request(p, 6))
         assert tokens == want
-        assert last.timings.prefill_node == "prefill-0" and last.timings.decode_node == "decode-0"
-        assert last.timings.kv_transfer_bytes > 0
+        assert last.timings.decode_node == "decode-0"
+        if len(p) <= 256:
+            assert last.timings.prefill_node == "decode-0" and last.timings.kv_transfer_bytes == 0
+        else:
+            assert last.timings.prefill_node == "prefill-0" and last.timings.kv_transfer_bytes > 0
 
 
 def test_decode_node_listens_on_every_interface_and_advertises_its_name(deployment: ComposeOnLoopback) -> None:

@@ -30,7 +30,8 @@ def deployment(model_dir: Path, tmp_path: Path, prefill: int, decode: int) -> La
     topology = Topology(num_prefill=prefill, num_decode=decode, free_ports=True,
                         model_args=("--model", str(model_dir), "--dtype", "float32"),
                         node_args=("--num-blocks", "256", "--kv-timeout-s", "20", "--grace-s", "1"),
-                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
+                        gateway_args=("--local-prefill-max-tokens", "0",
+                                      "--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
     return Launcher(topology, log_dir=tmp_path, env={"TANDEM_HOME": os.environ.get("TANDEM_HOME", "")} if
                     os.environ.get("TANDEM_HOME") else None)
 
@@ -251,7 +252,8 @@ def test_load_beyond_the_decode_kv_cache_queues_and_completes(tiny_served_model_
                         model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
                         node_args=("--num-blocks", "16", "--block-size", "16", "--kv-timeout-s", "20",
                                    "--grace-s", "1"),
-                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
+                        gateway_args=("--local-prefill-max-tokens", "0",
+                                      "--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
     g = torch.Generator().manual_seed(7)
     ps = [torch.randint(20, 49000, (40,), generator=g).tolist() for _ in range(12)]
     expected = reference(tiny_served_model_dir, ps, 16)
@@ -290,7 +292,8 @@ def test_kv_load_failure_policy_recompute_prefills_on_the_decode_node(tiny_serve
     topology = Topology(num_prefill=1, num_decode=1, free_ports=True,
                         model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
                         node_args=("--num-blocks", "64", "--kv-timeout-s", "20", "--grace-s", "1"),
-                        gateway_args=("--stats-interval-s", "600", "--shutdown-grace-s", "1",
+                        gateway_args=("--local-prefill-max-tokens", "0",
+                                      "--stats-interval-s", "600", "--shutdown-grace-s", "1",
                                       "--kv-load-failure-policy", "recompute"))
     ps = prompts(2, seed=12)
     expected = reference(tiny_served_model_dir, ps, 8)
@@ -313,7 +316,8 @@ def test_decode_node_speculates_with_a_draft_model(tiny_served_model_dir: Path, 
                         node_args=("--num-blocks", "64", "--kv-timeout-s", "20", "--grace-s", "1"),
                         decode_args=("--speculative", "draft_model", "--draft-model", str(tiny_served_model_dir),
                                      "--num-speculative-tokens", "4"),
-                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
+                        gateway_args=("--local-prefill-max-tokens", "0",
+                                      "--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
     ps = prompts(3, seed=13)
     expected = reference(tiny_served_model_dir, ps, 12)
     with Launcher(topology, log_dir=tmp_path) as launcher:

@@ -197,7 +197,8 @@ def system(tiny_served_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     topology = Topology(num_prefill=2, num_decode=2, free_ports=True, http_port=None,
                         model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
                         node_args=("--num-blocks", "256", "--kv-timeout-s", "20", "--grace-s", "1"),
-                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
+                        gateway_args=("--local-prefill-max-tokens", "0",
+                                      "--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
     with Launcher(topology, log_dir=tmp_path_factory.mktemp("robustness-logs")) as launcher:
         yield launcher
 
@@ -250,7 +251,8 @@ def test_three_times_overload_is_served_or_rejected(tiny_served_model_dir: Path,
     topology = Topology(num_prefill=1, num_decode=1, free_ports=True, http_port=None,
                         model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
                         node_args=("--num-blocks", "256", "--kv-timeout-s", "20", "--grace-s", "1"),
-                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1", "--max-inflight", "4",
+                        gateway_args=("--local-prefill-max-tokens", "0",
+                                      "--stats-interval-s", "0.3", "--shutdown-grace-s", "1", "--max-inflight", "4",
                                       "--max-queued", "8", "--queue-timeout-s", "1"))
     rng = random.Random(3)
     reqs = [generate_pb2.GenerateRequest(

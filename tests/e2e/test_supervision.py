@@ -54,7 +54,8 @@ def test_killed_processes_come_back_and_serve(tiny_served_model_dir: Path, tmp_p
     topology = Topology(num_prefill=1, num_decode=1, free_ports=True,
                         model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
                         node_args=("--num-blocks", "128", "--kv-timeout-s", "20", "--grace-s", "1"),
-                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
+                        gateway_args=("--local-prefill-max-tokens", "0",
+                                      "--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
     events: list[str] = []
     policy = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=4.0)
     with Launcher(topology, log_dir=tmp_path, restart=policy, on_event=events.append) as launcher:

@@ -206,7 +206,9 @@ async def scripted_cluster(model: ServedModel, model_dir: Path, script_tokens: S
         model_dir=model_dir, model_name=model.name, port=0,
         prefill_targets=(*dead[:dead_prefill], *(servers[p.node_id].address for p in prefills)),
         decode_targets=(*dead[dead_prefill:], *(servers[d.node_id].address for d in decodes)),
-        **settings,  # type: ignore[arg-type]
+        # The scripted decode nodes only reserve (no local prefill): every prompt goes to a prefill node
+        # unless a test asks for conditional disaggregation.
+        **{"local_prefill_max_tokens": 0, **settings},  # type: ignore[arg-type]
     )
     gateway = await serve_gateway(gateway_settings, model)
     channel = open_channel(gateway.address)

@@ -4,30 +4,53 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.prefill_policy import LocalPrefillPolicy, prefill_locally
+from gateway.prefill_policy import LocalPrefillPolicy, local_wins, prefill_locally
 from gateway.router import NodeLoad, NodeState
 
-POLICY = LocalPrefillPolicy(max_tokens=100, busy_queue_depth=4, busy_factor=4, headroom_blocks=8)
+POLICY = LocalPrefillPolicy(max_tokens=100, local_cost_factor=1.5, headroom_blocks=8)
 
 
-def node(target: str, running: int = 0, waiting: int = 0, free: int = 1000, reachable: bool = True) -> NodeState:
-    return NodeState(target, 0, NodeLoad(target, 1000, free, running, waiting, 16), reachable)
+def node(target: str, running: int = 0, waiting: int = 0, free: int = 1000, reachable: bool = True,
+         backlog: int = 0) -> NodeState:
+    state = NodeState(target, 0, NodeLoad(target, 1000, free, running, waiting, 16), reachable)
+    state.prefill_tokens = backlog
+    return state
 
 
-@pytest.mark.parametrize(("tokens", "prefill_depths", "decode", "expected"), [
-    (100, [0], node("d"), True),  # short: always local
+@pytest.mark.parametrize(("tokens", "prefill_backlogs", "decode", "expected"), [
+    (100, [0], node("d"), True),  # short, both idle: local
+    (100, [5000], node("d", backlog=5000), True),  # short, both busy: local (5100 <= 1.5 * 5100)
+    (100, [0], node("d", backlog=2000), False),  # short, but the decode node prefills a long one: 2100 > 150
     (101, [0], node("d"), False),  # longer, prefill idle: disaggregate
-    (101, [3, 9], node("d"), False),  # one prefill node not busy yet
-    (101, [4, 9], node("d"), True),  # every prefill node busy, decode has headroom
-    (400, [4], node("d"), True),  # up to busy_factor * max_tokens
-    (401, [9], node("d"), False),  # beyond it: always a prefill node
-    (101, [4], node("d", waiting=1), False),  # the decode node queues already
-    (160, [4], node("d", free=17), False),  # 10 blocks + 8 headroom do not fit in 17
-    (160, [4], node("d", free=18), True),
+    (1000, [499], node("d"), False),  # 1.5 * 1000 = 1500 local vs 1499 remote
+    (1000, [501], node("d"), True),  # 1500 vs 1501: the decode node gives the first token sooner
+    (1000, [5000, 0], node("d"), False),  # the shortest prefill backlog counts
+    (1000, [2000], node("d", backlog=900), True),  # 1.5 * 1900 = 2850 local vs 3000 remote: local...
+    (1000, [2000], node("d", backlog=1100), False),  # ...until the decode node's own backlog grows: 3150
+    (1000, [5000], node("d", waiting=1), False),  # the decode node queues already
+    (160, [5000], node("d", free=17), False),  # 10 blocks + 8 headroom do not fit in 17
+    (160, [5000], node("d", free=18), True),
 ])
-def test_policy_decisions(tokens: int, prefill_depths: list[int], decode: NodeState, expected: bool) -> None:
-    prefill = [node(f"p{i}", running=d) for i, d in enumerate(prefill_depths)]
+def test_policy_decisions(tokens: int, prefill_backlogs: list[int], decode: NodeState, expected: bool) -> None:
+    prefill = [node(f"p{i}", backlog=b) for i, b in enumerate(prefill_backlogs)]
     assert prefill_locally(POLICY, tokens, decode, prefill, block_size=16) is expected
+
+
+def test_tokens_cached_on_a_prefill_node_are_not_its_work() -> None:
+    """A 1000-token prompt whose 960-token prefix a busy prefill node holds stays there: 40 + 600 < 1500."""
+    prefill = [node("p", backlog=600)]
+    assert not prefill_locally(POLICY, 1000, node("d"), prefill, 16, {"p": 960})
+    assert prefill_locally(POLICY, 1000, node("d"), prefill, 16, {})  # 1500 local vs 1600 remote
+    assert prefill_locally(POLICY, 1000, node("d"), prefill, 16, {"other": 960})
+
+
+def test_local_wins_compares_weighted_backlogs() -> None:
+    assert local_wins(POLICY, 101, 0, [(200, 0)])  # 151.5 < 301
+    assert not local_wins(POLICY, 101, 0, [(200, 0), (0, 0)])  # an idle prefill node: 151.5 > 101
+    assert local_wins(POLICY, 100, 100, [(0, 0)])  # short, the decode node's backlog <= max_tokens: local
+    assert local_wins(POLICY, 100, 101, [(101, 0)])  # busier, but 201 <= 1.5 * 201
+    assert not local_wins(POLICY, 100, 101, [(0, 0)])  # 201 > 150: the idle prefill node
+    assert not local_wins(LocalPrefillPolicy(max_tokens=1, local_cost_factor=3.0), 100, 0, [(200, 0)])
 
 
 def test_off_means_never_even_without_prefill_nodes() -> None:
@@ -38,12 +61,14 @@ def test_no_reachable_prefill_node_prefills_everything_locally() -> None:
     assert prefill_locally(POLICY, 5000, node("d"), [node("p", reachable=False)], 16)
 
 
-def test_a_decode_node_never_polled_gets_no_busy_time_prompts() -> None:
+def test_a_decode_node_never_polled_gets_only_short_prompts() -> None:
     unpolled = NodeState("d", 0)
-    assert prefill_locally(POLICY, 50, unpolled, [node("p", running=9)], 16)
-    assert not prefill_locally(POLICY, 150, unpolled, [node("p", running=9)], 16)
+    assert prefill_locally(POLICY, 50, unpolled, [node("p", backlog=9000)], 16)
+    assert not prefill_locally(POLICY, 150, unpolled, [node("p", backlog=9000)], 16)
 
 
 def test_negative_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         LocalPrefillPolicy(max_tokens=-1)
+    with pytest.raises(ValueError, match="local_cost_factor must be >= 1"):
+        LocalPrefillPolicy(local_cost_factor=0.5)

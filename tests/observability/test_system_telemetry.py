@@ -76,7 +76,7 @@ def observed(tiny_served_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
         node_args=("--num-blocks", "256", "--kv-timeout-s", "20", "--grace-s", "1",
                    "--max-prefill-chunk", str(CHUNK)),
         decode_args=("--speculative", "ngram", "--num-speculative-tokens", "3"),
-        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1"),
+        gateway_args=("--local-prefill-max-tokens", "0", "--stats-interval-s", "0.3", "--shutdown-grace-s", "1"),
     )
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "60000",
            "TANDEM_LOG_FORMAT": "json"}

@@ -32,7 +32,8 @@ def secured(tiny_served_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     topology = Topology(num_prefill=1, num_decode=1, free_ports=True, http_port=None,
                         model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
                         node_args=("--num-blocks", "64", "--kv-timeout-s", "20", "--grace-s", "1"),
-                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
+                        gateway_args=("--local-prefill-max-tokens", "0",
+                                      "--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
     launcher = Launcher(topology, log_dir=tmp_path_factory.mktemp("logs"), env=env,
                         role_env={"gateway": {"TANDEM_API_KEY": API_KEY}})
     with launcher:

@@ -72,7 +72,8 @@ async def secured_cluster(model: ServedModel, model_dir: Path, pki: Pki) -> Asyn
     }
     settings = GatewaySettings(model_dir=model_dir, model_name=model.name, port=0, http_port=free_port(),
                                prefill_targets=(nodes["prefill-0"].address,),
-                               decode_targets=(nodes["decode-0"].address,), api_key=API_KEY)
+                               decode_targets=(nodes["decode-0"].address,), api_key=API_KEY,
+                               local_prefill_max_tokens=0)  # scripted nodes: the decode node only reserves
     gateway_security = SecuritySettings(pki.client.cert, pki.client.key, pki.ca, internal_token=TOKEN)
     gateway = await serve_gateway(settings, model, gateway_security)
     try:
