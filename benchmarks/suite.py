@@ -171,12 +171,12 @@ SECTIONS: tuple[Section, ...] = (
     # The serving and mixed workloads sweep the load: at 1 request/s every system meets its SLOs on a fast
     # machine, so goodput tells them apart only at the higher rates.
     Section("serve-serving", "Serving workload: disaggregated vs conditional vs colocated",
-            serve_command("serving", "disaggregated,conditional,colocated", "1,2.5", 32), (300, 90)),
+            serve_command("serving", "disaggregated,conditional,colocated", "1,2.5,5", 32), (360, 90)),
     Section("serve-shared-prefix", "Shared-prefix workload: disaggregated vs conditional vs colocated, prefix "
             "caching on vs off", serve_command("shared-prefix", "disaggregated,conditional,colocated,"
-                                               "disaggregated-nocache", "1.5", 32), (200, 80)),
+                                               "disaggregated-nocache", "1.5,4", 32), (300, 80)),
     Section("serve-mixed", "Mixed workload (long prompts during decoding): disaggregated vs conditional vs "
-            "colocated", serve_command("mixed", "disaggregated,conditional,colocated", "1,2.5,3.5", 48), (420, 90)),
+            "colocated", serve_command("mixed", "disaggregated,conditional,colocated", "1,2.5,4", 48), (420, 90)),
     Section("parallel", "Tensor / pipeline parallel layouts and the all-reduce (gloo vs shared memory)",
             parallel_command, (420, 150)),
     Section("quantization", "Quantized weights: none / int8 / int4 / w8a8 beside llama.cpp", quant_command,

@@ -94,6 +94,9 @@ class Coordinator:
         self._kv_timeout_s = kv_timeout_s
         self._local_prefill = local_prefill or LocalPrefillPolicy()
         self._recompute_on_kv_failure = recompute_on_kv_failure
+        # Tokens of prompts bound for a prefill node still waiting for their decode reservation (the prefill
+        # nodes' backlog to come; gateway.prefill_policy counts it).
+        self._queued_remote_tokens = 0
 
     async def generate(self, req: GatewayRequest, arrival: float, deadline: float,
                        ) -> AsyncGenerator[OutputChunk, None]:
@@ -104,7 +107,13 @@ class Coordinator:
         block_hashes = hash_prompt_blocks(req.prompt_token_ids, self._block_size)
         num_prompt_blocks = len(req.prompt_token_ids) // self._block_size
         local = self._prefill_locally(req, block_hashes, num_prompt_blocks)
-        decode = await self._reserve(req, deadline, num_prompt_blocks, local)
+        # A remote prompt waits for its reservation before any prefill node sees it: count it meanwhile.
+        queued = 0 if local else len(req.prompt_token_ids)
+        self._queued_remote_tokens += queued
+        try:
+            decode = await self._reserve(req, deadline, num_prompt_blocks, local)
+        finally:
+            self._queued_remote_tokens -= queued
         span = trace.get_current_span()
         if span.is_recording() and decode.reservation is not None:
             r = decode.reservation
@@ -200,7 +209,8 @@ class Coordinator:
         cached = {target: blocks * self._block_size for target, blocks in
                   self._router.affinity.matched_blocks(block_hashes).items()}
         return prefill_locally(self._local_prefill, len(req.prompt_token_ids), node,
-                               list(self._router.prefill.values()), self._block_size, cached)
+                               list(self._router.prefill.values()), self._block_size, cached,
+                               self._queued_remote_tokens)
 
     async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int,
                        local: bool = False) -> _DecodeLeg:

@@ -12,11 +12,13 @@ produced their first token yet), and weighs them with ``local_cost_factor`` (f):
 - a longer one goes to a prefill node unless the decode node would give it its first token sooner:
   local when ``f * (local backlog + n) < remote backlog + n``, the decode node's side weighted because its
   decode steps share the core and wait behind the prompt's chunks; and the decode node must have headroom
-  (nothing queued, free blocks for the prompt and ``headroom_blocks`` more). An idle prefill node always
-  takes it; one busy with a long prompt loses the next one to an idle decode node, as a colocated replica
-  would take it;
+  (no long prefill of its own under way, nothing queued, free blocks for the prompt and ``headroom_blocks``
+  more). An idle prefill node always takes it; one busy with a long prompt loses the next one to an idle
+  decode node, as a colocated replica would take it, but a decode node takes one long prompt at a time, so
+  that a burst of long prompts cannot queue in front of the short ones it keeps answering;
 - a prefill node's side counts only the prompt's tokens it does not hold already (its prefix cache, as the
-  router's affinity index knows it);
+  router's affinity index knows it), and its share of the prompts bound for the prefill nodes that still
+  wait for their decode reservation (the admission queue: no prefill node has seen them yet);
 - with no reachable prefill node at all, every prompt that fits prefills locally (degraded, not down).
 
 ``max_tokens = 0`` turns it off: every prompt goes to a prefill node (full disaggregation).
@@ -57,17 +59,20 @@ def local_wins(policy: LocalPrefillPolicy, num_prompt_tokens: int, local_backlog
     """
     n, f = num_prompt_tokens, policy.local_cost_factor
     remote_cost = min(backlog + n - cached for backlog, cached in remote)
-    if n <= policy.max_tokens:  # busy = more than a short prompt's worth of backlog, and more than remotely
-        return local_backlog <= policy.max_tokens or local_backlog + n <= f * remote_cost
-    return f * (local_backlog + n) < remote_cost
+    busy = local_backlog > policy.max_tokens  # prefilling more than a short prompt's worth already
+    if n <= policy.max_tokens:
+        return not busy or local_backlog + n <= f * remote_cost
+    return not busy and f * (local_backlog + n) < remote_cost
 
 
 def prefill_locally(policy: LocalPrefillPolicy, num_prompt_tokens: int, decode: NodeState,
                     prefill_nodes: Sequence[NodeState], block_size: int,
-                    prefill_cached_tokens: Mapping[str, int] | None = None) -> bool:
+                    prefill_cached_tokens: Mapping[str, int] | None = None, queued_remote_tokens: int = 0) -> bool:
     """Whether ``decode`` should prefill a prompt of ``num_prompt_tokens`` tokens itself.
 
-    ``prefill_cached_tokens``: per prefill node's target, the prompt's leading tokens it probably has cached.
+    ``prefill_cached_tokens``: per prefill node's target, the prompt's leading tokens it probably has cached;
+    ``queued_remote_tokens``: prompts already bound for the prefill nodes but not sent to one yet (waiting for
+    their decode reservation), spread evenly over the reachable ones.
     """
     if policy.max_tokens == 0:
         return False
@@ -81,5 +86,7 @@ def prefill_locally(policy: LocalPrefillPolicy, num_prompt_tokens: int, decode: 
         if load.free_blocks < -(-num_prompt_tokens // block_size) + policy.headroom_blocks:
             return False
     cached = prefill_cached_tokens or {}
+    queued = queued_remote_tokens // len(reachable)
     return local_wins(policy, num_prompt_tokens, decode.prefill_tokens,
-                      ((n.prefill_tokens, min(cached.get(n.target, 0), num_prompt_tokens - 1)) for n in reachable))
+                      ((n.prefill_tokens + queued, min(cached.get(n.target, 0), num_prompt_tokens - 1))
+                       for n in reachable))

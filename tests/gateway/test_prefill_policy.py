@@ -25,8 +25,8 @@ def node(target: str, running: int = 0, waiting: int = 0, free: int = 1000, reac
     (1000, [499], node("d"), False),  # 1.5 * 1000 = 1500 local vs 1499 remote
     (1000, [501], node("d"), True),  # 1500 vs 1501: the decode node gives the first token sooner
     (1000, [5000, 0], node("d"), False),  # the shortest prefill backlog counts
-    (1000, [2000], node("d", backlog=900), True),  # 1.5 * 1900 = 2850 local vs 3000 remote: local...
-    (1000, [2000], node("d", backlog=1100), False),  # ...until the decode node's own backlog grows: 3150
+    (1000, [2000], node("d", backlog=100), True),  # 1.5 * 1100 = 1650 local vs 3000 remote: local...
+    (1000, [9000], node("d", backlog=101), False),  # ...but one long prefill at a time on a decode node
     (1000, [5000], node("d", waiting=1), False),  # the decode node queues already
     (160, [5000], node("d", free=17), False),  # 10 blocks + 8 headroom do not fit in 17
     (160, [5000], node("d", free=18), True),
@@ -44,8 +44,19 @@ def test_tokens_cached_on_a_prefill_node_are_not_its_work() -> None:
     assert prefill_locally(POLICY, 1000, node("d"), prefill, 16, {"other": 960})
 
 
+def test_prompts_waiting_for_a_reservation_count_on_the_prefill_side() -> None:
+    """A short prompt while the decode node prefills a long one: local only if the prefill side is busier."""
+    busy_decode = node("d", backlog=900)
+    assert not prefill_locally(POLICY, 100, busy_decode, [node("p")], 16)  # 1000 > 1.5 * 100
+    assert prefill_locally(POLICY, 100, busy_decode, [node("p")], 16, queued_remote_tokens=9000)
+    # Spread over the reachable prefill nodes: 2 x 4500.
+    assert prefill_locally(POLICY, 100, busy_decode, [node("p"), node("q")], 16, queued_remote_tokens=9000)
+    assert not prefill_locally(POLICY, 100, busy_decode, [node("p"), node("q")], 16, queued_remote_tokens=1000)
+
+
 def test_local_wins_compares_weighted_backlogs() -> None:
     assert local_wins(POLICY, 101, 0, [(200, 0)])  # 151.5 < 301
+    assert not local_wins(POLICY, 101, 101, [(5000, 0)])  # the decode node prefills a long prompt already
     assert not local_wins(POLICY, 101, 0, [(200, 0), (0, 0)])  # an idle prefill node: 151.5 > 101
     assert local_wins(POLICY, 100, 100, [(0, 0)])  # short, the decode node's backlog <= max_tokens: local
     assert local_wins(POLICY, 100, 101, [(101, 0)])  # busier, but 201 <= 1.5 * 201
