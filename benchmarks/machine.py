@@ -17,6 +17,30 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+# The CPU flags that decide which kernels and dtypes run (Linux's names); every report states them.
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+                "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def vector_flags() -> list[str]:
+    """The ``VECTOR_FLAGS`` this CPU has, in that order (empty where /proc/cpuinfo is unreadable)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return []
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            return [f for f in VECTOR_FLAGS if f in have]
+    return []
+
+
+def cpu_summary() -> str:
+    """One line for a report: model name, usable cores, vector flags."""
+    flags = vector_flags()
+    return (f"{cpu_name()}, {len(os.sched_getaffinity(0))} usable cores; flags "
+            f"{' '.join(flags) if flags else 'unknown'}")
+
+
 def machine_description(threads: int) -> list[str]:
     import torch  # on use: `tandem` builds its parser from modules that import this one
     import transformers

@@ -36,6 +36,7 @@ class SuiteRun:
     command: str
     sections: list[SectionResult] = field(default_factory=list)
     total_seconds: float = 0.0
+    cpu: str = ""  # model name, usable cores and vector-ISA flags of the machine it ran on ("" in old manifests)
 
 
 def write_run(out_dir: Path, run: SuiteRun) -> None:

@@ -96,6 +96,8 @@ def kv_transfer_bandwidth(rows: list[dict[str, Any]], path: Path) -> Path | None
 def serving_latency(data: dict[str, Any], path: Path) -> Path | None:
     """CDFs of TTFT and TPOT per system (and per request kind when the workload mixes kinds)."""
     systems = [s for s in data.get("systems", []) if s.get("records")]
+    if rates := data.get("rates"):  # a rate sweep: the highest rate, where the systems part
+        systems = [s for s in systems if s.get("rate") in (None, max(rates))]
     if not systems:
         return None
     kinds = sorted({r["kind"] for s in systems for r in s["records"]})

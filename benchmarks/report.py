@@ -47,10 +47,12 @@ def machine_lines(run: SuiteRun, roofline: dict[str, Any] | None) -> list[str]:
     lines = [f"- Command: `{run.command}` ({run.total_seconds / 60:.1f} min, started {run.started})",
              f"- Model: {run.model}, {run.dtype}; {run.threads} torch thread{'s' if run.threads != 1 else ''} for the "
              "offline sections and peers"]
+    if run.cpu:
+        lines.append(f"- CPU: {run.cpu}")
     if roofline:
         m = roofline["machine"]
-        lines.append(f"- CPU: {m['cpu']}, {m['cores']} cores; last-level cache "
-                     f"{_fmt(m['llc_bytes'] / 2**20, 0) + ' MiB' if m.get('llc_bytes') else 'unknown'}")
+        lines.append(f"- CPU{' (roofline section)' if run.cpu else ''}: {m['cpu']}, {m['cores']} cores; last-level "
+                     f"cache {_fmt(m['llc_bytes'] / 2**20, 0) + ' MiB' if m.get('llc_bytes') else 'unknown'}")
     lines.append(f"- Python {platform.python_version()}, {platform.system()} {platform.release()}")
     return lines + [""]
 

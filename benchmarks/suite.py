@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.machine import cpu_summary
 from benchmarks.manifest import SectionResult, SuiteRun, write_run
 from benchmarks.report import write_report
 
@@ -241,7 +242,7 @@ def run_suite(cfg: SuiteConfig, sections: list[Section], command_line: str) -> S
 
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     run = SuiteRun(cfg.model_dir.name, cfg.dtype, cfg.threads, cfg.quick, time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                   command_line)
+                   command_line, cpu=cpu_summary())
     weights = [s.estimate_s[1 if cfg.quick else 0] for s in sections]
     started = time.perf_counter()
     with tqdm(total=round(sum(weights)), unit="s", desc="tandem bench", file=sys.stderr,

@@ -86,7 +86,8 @@ def make_run(run_dir: Path) -> None:
                                      note="not installed: run `bash scripts/setup-peer.sh vllm`"))
     sections.append(SectionResult("serve-shared-prefix", "Shared prefix", "failed", 3.0, "python -m x",
                                   "exit status 1; boom"))
-    run = SuiteRun("tiny", "float32", 2, True, "2026-11-29 12:00:00 UTC", "tandem bench run --quick", sections, 60.0)
+    run = SuiteRun("tiny", "float32", 2, True, "2026-11-29 12:00:00 UTC", "tandem bench run --quick", sections, 60.0,
+                   cpu="Some CPU, 2 usable cores; flags avx2 fma")
     (run_dir / "suite.json").write_text(json.dumps(asdict(run)))
 
 
@@ -101,6 +102,7 @@ def test_report_has_every_section_and_plot(run_dir: Path) -> None:
     for heading in ("## Limits of this machine", "## Offline throughput", "## Speculative decoding",
                     "## KV transfer", "## title of serve-serving", "## title of serve-mixed"):
         assert heading in report
+    assert "- CPU: Some CPU, 2 usable cores; flags avx2 fma" in report  # every report states the CPU flags
     # The roofline sits beside what Tandem measured: batch 16 from the offline profile (800 tok/s).
     assert "| 1 | 256 | 0.0 | memory | 1,400,000.0 | 100.0 |" in report
     # Peers: a measured one is a row, a missing one is skipped with its reason, never a number.
