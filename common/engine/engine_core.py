@@ -135,14 +135,14 @@ class EngineCore:
 
     def reserve(self, command: ReserveKV) -> Reservation:
         """Blocks for a prompt whose KV another node computes (reusing this node's prefix cache) now, when
-        they are free and nobody queues before it; else the request queues for them (``queued``)."""
+        they are free beside those the queued requests need; else the request queues for them (``queued``)."""
         prompt = list(command.prompt_token_ids)
         self.validate(prompt, command.params)
         self._check_new_id(command.request_id)
         request = Request(command.request_id, prompt, command.params, tuple(command.eos_token_ids),
                           remote_prefill=True)
         needed = self.kv.blocks_needed(len(prompt))
-        allocation = None if self.scheduler.waiting else self.scheduler.admit_now(request)
+        allocation = self.scheduler.admit_now(request)  # ahead of the queue only where nobody waits longer
         if allocation is None:
             self._check_queue()
             self.scheduler.add_request(request)

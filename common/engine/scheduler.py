@@ -111,9 +111,11 @@ class Scheduler:
 
         For requests whose KV comes from another node: they wait for that KV, not for compute here, so
         they never queue behind this node's compute. The watermark always holds: blocks stay free for
-        the requests already running.
+        the requests already running. With requests waiting for admission it goes ahead of them only when
+        the blocks they need stay free as well (none of them waits longer for it), so that a prefill node is
+        not left idle while this node's queue waits for its next step.
         """
-        needed = self.kv.blocks_needed(request.num_prompt_tokens)
+        needed = self.kv.blocks_needed(request.num_prompt_tokens) + self.blocks_waiting()
         if needed > self.kv.num_free_blocks - self._watermark_blocks:
             return None
         self._stalled = False
@@ -125,6 +127,11 @@ class Scheduler:
         if self._start(request) is RequestStatus.RUNNING:
             self.running.append(request)
         return allocation
+
+    def blocks_waiting(self) -> int:
+        """Blocks the requests waiting for admission need for their tokens so far (cached prefixes not
+        subtracted: an upper bound)."""
+        return sum(self.kv.blocks_needed(len(r.all_token_ids)) for r in self.waiting)
 
     def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput:
         """The KV of a request in ``waiting_for_kv`` has landed, and the remote prefill sampled ``first_token``."""

@@ -196,6 +196,17 @@ def test_decode_role_admit_now_refuses_without_room() -> None:
     assert s.admit_now(req("b", 6, remote=True)) is None and "b" not in s.waiting_for_kv
 
 
+def test_decode_role_admit_now_goes_ahead_of_the_queue_only_when_its_blocks_stay_free() -> None:
+    """A reservation need not wait for the next step behind queued local prefills (its prefill node would idle
+    meanwhile), but it may not take blocks a queued request needs: FCFS keeps its guarantee."""
+    s = make(connector=KVConsumer(), num_blocks=5)
+    s.add_request(req("local", 6, first=80))  # queued for the next step: 2 blocks
+    assert s.blocks_waiting() == 2
+    assert s.admit_now(req("a", 6, remote=True)) is not None  # 2 + the queued 2 of 5 free: ahead of the queue
+    assert s.admit_now(req("b", 6, first=50, remote=True)) is None  # 2 + 2 > 3 free: the queued one's blocks
+    assert "b" not in s.waiting_for_kv and s.kv.num_used_blocks == 2
+
+
 def test_decode_role_queued_reservation_is_announced_when_blocks_free() -> None:
     """Load beyond free KV queues: the reservation waits FCFS and update() announces its blocks later."""
     s = make(connector=KVConsumer(), num_blocks=3)
