@@ -46,7 +46,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from benchmarks.machine import cpu_name
+from benchmarks.machine import cpu_name, present_flags
 from common.kv.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import KVReceiver, KVSender, make_layout
 from tandem.v1 import prefill_pb2
@@ -63,14 +63,7 @@ _FLAGS = ("sse4_2", "avx", "avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf
 
 def cpu_flags() -> list[str]:
     """The copy- and vector-relevant flags of this CPU (``/proc/cpuinfo``), in a fixed order."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return []
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            present = set(line.split(":", 1)[1].split())
-            return [flag for flag in _FLAGS if flag in present]
-    return []
+    return present_flags(_FLAGS)
 
 
 def _raw_group(store_port: int, rank: int) -> Any:

@@ -59,7 +59,17 @@ from typing import Any
 
 from benchmarks.machine import cpu_name
 from benchmarks.serve_client import Api, RequestRecord, drive
-from benchmarks.serve_stats import Summary, kind_table, markdown_table, not_started, summarize, system_json
+from benchmarks.serve_stats import (
+    CAPACITY_ATTAINMENT,
+    Summary,
+    capacities,
+    capacity_table,
+    kind_table,
+    markdown_table,
+    not_started,
+    summarize,
+    system_json,
+)
 from benchmarks.slo import SLO, parse_slo
 from benchmarks.workloads import LOWEST_ORDINARY_ID, WORKLOADS, ServingWorkload, TimedRequest, Workload
 from gateway.prefill_policy import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
@@ -93,7 +103,6 @@ SYSTEMS: Mapping[str, System] = {s.name: s for s in (
 )}
 DEFAULT_SYSTEMS = ("disaggregated", "colocated")
 DEFAULT_RATE = 1.0  # requests/s: near what one decode core sustains with SmolLM2 (README: the measured table)
-CAPACITY_ATTAINMENT = 0.9  # a rate sweep's goodput: the highest rate with this SLO attainment (DistServe's 90%)
 SERVING = ServingWorkload()  # the defaults the help text names for the per-length flags
 
 
@@ -199,15 +208,6 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return rates
 
 
-def capacity(summaries: Sequence[Summary], target: float = CAPACITY_ATTAINMENT) -> float | None:
-    """DistServe's goodput of one system over a rate sweep: the highest rate whose SLO attainment (both SLOs)
-    is at least ``target``, where every lower rate's also was; None when even the lowest misses it."""
-    best = None
-    for s in summaries:
-        if s.slo is None or s.rate is None or s.slo.num_requests == 0 or s.slo.met_both / s.slo.num_requests < target:
-            break
-        best = s.rate
-    return best
 
 
 def shifted(requests: Sequence[TimedRequest], k: int, vocab_size: int) -> list[TimedRequest]:
@@ -350,15 +350,6 @@ def results_json(results: Sequence[tuple[Summary, Sequence[RequestRecord]]], wor
     }
 
 
-def capacities(summaries: Sequence[Summary]) -> dict[str, float | None]:
-    """Per system (and front), its goodput over the rate sweep (``capacity``); empty without a sweep."""
-    by_system: dict[str, list[Summary]] = {}
-    for s in summaries:
-        if s.rate is not None:
-            by_system.setdefault(s.system.split(" @ ")[0], []).append(s)
-    if all(len(runs) < 2 for runs in by_system.values()):
-        return {}
-    return {name: capacity(sorted(runs, key=lambda s: s.rate or 0.0)) for name, runs in by_system.items()}
 
 
 def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Namespace, model: str,
@@ -393,19 +384,6 @@ def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Name
     return "\n".join(lines)
 
 
-def capacity_table(summaries: Sequence[Summary], caps: Mapping[str, float | None]) -> str:
-    """The sweep at a glance: each system's goodput at each rate, and its highest rate meeting the target."""
-    rates = sorted({s.rate for s in summaries if s.rate is not None})
-    goodput = {(s.system.split(" @ ")[0], s.rate): s.slo.goodput for s in summaries if s.slo is not None}
-    attained = {(s.system.split(" @ ")[0], s.rate): 100 * s.slo.met_both / s.slo.num_requests
-                for s in summaries if s.slo is not None and s.slo.num_requests}
-    head = ["system", *[f"goodput @ {r:g}/s (attainment)" for r in rates],
-            f"highest rate with >= {CAPACITY_ATTAINMENT:.0%} attainment"]
-    rows = [[name, *[f"{goodput[name, r]:.3f} ({attained[name, r]:.0f}%)" if (name, r) in goodput else "-"
-                     for r in rates], "none of these" if cap is None else f"{cap:g} requests/s"]
-            for name, cap in caps.items()]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 _FRONTS = {Api.GRPC: "gRPC Generate", Api.OPENAI: "OpenAI HTTP (streaming /v1/completions, columns /openai)"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -22,16 +23,21 @@ VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx51
                 "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
-def vector_flags() -> list[str]:
-    """The ``VECTOR_FLAGS`` this CPU has, in that order (empty where /proc/cpuinfo is unreadable)."""
+def present_flags(names: Sequence[str]) -> list[str]:
+    """Which of ``names`` (Linux's CPU flag names) this CPU has, in that order (empty where /proc/cpuinfo
+    is unreadable)."""
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.is_file():
         return []
     for line in cpuinfo.read_text().splitlines():
         if line.startswith("flags"):
             have = set(line.split(":", 1)[1].split())
-            return [f for f in VECTOR_FLAGS if f in have]
+            return [f for f in names if f in have]
     return []
+
+
+def vector_flags() -> list[str]:
+    return present_flags(VECTOR_FLAGS)
 
 
 def cpu_summary() -> str:

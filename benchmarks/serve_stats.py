@@ -4,7 +4,7 @@ results. A system that failed to start has a summary too (``started`` False): ev
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -198,3 +198,45 @@ def _dist(values: Sequence[float | None]) -> Distribution | None:
 
 def _fmt(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+# ---- a rate sweep -----------------------------------------------------------------------------------
+
+CAPACITY_ATTAINMENT = 0.9  # a rate sweep's goodput: the highest rate with this SLO attainment (DistServe's 90%)
+
+
+def capacity(summaries: Sequence[Summary], target: float = CAPACITY_ATTAINMENT) -> float | None:
+    """DistServe's goodput of one system over a rate sweep: the highest rate whose SLO attainment (both SLOs)
+    is at least ``target``, where every lower rate's also was; None when even the lowest misses it."""
+    best = None
+    for s in summaries:
+        if s.slo is None or s.rate is None or s.slo.num_requests == 0 or s.slo.met_both / s.slo.num_requests < target:
+            break
+        best = s.rate
+    return best
+
+
+def capacities(summaries: Sequence[Summary]) -> dict[str, float | None]:
+    """Per system (and front), its goodput over the rate sweep (``capacity``); empty without a sweep."""
+    by_system: dict[str, list[Summary]] = {}
+    for s in summaries:
+        if s.rate is not None:
+            by_system.setdefault(s.system.split(" @ ")[0], []).append(s)
+    if all(len(runs) < 2 for runs in by_system.values()):
+        return {}
+    return {name: capacity(sorted(runs, key=lambda s: s.rate or 0.0)) for name, runs in by_system.items()}
+
+
+def capacity_table(summaries: Sequence[Summary], caps: Mapping[str, float | None]) -> str:
+    """The sweep at a glance: each system's goodput at each rate, and its highest rate meeting the target."""
+    rates = sorted({s.rate for s in summaries if s.rate is not None})
+    goodput = {(s.system.split(" @ ")[0], s.rate): s.slo.goodput for s in summaries if s.slo is not None}
+    attained = {(s.system.split(" @ ")[0], s.rate): 100 * s.slo.met_both / s.slo.num_requests
+                for s in summaries if s.slo is not None and s.slo.num_requests}
+    head = ["system", *[f"goodput @ {r:g}/s (attainment)" for r in rates],
+            f"highest rate with >= {CAPACITY_ATTAINMENT:.0%} attainment"]
+    rows = [[name, *[f"{goodput[name, r]:.3f} ({attained[name, r]:.0f}%)" if (name, r) in goodput else "-"
+                     for r in rates], "none of these" if cap is None else f"{cap:g} requests/s"]
+            for name, cap in caps.items()]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])

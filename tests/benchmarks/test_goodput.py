@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +15,16 @@ import pytest
 from benchmarks import bench_serve
 from benchmarks.bench_serve import SYSTEMS, add_arguments, bench_system, configure_workload, results_json, slo_of
 from benchmarks.report import serving_lines
-from benchmarks.serve_client import RequestRecord
-from benchmarks.serve_stats import markdown_table, not_started, summarize
+from benchmarks.serve_client import Api, RequestRecord
+from benchmarks.serve_stats import (
+    Summary,
+    capacities,
+    capacity,
+    capacity_table,
+    markdown_table,
+    not_started,
+    summarize,
+)
 from benchmarks.slo import SLO, Attainment, parse_slo
 from benchmarks.workloads import WORKLOADS
 
@@ -122,3 +131,30 @@ def test_a_system_that_fails_to_start_is_reported_and_the_json_and_report_carry_
     assert "| goodput (requests/s meeting both SLOs) | 0.500 | 0.000 |" in text
     assert "| SLO attainment, both (%) | 40 | 0 |" in text
     assert "| SLO attainment, TPOT (%) | 60 | 0 |" in text
+
+
+def sweep_summary(system: str, rate: float, met: int, of: int = 10) -> Summary:
+    summary = not_started(system, of, "unused", SLO(1.0, 0.1))
+    return dataclasses.replace(summary, rate=rate, slo=Attainment(SLO(1.0, 0.1), of, met, met, met, 10.0))
+
+
+def test_a_rate_sweep_reports_each_systems_highest_rate_meeting_90_percent() -> None:
+    runs = [sweep_summary("a @ 1/s", 1.0, 10), sweep_summary("a @ 2/s", 2.0, 9), sweep_summary("a @ 4/s", 4.0, 8),
+            sweep_summary("b @ 1/s", 1.0, 8), sweep_summary("b @ 2/s", 2.0, 10), sweep_summary("b @ 4/s", 4.0, 10)]
+    assert capacity(runs[:3]) == 2.0  # 100%, 90%, then 80% ends it
+    assert capacity(runs[3:]) is None  # the lowest rate misses: higher ones that pass do not count
+    assert capacities(runs) == {"a": 2.0, "b": None}
+    assert capacities(runs[:1]) == {}  # one rate: no sweep
+    table = capacity_table(runs, capacities(runs))
+    # Goodput: requests meeting both SLOs over the 10 s run.
+    assert "| a | 1.000 (100%) | 0.900 (90%) | 0.800 (80%) | 2 requests/s |" in table
+    assert "| b | 0.800 (80%) | 1.000 (100%) | 1.000 (100%) | none of these |" in table
+
+
+def test_rate_flag_takes_one_rate_or_an_increasing_list() -> None:
+    assert parse("--rate", "1,2.5,4").rate == (1.0, 2.5, 4.0)
+    assert bench_serve.rates_of(parse("--rate", "3")) == (3.0,)
+    assert bench_serve.column_name("conditional", Api.GRPC, 2.5, by_api=False, by_rate=True) == "conditional @ 2.5/s"
+    for bad in ("2,1", "1,1", "0", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench_serve.parse_rates(bad)
