@@ -111,9 +111,8 @@ class Scheduler:
 
         For requests whose KV comes from another node: they wait for that KV, not for compute here, so
         they never queue behind this node's compute. The watermark always holds: blocks stay free for
-        the requests already running. With requests waiting for admission it goes ahead of them only when
-        the blocks they need stay free as well (none of them waits longer for it), so that a prefill node is
-        not left idle while this node's queue waits for its next step.
+        the requests already running. It goes ahead of queued requests only when their blocks stay free too
+        (none waits longer), so a prefill node is not left idle while this queue waits for the next step.
         """
         needed = self.kv.blocks_needed(request.num_prompt_tokens) + self.blocks_waiting()
         if needed > self.kv.num_free_blocks - self._watermark_blocks:
