@@ -208,8 +208,6 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return rates
 
 
-
-
 def shifted(requests: Sequence[TimedRequest], k: int, vocab_size: int) -> list[TimedRequest]:
     """The ``k``-th front's copy of the workload: every token id moved by the same offset, so lengths, arrival
     times and which prompts share prefixes are unchanged, but nothing is in the prefix cache from the fronts
@@ -350,8 +348,6 @@ def results_json(results: Sequence[tuple[Summary, Sequence[RequestRecord]]], wor
     }
 
 
-
-
 def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Namespace, model: str,
            dtype: str) -> str:
     rates = rates_of(args)
@@ -382,8 +378,6 @@ def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Name
     for s in summaries:
         lines += [f"- {s.system} errors: {e}" for e in s.errors]
     return "\n".join(lines)
-
-
 
 
 _FRONTS = {Api.GRPC: "gRPC Generate", Api.OPENAI: "OpenAI HTTP (streaming /v1/completions, columns /openai)"}

@@ -221,7 +221,7 @@ def capacities(summaries: Sequence[Summary]) -> dict[str, float | None]:
     by_system: dict[str, list[Summary]] = {}
     for s in summaries:
         if s.rate is not None:
-            by_system.setdefault(s.system.split(" @ ")[0], []).append(s)
+            by_system.setdefault(_swept_system(s), []).append(s)
     if all(len(runs) < 2 for runs in by_system.values()):
         return {}
     return {name: capacity(sorted(runs, key=lambda s: s.rate or 0.0)) for name, runs in by_system.items()}
@@ -230,8 +230,8 @@ def capacities(summaries: Sequence[Summary]) -> dict[str, float | None]:
 def capacity_table(summaries: Sequence[Summary], caps: Mapping[str, float | None]) -> str:
     """The sweep at a glance: each system's goodput at each rate, and its highest rate meeting the target."""
     rates = sorted({s.rate for s in summaries if s.rate is not None})
-    goodput = {(s.system.split(" @ ")[0], s.rate): s.slo.goodput for s in summaries if s.slo is not None}
-    attained = {(s.system.split(" @ ")[0], s.rate): 100 * s.slo.met_both / s.slo.num_requests
+    goodput = {(_swept_system(s), s.rate): s.slo.goodput for s in summaries if s.slo is not None}
+    attained = {(_swept_system(s), s.rate): 100 * s.slo.met_both / s.slo.num_requests
                 for s in summaries if s.slo is not None and s.slo.num_requests}
     head = ["system", *[f"goodput @ {r:g}/s (attainment)" for r in rates],
             f"highest rate with >= {CAPACITY_ATTAINMENT:.0%} attainment"]
@@ -240,3 +240,8 @@ def capacity_table(summaries: Sequence[Summary], caps: Mapping[str, float | None
             for name, cap in caps.items()]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _swept_system(summary: Summary) -> str:
+    """A sweep column's system (and front): its name without bench_serve.column_name's " @ R/s"."""
+    return summary.system.split(" @ ")[0]
