@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import grpc
 import pytest
 from test_disaggregated import generate, prompts, request, wait_all_blocks_free
 
-from tandem_cli.launcher import Launcher, RestartPolicy, Topology, is_serving
+from tandem_cli.launcher import PARENT_PID_ENV, PIN_CPUS_ENV, Launcher, RestartPolicy, Topology, is_serving
 
 pytestmark = pytest.mark.e2e
 BACK_WITHIN_S = 60.0
@@ -29,6 +31,24 @@ def test_restart_policy_backs_off_exponentially_and_resets_after_a_long_run() ->
     assert policy.next_backoff(8.0, ran_s=31.0) == 1.0  # it ran a while: a fresh failure
     with pytest.raises(ValueError, match="initial_backoff_s"):
         RestartPolicy(initial_backoff_s=0)
+
+
+_ADOPT = ("import os; from tandem_cli.launcher import adopt_launcher_settings; adopt_launcher_settings(); "
+          f"print(sorted(os.sched_getaffinity(0)), os.environ.get('{PARENT_PID_ENV}'))")
+
+
+def test_a_child_pins_its_cores_and_refuses_to_outlive_its_launcher() -> None:
+    """What ``tandem up`` used to do in a preexec_fn (unsafe beside the supervisor's thread) the child does
+    itself: pin the cores it was given, arm the death signal, and not start if its launcher is gone; the
+    settings leave its environment, so its own children are not bound to the launcher."""
+    core = sorted(os.sched_getaffinity(0))[-1]
+    env = {**os.environ, PIN_CPUS_ENV: str(core), PARENT_PID_ENV: str(os.getpid())}
+    done = subprocess.run([sys.executable, "-c", _ADOPT], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [f"[{core}]", "None"]
+    gone = {**env, PARENT_PID_ENV: "1"}  # not this child's parent: as if the launcher died before it armed
+    done = subprocess.run([sys.executable, "-c", _ADOPT], env=gone, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "launcher (pid 1) has exited" in done.stderr
 
 
 def _kill(launcher: Launcher, name: str) -> int:
