@@ -69,6 +69,11 @@ class StepTimer:
         runner, model = engine.runner, engine.runner.model
         setattr(runner, "execute", self._wrap("execute", runner.execute, classify=True))  # noqa: B010
         setattr(model, "forward", self._wrap("model", model.forward))  # noqa: B010
+        # The one-call decode step (common/model/decode_step.py) times its own parts: its projections and
+        # attention join the wrapped layers' below (a step runs either way, never both).
+        self._decode_step = getattr(model, "decode_step", None)
+        if self._decode_step is not None:
+            self._decode_step.profile(True)
         setattr(model, "compute_logits", self._wrap("logits", model.compute_logits))  # noqa: B010
         setattr(runner, "sampler", self._wrap("sampler", runner.sampler))  # noqa: B010
         for layer in cast("list[LlamaDecoderLayer]", list(model.layers)):
@@ -88,6 +93,10 @@ class StepTimer:
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             self._current[part] = self._current.get(part, 0.0) + time.perf_counter() - start
+            if part == "model" and self._decode_step is not None:
+                matmul, attention, _ = self._decode_step.times()
+                self._current["matmul"] = self._current.get("matmul", 0.0) + matmul
+                self._current["attention"] = self._current.get("attention", 0.0) + attention
             return out
 
         return timed

@@ -36,10 +36,16 @@ def build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / tag
 
 
-def load_kernel_module(name: str, sources: Sequence[Path], functions: Sequence[str],
+# A source: a file, or (namespace, file): the file wrapped in that namespace.
+Source = Path | tuple[str, Path]
+
+
+def load_kernel_module(name: str, sources: Sequence[Source], functions: Sequence[str],
                        cflags: Sequence[str]) -> ModuleType:
     """Compile (once) and import the extension ``name``: ``sources`` joined, in order, into one translation
-    unit, linked with OpenMP (at::parallel_for shares torch's libgomp pool).
+    unit, linked with OpenMP (at::parallel_for shares torch's libgomp pool). A ``(namespace, path)`` source
+    is wrapped in ``namespace {namespace} { ... }``, so files whose internals share names (each kernel file's
+    vector helpers) can meet in one unit; the headers they include must come before, unwrapped.
 
     Raises what ``load_inline`` raises (no compiler, no ninja, a compile error); callers decide whether a
     slower path serves instead.
@@ -55,9 +61,16 @@ def load_kernel_module(name: str, sources: Sequence[Path], functions: Sequence[s
             if baton.exists():  # no live Tandem builder holds it: we hold the flock
                 log.warning("removing %s left by a build that did not finish", baton)
                 baton.unlink(missing_ok=True)
-            source = "\n".join(path.read_text() for path in sources)
+            source = "\n".join(_source_text(item) for item in sources)
             return load_inline(name=name, cpp_sources=[source], functions=list(functions),
                                extra_cflags=list(cflags), extra_ldflags=["-fopenmp"],
                                build_directory=str(build_dir), verbose=False)
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
+
+
+def _source_text(item: Source) -> str:
+    if isinstance(item, Path):
+        return item.read_text()
+    namespace, path = item
+    return f"namespace {namespace} {{\n{path.read_text()}\n}}  // namespace {namespace}"

@@ -251,7 +251,10 @@ template <typename scalar_t, int ND>
 void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t kstride[3],
                            const int64_t vstride[3], const int32_t* tables, int64_t table_stride,
                            const int64_t* lens, scalar_t* out, int64_t H, int64_t Hkv, int64_t block_size,
-                           float scale, int64_t begin, int64_t end) {
+                           float scale, int64_t begin, int64_t end, int64_t h_begin = 0, int64_t h_end = -1) {
+  // KV heads [h_begin, h_end) of each sequence (default: all): a head's output depends only on its own
+  // reads, so a batch-1 step can split the heads over threads (common/model/cpu_step.cpp).
+  if (h_end < 0) h_end = Hkv;
   static_assert(ND % 2 == 0, "head_dim must be a multiple of 2W");
   constexpr int64_t D = W * ND;
   constexpr int kMaxHeads = max_heads<ND>();
@@ -272,7 +275,7 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
         prefetch_rows(vc + next[b] * vstride[0], block_size * vstride[1] * sizeof(scalar_t));
       }
     }
-    for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t h = h_begin; h < h_end; ++h) {
       for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
         const scalar_t* kp = kc + table[b] * kstride[0] + h * kstride[2];
         const scalar_t* vp = vc + table[b] * vstride[0] + h * vstride[2];
@@ -289,7 +292,7 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
         row_to_vectors(qf.data(), qv, ND);
         float* sc = scores.data() + g * stride;
         vec part[W];
-        const bool first_sweep = h == 0 && g == 0;
+        const bool first_sweep = h == h_begin && g == 0;
         for (int64_t t0 = 0; t0 < len; t0 += W) {
           const int64_t n = std::min<int64_t>(W, len - t0);
           if (first_sweep && t0 % block_size == 0 && t0 + kPrefetchTokens < len) {
@@ -338,6 +341,39 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
 #endif
 
 }  // namespace
+
+// For common/model/cpu_step.cpp's one-call decode step (another module): fp32 attention of sequences
+// [begin, end), KV heads [h_begin, h_end), through this module's own code and flags (-ffast-math: glibc's
+// vector exp in the softmax), so the step's rows equal paged_decode's bit for bit. A head range other than
+// all heads needs a SIMD head size (decode_splits_heads). The step takes the address once, from Python.
+void decode_rows_f32(const float* q, const float* kc, const float* vc, const int64_t* kstride, const int64_t* vstride,
+                     const int32_t* tables, int64_t table_stride, const int64_t* lens, float* out, int64_t H,
+                     int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
+                     int64_t h_begin, int64_t h_end) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if (D == 4 * W) return decode_sequences_simd<float, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out,
+                                                          H, Hkv, block_size, scale, begin, end, h_begin, h_end);
+  if (D == 8 * W) return decode_sequences_simd<float, 8>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out,
+                                                          H, Hkv, block_size, scale, begin, end, h_begin, h_end);
+  if (D == 16 * W) return decode_sequences_simd<float, 16>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
+                                                            out, H, Hkv, block_size, scale, begin, end, h_begin, h_end);
+#endif
+  (void)h_begin;
+  (void)h_end;
+  decode_sequences<float>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H, Hkv, D, block_size, scale,
+                          begin, end);
+}
+
+bool decode_splits_heads(int64_t head_dim) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  return head_dim == 4 * W || head_dim == 8 * W || head_dim == 16 * W;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+int64_t decode_rows_f32_address() { return reinterpret_cast<int64_t>(&decode_rows_f32); }
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from common.attention.backend import AttentionBackend
     from common.attention.metadata import AttentionMetadata
     from common.config.model_config import ModelConfig
+    from common.model.decode_step import DecodeStep
     from common.model.fused_ops import FusedOps
 
 
@@ -126,6 +127,8 @@ class LlamaForCausalLM(nn.Module):
         )
         # None: the reference forward. The loader sets the fused ops (common/model/fused_ops.py) on CPU.
         self.fused_ops: FusedOps | None = None
+        # None: op by op. The loader sets the one-call decode step (common/model/decode_step.py) on CPU.
+        self.decode_step: DecodeStep | None = None
         # The tied LM head's matmul: F.linear, or the CPU GEMV at decode sizes (common/model/gemv.py).
         self.head_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.linear
 
@@ -153,6 +156,9 @@ class LlamaForCausalLM(nn.Module):
         own draft model.
         """
         x = self.embed_tokens(input_ids)
+        step = self.decode_step
+        if step is not None and self.fused_ops is not None and kv_cache is not None and step.applies(x, meta, kv_cache):
+            return step.run(x, positions, meta, kv_cache, len(self.layers) if num_layers is None else num_layers)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         ops = self.fused_ops
         if ops is not None:

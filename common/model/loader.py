@@ -123,6 +123,10 @@ def load_model(
     from common.model.fused_ops import fused_ops_for
 
     model.fused_ops = fused_ops_for(torch.device(device))  # TANDEM_FUSED_OPS=auto|on|off
+    if torch.device(device).type == "cpu":
+        from common.model.decode_step import DecodeStep
+
+        model.decode_step = DecodeStep.for_model(model)  # TANDEM_DECODE_STEP=auto|on|off
     return model
 
 

@@ -1,0 +1,229 @@
+"""A decode step's decoder layers in one C++ call on CPU (``cpu_step.cpp``), for a few decode rows.
+
+At batch 1 the op-by-op forward spends as long in Python, dispatch and thread wake-ups as a 4-bit model
+spends streaming its weights: ~400 calls a step for 30 layers. ``DecodeStep`` hands the layers' weights
+and K/V caches to ``cpu_step.cpp`` once (a plan) and then runs each decode step's layers in one call, the
+threads meeting at barriers inside one OpenMP region. The module is compiled from the very kernel files
+the op-by-op path calls (``common/quant``'s panels, ``cpu_decode.cpp``'s attention, ``cpu_fused.cpp``'s
+norms, rotary and SiLU), each wrapped in its own namespace, so its hidden states and K/V are bit-identical
+to that path's (tests/model/test_decode_step.py).
+
+It runs when every projection is a panel layer it knows (fp32 ``PanelLinear``, or ``tandem_a8`` int8 /
+int4 panels), activations and the KV cache are fp32, attention is the compiled CPU decode kernel, and the
+batch is up to ``MAX_ROWS`` rows decoding one token each; anything else (prefill, verification chunks,
+bf16, other kernels, parallel ranks) takes the op-by-op path. ``TANDEM_DECODE_STEP=auto|on|off`` (auto:
+where it builds and applies; on: a start-up error if it cannot build; off: never).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from common.kernel_build import Source
+
+if TYPE_CHECKING:
+    from common.attention.metadata import AttentionMetadata
+
+# The model is common.model.llama's LlamaForCausalLM and the cache a KVCache (``layer(i)`` -> (K, V) views,
+# ``data``): typed loosely here, as llama.py imports this module.
+Model = Any
+Cache = Any
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 16  # cpu_step.cpp's MAX_ROWS
+STEP_MODES = ("auto", "on", "off")
+_MODEL = Path(__file__).parent
+_QUANT = _MODEL.parent / "quant"
+_ATTENTION = _MODEL.parent / "attention"
+# One translation unit: the headers, then each kernel file in its own namespace, then the step.
+_SOURCES: list[Source] = [
+    _MODEL / "cpu_step_includes.h",
+    *(("tq", _QUANT / name) for name in ("cpu_base.cpp", "cpu_quant.cpp", "cpu_quant_a8.cpp", "cpu_quant_panel.cpp",
+                                         "cpu_amx.cpp", "cpu_gemv.cpp")),
+    ("tf", _MODEL / "cpu_fused.cpp"),
+    ("tf", _ATTENTION / "cpu_kv_write.cpp"),
+    _MODEL / "cpu_step.cpp",
+]
+_FUNCTIONS = ["decode_step_plan", "decode_step_run", "decode_step_free", "decode_step_profile", "decode_step_times"]
+_lock = threading.Lock()
+_modules: dict[str, ModuleType | None] = {}
+
+
+def step_mode() -> str:
+    mode = os.environ.get("TANDEM_DECODE_STEP", "auto").strip().lower() or "auto"
+    if mode not in STEP_MODES:
+        raise ValueError(f"TANDEM_DECODE_STEP={mode!r}; choose one of {', '.join(STEP_MODES)}")
+    return mode
+
+
+def step_module(isa: str | None = None) -> ModuleType | None:
+    """The compiled step for ``isa`` (default: the widest this CPU runs), built once; None if unbuildable."""
+    from common.quant.cpu_kernels import best_isa
+
+    isa = best_isa() if isa is None else isa
+    if isa not in _modules:
+        with _lock:
+            if isa not in _modules:
+                _modules[isa] = _build(isa)
+    return _modules[isa]
+
+
+def _build(isa: str) -> ModuleType | None:
+    try:
+        from common.kernel_build import load_kernel_module
+        from common.quant.cpu_kernels import ISA_FLAGS
+
+        flags = ["-O3", "-fopenmp", "-fno-math-errno", *ISA_FLAGS[isa]]  # as the kernel modules it wraps
+        return load_kernel_module(f"tandem_step_{isa}", _SOURCES, _FUNCTIONS, flags)
+    except Exception as exc:  # no compiler or ninja: the op-by-op forward serves
+        log.warning("one-call decode step unavailable (%s: %s); decoding op by op", type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "")
+        return None
+
+
+def _linear_entry(linear: torch.nn.Module) -> tuple[list[torch.Tensor], list[int]] | None:
+    """(weights, scales, zeros) and (kind, group) of a projection the step runs, or None."""
+    from common.model.gemv import PanelLinear
+    from common.quant.cpu_linear import _Panels
+
+    empty = torch.empty(0)
+    if getattr(linear, "bias", None) is not None:
+        return None
+    if isinstance(linear, PanelLinear) and linear.panels.dtype == torch.float32:
+        return [linear.panels, empty, empty], [32, linear.in_features]
+    if isinstance(linear, _Panels) and linear.panels and linear._panel_rows >= MAX_ROWS:
+        if linear.format == "int4":
+            q, scales, zeros = linear._args
+            return [q, scales, zeros], [4, linear.group_size]
+        if linear.format == "int8":
+            q, scales = linear._args
+            return [q, scales, empty], [8, linear.group_size]
+    return None
+
+
+class DecodeStep:
+    """A model's decoder layers as one call per decode step (see the module docstring)."""
+
+    def __init__(self, module: ModuleType, model: Model) -> None:
+        self._m = module
+        self._model = model
+        self._handle: int | None = None
+        self._cache_data: torch.Tensor | None = None  # the KV tensor the plan's views are of
+        self._profile = False
+
+    @staticmethod
+    def for_model(model: Model, mode: str | None = None) -> DecodeStep | None:
+        """The step for this model, or None where it does not apply (then the op-by-op path serves)."""
+        from common.attention.torch_backend import TorchAttentionBackend
+
+        mode = step_mode() if mode is None else mode
+        if mode == "off" or model.fused_ops is None or model.dtype != torch.float32:
+            return None
+        layers = list(model.layers)  # decoder layers: norms, self_attn (qkv, o, rotary, backend), mlp
+        if not layers:
+            return None
+        backend = layers[0].self_attn.backend
+        if not (isinstance(backend, TorchAttentionBackend) and backend.compiled_decode):
+            return None
+        from common.attention.cpu_kernels import paged_decode_kernel
+
+        if paged_decode_kernel() is None:
+            return None
+        config = model.config
+        q, kv, hidden, inter = config.q_size, config.kv_size, config.hidden_size, config.intermediate_size
+        shapes = ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter))  # whole, not sharded
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for lin, shape in zip((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), shapes, strict=True):
+                if _linear_entry(lin) is None or (lin.out_features, lin.in_features) != shape:
+                    return None
+        module = step_module()
+        if module is None:
+            if mode == "on":
+                raise RuntimeError("TANDEM_DECODE_STEP=on but the one-call decode step could not be built "
+                                   "(see the log)")
+            return None
+        return DecodeStep(module, model)
+
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: Cache | None) -> bool:
+        """This batch is a plain decode step the plan can run."""
+        data = getattr(kv_cache, "data", None)
+        return (data is not None and x.dtype == torch.float32 and data.dtype == torch.float32
+                and meta.slot_mapping is not None and meta.block_tables is not None
+                and 1 <= meta.num_tokens <= MAX_ROWS and meta.num_tokens == meta.num_seqs and meta.is_decode_only)
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: Cache,
+            num_layers: int) -> torch.Tensor:
+        """The final norm of the hidden states after the first ``num_layers`` layers (``x``: embedded tokens)."""
+        handle = self._plan(kv_cache)
+        assert meta.slot_mapping is not None and meta.block_tables is not None
+        rotary = self._model.layers[0].self_attn.rotary  # type: ignore[union-attr]
+        table = rotary.table(x.device, x.dtype, meta.max_seq_len)
+        pos = positions if positions.dtype == torch.int64 else positions.long()
+        tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.int()
+        return self._m.decode_step_run(handle, x.contiguous(), pos.contiguous(), table, meta.slot_mapping, tables,
+                                       meta.seq_lens, num_layers)
+
+    def _plan(self, kv_cache: Cache) -> int:
+        data = getattr(kv_cache, "data", None)
+        if self._handle is not None and data is self._cache_data:
+            return self._handle
+        self.close()
+        model, config = self._model, self._model.config
+        tensors: list[torch.Tensor] = []
+        kinds: list[int] = []
+        caches: list[torch.Tensor] = []
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp  # type: ignore[union-attr]
+            tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]  # type: ignore[union-attr]
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                entry = _linear_entry(lin)
+                assert entry is not None  # checked by for_model
+                tensors += entry[0]
+                kinds += entry[1]
+            caches += list(kv_cache.layer(i))
+        from common.attention.cpu_kernels import paged_decode_kernel
+
+        attention = paged_decode_kernel()  # its own compiled attention (flags of its own): rows equal its rows
+        assert attention is not None  # checked by for_model
+        self._handle = int(self._m.decode_step_plan(
+            tensors, kinds, caches, model.norm.weight.detach(), float(model.norm.eps), config.head_dim**-0.5,
+            config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
+            attention.decode_rows_f32_address(), attention.decode_splits_heads(config.head_dim)))
+        self._cache_data = data
+        if self._profile:
+            self._m.decode_step_profile(self._handle, True)
+        return self._handle
+
+    def profile(self, on: bool = True) -> None:
+        """Time the parts of every run from now on (``times``): what benchmarks.step_timer reports."""
+        self._profile = on
+        if self._handle is not None:
+            self._m.decode_step_profile(self._handle, on)
+
+    def times(self) -> tuple[float, float, float]:
+        """Seconds in (projections, attention, the rest) of the layers since the last call, as thread 0 of
+        the step saw them (a part ends at the barrier after it); zeros without ``profile``."""
+        if self._handle is None:
+            return 0.0, 0.0, 0.0
+        matmul, attention, rest = self._m.decode_step_times(self._handle)
+        return matmul, attention, rest
+
+    def close(self) -> None:
+        """Frees the plan (its references to the weights and the cache)."""
+        if self._handle is not None:
+            self._m.decode_step_free(self._handle)
+            self._handle, self._cache_data = None, None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the module may be gone
+            self.close()

@@ -1,0 +1,176 @@
+"""The one-call decode step (common/model/decode_step.py, cpu_step.cpp) against the op-by-op forward: the
+same hidden states and the same K/V, bit for bit, for float, int8 and int4 panels, and the same greedy text."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.attention.metadata import AttentionMetadata
+from common.config.engine_config import CacheConfig, SchedulerConfig
+from common.engine.engine_core import ColocatedEngine
+from common.engine.model_runner import kv_cache_spec
+from common.kv.kv_cache import KVCache
+from common.model.decode_step import MAX_ROWS, DecodeStep, step_mode, step_module
+from common.model.llama import LlamaForCausalLM
+from common.model.loader import load_model
+from common.sampling.params import SamplingParams
+
+BLOCK = 4
+# head_dim 16 takes the attention kernel's generic loop (rows split over threads), 64 its SIMD loop (KV heads
+# split too).
+SHAPES = {"head16": {}, "head64": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if step_module() is None:
+        pytest.skip("no C++ compiler / ninja here")
+
+
+def _model(factory: Callable[..., Path], shape: str, quantization: str) -> LlamaForCausalLM:
+    model = load_model(factory("llama", **SHAPES[shape]), dtype="float32", quantization=quantization)
+    assert model.decode_step is not None, "the step should apply to every projection of this model"
+    return model
+
+
+def _prefilled(model: LlamaForCausalLM, lengths: list[int]) -> tuple[KVCache, list[list[int]]]:
+    """A cache holding ``lengths`` prompts (prefilled op by op), blocks scattered over the cache."""
+    cache = KVCache(kv_cache_spec(model, BLOCK), num_blocks=64)
+    tables = [[3 + 5 * b + i for b in range(8)] for i in range(len(lengths))]  # interleaved, 32 tokens each
+    g = torch.Generator().manual_seed(len(lengths))
+    ids = torch.randint(3, model.config.vocab_size, (sum(lengths),), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    with torch.inference_mode():
+        model(ids, positions, AttentionMetadata.build(lengths, [0] * len(lengths), tables, BLOCK), cache)
+    return cache, tables
+
+
+Result = tuple[torch.Tensor, torch.Tensor]  # (hidden, cache data)
+
+
+def _both_ways(model: LlamaForCausalLM, cache: KVCache, tables: list[list[int]], lengths: list[int],
+               num_layers: int | None = None) -> tuple[Result, Result]:
+    """(hidden, cache) after one decode row per sequence: through the step, then op by op from the same cache."""
+    ids = torch.randint(3, model.config.vocab_size, (len(lengths),), generator=torch.Generator().manual_seed(7))
+    positions = torch.tensor(lengths)
+    meta = AttentionMetadata.build([1] * len(lengths), lengths, tables, BLOCK)
+    step = model.decode_step
+    assert step is not None and step.applies(model.embed_tokens(ids), meta, cache)
+    before = cache.data.clone()
+    with torch.inference_mode():
+        got = model(ids, positions, meta, cache, num_layers=num_layers), cache.data.clone()
+        cache.data.copy_(before)
+        model.decode_step = None
+        try:
+            want = model(ids, positions, meta, cache, num_layers=num_layers), cache.data.clone()
+        finally:
+            model.decode_step = step
+    return got, want
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_the_step_equals_the_op_by_op_forward_bit_for_bit(tiny_model_factory: Callable[..., Path], shape: str,
+                                                          quantization: str) -> None:
+    model = _model(tiny_model_factory, shape, quantization)
+    for lengths in ([9], [5, 17, 1]):
+        cache, tables = _prefilled(model, lengths)
+        (got, got_cache), (want, want_cache) = _both_ways(model, cache, tables, lengths)
+        assert torch.equal(got, want)
+        assert torch.equal(got_cache, want_cache)  # the new K/V, in the same slots, nothing else touched
+        assert not torch.equal(got_cache, cache.data.new_zeros(()).expand_as(got_cache))
+    # the first layers only (the early-layer draft's forward), then the final norm
+    cache, tables = _prefilled(model, [6, 2])
+    for n in (0, 1):
+        (got, _), (want, _) = _both_ways(model, cache, tables, [6, 2], num_layers=n)
+        assert torch.equal(got, want)
+
+
+def _greedy(model: LlamaForCausalLM, prompts: list[list[int]], n: int) -> dict[str, list[int]]:
+    engine = ColocatedEngine(model, CacheConfig(block_size=BLOCK, num_blocks=128),
+                             SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=16))
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        out[str(i)] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_greedy_text_is_unchanged(tiny_model_factory: Callable[..., Path], quantization: str) -> None:
+    model = _model(tiny_model_factory, "head64", quantization)
+    calls = 0
+    step = model.decode_step
+    assert step is not None
+    run = step.run
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return run(*args, **kwargs)  # type: ignore[arg-type]
+
+    step.run = counted  # type: ignore[method-assign]
+    prompts = [[5, 9, 11, 3], [7], list(range(10, 31))]
+    got = _greedy(model, prompts, 12)
+    assert calls > 0  # decode steps went through it
+    model.decode_step = None
+    assert _greedy(model, prompts, 12) == got
+
+
+def test_where_it_does_not_apply(tiny_model_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(tiny_model_factory, "head16", "none")
+    step = model.decode_step
+    assert step is not None
+    cache, tables = _prefilled(model, [3, 3])
+    x = torch.zeros(2, model.config.hidden_size)
+    assert not step.applies(x, AttentionMetadata.build([2, 1], [3, 3], tables, BLOCK), cache)  # a 2-token chunk
+    assert not step.applies(x, AttentionMetadata.build([1, 1], [3, 3], tables, BLOCK), None)
+    assert not step.applies(x.bfloat16(), AttentionMetadata.build([1, 1], [3, 3], tables, BLOCK), cache)
+    rows = MAX_ROWS + 1
+    many = AttentionMetadata.build([1] * rows, [1] * rows, [[i] for i in range(rows)], BLOCK)
+    assert not step.applies(torch.zeros(rows, model.config.hidden_size), many, cache)
+    model_dir = tiny_model_factory("llama", **SHAPES["head16"])
+    assert load_model(model_dir, dtype="bfloat16").decode_step is None  # fp32 activations only
+    monkeypatch.setenv("TANDEM_DECODE_STEP", "off")
+    assert load_model(model_dir, dtype="float32").decode_step is None
+    monkeypatch.setenv("TANDEM_DECODE_STEP", "fast")
+    with pytest.raises(ValueError, match="TANDEM_DECODE_STEP"):
+        step_mode()
+
+
+def test_bad_rows_are_refused_by_the_kernel(tiny_model_factory: Callable[..., Path]) -> None:
+    model = _model(tiny_model_factory, "head16", "none")
+    step = model.decode_step
+    assert isinstance(step, DecodeStep)
+    cache, tables = _prefilled(model, [3])
+    meta = AttentionMetadata.build([1], [3], tables, BLOCK)
+    x = model.embed_tokens(torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="beyond the rotary table"):
+        step.run(x, torch.tensor([10_000]), meta, cache, 2)
+    rows = MAX_ROWS + 1
+    many = AttentionMetadata.build([1] * rows, [3] * rows, tables * rows, BLOCK)
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        step.run(torch.zeros(rows, model.config.hidden_size), torch.full((rows,), 3), many, cache, 2)
+
+
+def test_profiling_times_the_parts_of_a_step(tiny_model_factory: Callable[..., Path]) -> None:
+    model = _model(tiny_model_factory, "head64", "int8")
+    step = model.decode_step
+    assert step is not None
+    step.profile(True)
+    cache, tables = _prefilled(model, [5, 9])
+    _both_ways(model, cache, tables, [5, 9])
+    matmul, attention, rest = step.times()
+    assert matmul > 0 and attention > 0 and rest > 0
+    assert step.times() == (0.0, 0.0, 0.0)  # read and reset
+    step.profile(False)
+    _both_ways(model, cache, tables, [5, 9])
+    assert step.times() == (0.0, 0.0, 0.0)
