@@ -248,9 +248,11 @@ void decode_step_free(int64_t handle) {
   if (handle >= 0 && handle < static_cast<int64_t>(tstep::plans.size())) tstep::plans[handle].reset();
 }
 
-// x: [M, hidden] fp32 (the embedded tokens), M <= 16 decode rows, row i the next token of sequence i:
-// positions [M] int64, slot_mapping [M] int64 (where its K/V goes), block_tables [M, max_blocks] int32,
-// seq_lens [M] (its length with this token); cos_sin: the rotary table [>= max position + 1, D] fp32.
+// x: [M, hidden] fp32 (the embedded tokens), M <= 16 decode rows, each a token attending to its sequence's
+// cached prefix and itself: positions [M] int64, slot_mapping [M] int64 (where its K/V goes), block_tables
+// [M, max_blocks] int32 (its sequence's), seq_lens [M] (the length it attends to, itself included; the
+// rows of one sequence's chunk: consecutive lengths, every row's K/V written before any attention reads);
+// cos_sin: the rotary table [>= max position + 1, D] fp32.
 // Returns the final norm of the hidden states after the first ``num_layers`` layers.
 torch::Tensor decode_step_run(int64_t handle, torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin,
                               torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,

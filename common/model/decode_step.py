@@ -10,8 +10,9 @@ to that path's (tests/model/test_decode_step.py).
 
 It runs when every projection is a panel layer it knows (fp32 ``PanelLinear``, or ``tandem_a8`` int8 /
 int4 panels), activations and the KV cache are fp32, attention is the compiled CPU decode kernel, and the
-batch is up to ``MAX_ROWS`` rows decoding one token each; anything else (prefill, verification chunks,
-bf16, other kernels, parallel ranks) takes the op-by-op path. ``TANDEM_DECODE_STEP=auto|on|off`` (auto:
+batch is up to ``MAX_ROWS`` tokens that attention reads as decode rows: a decode step, or short chunks
+over a cached prefix (speculative verification, a draft model's catch-up); anything else (prefill, long
+chunks, bf16, other kernels, parallel ranks) takes the op-by-op path. ``TANDEM_DECODE_STEP=auto|on|off`` (auto:
 where it builds and applies; on: a start-up error if it cannot build; off: never).
 """
 
@@ -155,23 +156,34 @@ class DecodeStep:
         return DecodeStep(module, model)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: Cache | None) -> bool:
-        """This batch is a plain decode step the plan can run."""
+        """The plan can run this batch: up to ``MAX_ROWS`` tokens, each read as a decode row. That is a plain
+        decode step, or short chunks over a cached prefix (speculative verification, a draft's catch-up),
+        which the attention backend also runs as decode rows (``EXTEND_AS_DECODE_ROWS``)."""
+        from common.attention.torch_backend import EXTEND_AS_DECODE_ROWS
+
         data = getattr(kv_cache, "data", None)
         return (data is not None and x.dtype == torch.float32 and data.dtype == torch.float32
                 and meta.slot_mapping is not None and meta.block_tables is not None
-                and 1 <= meta.num_tokens <= MAX_ROWS and meta.num_tokens == meta.num_seqs and meta.is_decode_only)
+                and 1 <= meta.num_tokens <= MAX_ROWS and not meta.is_prefill_only
+                and meta.max_query_len <= EXTEND_AS_DECODE_ROWS)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: Cache,
             num_layers: int) -> torch.Tensor:
         """The final norm of the hidden states after the first ``num_layers`` layers (``x``: embedded tokens)."""
         handle = self._plan(kv_cache)
         assert meta.slot_mapping is not None and meta.block_tables is not None
-        rotary = self._model.layers[0].self_attn.rotary  # type: ignore[union-attr]
+        rotary = self._model.layers[0].self_attn.rotary
         table = rotary.table(x.device, x.dtype, meta.max_seq_len)
         pos = positions if positions.dtype == torch.int64 else positions.long()
         tables = meta.block_tables if meta.block_tables.dtype == torch.int32 else meta.block_tables.int()
+        lens = meta.seq_lens
+        if meta.num_tokens != meta.num_seqs:  # chunks: row j of a chunk attends to its prefix and itself
+            counts = torch.tensor(meta.query_lens_cpu)
+            tables = tables[torch.repeat_interleave(torch.arange(meta.num_seqs), counts)]
+            lens = torch.tensor([total - q + 1 + j for q, total in zip(meta.query_lens_cpu, meta.seq_lens_cpu,
+                                                                         strict=True) for j in range(q)])
         return self._m.decode_step_run(handle, x.contiguous(), pos.contiguous(), table, meta.slot_mapping, tables,
-                                       meta.seq_lens, num_layers)
+                                       lens, num_layers)
 
     def _plan(self, kv_cache: Cache) -> int:
         data = getattr(kv_cache, "data", None)
@@ -183,8 +195,8 @@ class DecodeStep:
         kinds: list[int] = []
         caches: list[torch.Tensor] = []
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp  # type: ignore[union-attr]
-            tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]  # type: ignore[union-attr]
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 entry = _linear_entry(lin)
                 assert entry is not None  # checked by for_model

@@ -29,7 +29,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in
 _FUNCTIONS = ["isa", "int4_matmul", "int8_matmul", "int4_matmul_a8", "int8_matmul_a8", "int4_dequantize",
               "int8_dequantize", "dense_matmul", "int8_matmul_panel", "int4_matmul_panel",
               "int8_panel_path", "dense_matmul_panel", "dense_panel_path",
-              "int8_matmul_panel_amx", "int4_matmul_panel_amx"]
+              "int8_matmul_panel_amx", "int4_matmul_panel_amx", "int8_dequantize_panel", "int4_dequantize_panel"]
 ISA_FLAGS: dict[str, list[str]] = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],

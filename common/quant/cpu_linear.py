@@ -32,9 +32,7 @@ from common.quant.panels import (
     PANEL_ROWS,
     pack_int4_panels,
     pack_int8_panels,
-    panel_groups_by_row,
     panels_fit,
-    unpack_int4_panels,
     unpack_int8_panels,
 )
 
@@ -147,6 +145,7 @@ class _Panels:
             ops = quant_kernels()
             int4 = isinstance(weight, Int4Weight)
             self._panel = ops.int4_matmul_panel if int4 else ops.int8_matmul_panel
+            self._dequant_panel = ops.int4_dequantize_panel if int4 else ops.int8_dequantize_panel
             self._panel_rows = 1 << 62 if ops.int8_panel_path() == "vnni" else PANEL_MAX_ROWS_NO_VNNI
             amx = amx_enabled(ops) and k % 32 == 0
             self._amx = (ops.int4_matmul_panel_amx if int4 else ops.int8_matmul_panel_amx) if amx else None
@@ -166,16 +165,7 @@ class _Panels:
     def _dequantize(self, row0: int, row1: int, dtype: torch.dtype) -> torch.Tensor:
         if not self.panels:
             return super()._dequantize(row0, row1, dtype)  # type: ignore[misc]
-        rows = torch.arange(row0, row1)
-        if len(self._args) == 3:  # int4
-            q, scales, zeros = self._args
-            codes = unpack_int4_panels(q, rows).to(dtype).view(row1 - row0, scales.shape[1], -1)
-            s, z = (panel_groups_by_row(t, self.out_features)[row0:row1, :, None].to(dtype) for t in (scales, zeros))
-            return (codes * s + z).view(row1 - row0, -1)
-        q, scales = self._args
-        w = unpack_int8_panels(q, rows).to(dtype)
-        s = panel_groups_by_row(scales, self.out_features)[row0:row1].to(dtype)  # [rows, K/G]
-        return (w.view(row1 - row0, s.shape[1], -1) * s[..., None]).view(row1 - row0, -1)
+        return self._dequant_panel(*self._args, self.group_size, row0, row1, dtype)
 
 
 class Int4LinearA8(_Panels, Int4LinearCPU):

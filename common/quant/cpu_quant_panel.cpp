@@ -373,3 +373,61 @@ torch::Tensor int4_matmul_panel(torch::Tensor x, torch::Tensor q, torch::Tensor 
   panel_matmul<true>(args, M);
   return out.finish();
 }
+
+// Rows [row0, row1) of panel weights back to row-major [rows, K] fp32 or bf16 (w = q * s; int4 w = code * s + z,
+// one rounding): the dequantize-and-GEMM path of large batches (prefill) without the CPU's vector
+// instructions for integers. Each 32-weight block of a row is gathered from its panel into the row-major
+// packing the row-major kernels unpack (cpu_quant.cpp), then unpacked, scaled and stored as they do.
+torch::Tensor int8_dequantize_panel(torch::Tensor q, torch::Tensor scales, int64_t group_size, int64_t row0,
+                                    int64_t row1, at::ScalarType dtype) {
+  check_panels(q, 4, group_size, q.size(1) * 4);
+  const int64_t N = q.size(0) * PANEL, K = q.size(1) * 4, groups = K / group_size;
+  TORCH_CHECK(0 <= row0 && row0 <= row1 && row1 <= N, "row range out of bounds");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * groups,
+              "scales must be contiguous fp32 [N] or [N/16, K/group_size, 16]");
+  const auto* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const bool per_row = group_size == K;
+  return dequantize_into(q, row0, row1, K, dtype, [&](int64_t n, int64_t k, auto* out) {
+    const int64_t p = n / PANEL, r = n % PANEL, g = k / group_size;
+    alignas(32) int8_t block[SUB];
+    const int8_t* src = qp + (p * (K / 4) + k / 4) * 64 + r * 4;  // step k/4 of the panel, row r's 4 bytes
+    for (int64_t s = 0; s < SUB / 4; ++s) std::memcpy(block + 4 * s, src + 64 * s, 4);
+    const vf sc = vset1(per_row ? sp[n] : sp[(p * groups + g) * PANEL + r]);
+    vf w[NV];
+    unpack_q8(block, w);
+    for (int v = 0; v < NV; ++v) vstore(out + v * VL, vmul(w[v], sc));
+  });
+}
+
+torch::Tensor int4_dequantize_panel(torch::Tensor q, torch::Tensor scales, torch::Tensor zeros, int64_t group_size,
+                                    int64_t row0, int64_t row1, at::ScalarType dtype) {
+  check_panels(q, 8, group_size, q.size(1) * 8);
+  const int64_t N = q.size(0) * PANEL, K = q.size(1) * 8, groups = K / group_size;
+  TORCH_CHECK(0 <= row0 && row0 <= row1 && row1 <= N, "row range out of bounds");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && zeros.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  zeros.is_contiguous() && scales.numel() == N * groups && zeros.numel() == scales.numel(),
+              "scales, zeros must be contiguous fp16 [N/16, K/group_size, 16]");
+  const auto* qp = q.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::Half>());
+  return dequantize_into(q, row0, row1, K, dtype, [&](int64_t n, int64_t k, auto* out) {
+    const int64_t p = n / PANEL, r = n % PANEL, gi = (p * groups + k / group_size) * PANEL + r;
+    // steps k/8 .. k/8 + 3 of the panel: row r's byte j holds weight 8s + j (low nibble) and 8s + j + 4 (high);
+    // the row-major packing holds weight j in byte j's low nibble and j + 16 in its high one (j < 16).
+    uint8_t codes[SUB];
+    const uint8_t* src = qp + (p * (K / 8) + k / 8) * 64 + r * 4;
+    for (int64_t s = 0; s < SUB / 8; ++s)
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t b = src[64 * s + j];
+        codes[8 * s + j] = b & 0x0F;
+        codes[8 * s + j + 4] = b >> 4;
+      }
+    alignas(16) uint8_t packed[SUB / 2];
+    for (int j = 0; j < SUB / 2; ++j) packed[j] = static_cast<uint8_t>(codes[j] | (codes[j + SUB / 2] << 4));
+    const vf sc = vset1(half_to_float(sp[gi])), zc = vset1(half_to_float(zp[gi]));
+    vf w[NV];
+    unpack_q4(packed, w);
+    for (int v = 0; v < NV; ++v) vstore(out + v * VL, vfma(w[v], sc, zc));
+  });
+}

@@ -53,11 +53,13 @@ Result = tuple[torch.Tensor, torch.Tensor]  # (hidden, cache data)
 
 
 def _both_ways(model: LlamaForCausalLM, cache: KVCache, tables: list[list[int]], lengths: list[int],
-               num_layers: int | None = None) -> tuple[Result, Result]:
-    """(hidden, cache) after one decode row per sequence: through the step, then op by op from the same cache."""
-    ids = torch.randint(3, model.config.vocab_size, (len(lengths),), generator=torch.Generator().manual_seed(7))
-    positions = torch.tensor(lengths)
-    meta = AttentionMetadata.build([1] * len(lengths), lengths, tables, BLOCK)
+               num_layers: int | None = None, chunks: list[int] | None = None) -> tuple[Result, Result]:
+    """(hidden, cache) after ``chunks`` new tokens per sequence (default one: a decode step) over the cached
+    ``lengths``: through the step, then op by op from the same cache."""
+    chunks = [1] * len(lengths) if chunks is None else chunks
+    ids = torch.randint(3, model.config.vocab_size, (sum(chunks),), generator=torch.Generator().manual_seed(7))
+    positions = torch.cat([torch.arange(n, n + c) for n, c in zip(lengths, chunks, strict=True)])
+    meta = AttentionMetadata.build(chunks, lengths, tables, BLOCK)
     step = model.decode_step
     assert step is not None and step.applies(model.embed_tokens(ids), meta, cache)
     before = cache.data.clone()
@@ -83,6 +85,10 @@ def test_the_step_equals_the_op_by_op_forward_bit_for_bit(tiny_model_factory: Ca
         assert torch.equal(got, want)
         assert torch.equal(got_cache, want_cache)  # the new K/V, in the same slots, nothing else touched
         assert not torch.equal(got_cache, cache.data.new_zeros(()).expand_as(got_cache))
+    # short chunks over the cached prefix (a verification, a draft's catch-up): one decode row per token
+    cache, tables = _prefilled(model, [9, 5, 12])
+    (got, got_cache), (want, want_cache) = _both_ways(model, cache, tables, [9, 5, 12], chunks=[4, 1, 3])
+    assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
     # the first layers only (the early-layer draft's forward), then the final norm
     cache, tables = _prefilled(model, [6, 2])
     for n in (0, 1):
@@ -131,7 +137,9 @@ def test_where_it_does_not_apply(tiny_model_factory: Callable[..., Path], monkey
     assert step is not None
     cache, tables = _prefilled(model, [3, 3])
     x = torch.zeros(2, model.config.hidden_size)
-    assert not step.applies(x, AttentionMetadata.build([2, 1], [3, 3], tables, BLOCK), cache)  # a 2-token chunk
+    assert not step.applies(x, AttentionMetadata.build([2, 1], [0, 0], tables, BLOCK), cache)  # prompts: prefill
+    long_tables = [list(range(10, 20)), tables[1]]  # 40 tokens
+    assert not step.applies(x, AttentionMetadata.build([33, 1], [3, 3], long_tables, BLOCK), cache)  # a long chunk
     assert not step.applies(x, AttentionMetadata.build([1, 1], [3, 3], tables, BLOCK), None)
     assert not step.applies(x.bfloat16(), AttentionMetadata.build([1, 1], [3, 3], tables, BLOCK), cache)
     rows = MAX_ROWS + 1

@@ -101,6 +101,30 @@ def test_bad_layouts_are_refused(ops: object) -> None:
         ops.int8_matmul_panel(torch.randn(1, 32), q, scales, 64)  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["int8", "int8-grouped", "int4"])
+def test_panels_dequantize_to_the_weights(ops: object, fmt: str, dtype: torch.dtype) -> None:
+    """The prefill path's dequantize of a row range of panels (rows cutting across panels) equals the
+    weights' own dequantize, rounded to the dtype."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(80, 96, generator=gen)
+    if fmt == "int4":
+        weight4 = quantize_int4(w, 32)
+        q4, s4, z4 = pack_int4_panels(weight4)
+        got = ops.int4_dequantize_panel(q4, s4, z4, 32, 7, 53, dtype)  # type: ignore[attr-defined]
+        want = weight4.dequantize()[7:53]
+    else:
+        weight8 = quantize_int8(w, 32 if fmt == "int8-grouped" else None)
+        q8, s8 = pack_int8_panels(weight8)
+        got = ops.int8_dequantize_panel(q8, s8, weight8.group_size, 7, 53, dtype)  # type: ignore[attr-defined]
+        want = weight8.dequantize()[7:53]
+    assert got.dtype == dtype and got.shape == (46, 96)
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=1e-6 if dtype == torch.float32 else 1e-2,
+                               atol=1e-6 if dtype == torch.float32 else 1e-2)
+    with pytest.raises(RuntimeError, match="row range"):
+        ops.int8_dequantize_panel(*pack_int8_panels(quantize_int8(w)), 96, 0, 81, dtype)  # type: ignore[attr-defined]
+
+
 def test_the_layout_round_trips() -> None:
     weight = quantize_int8(torch.randn(48, 64), 32)
     q, scales = pack_int8_panels(weight)
