@@ -1,6 +1,6 @@
 import sys
 
-from tandem_cli.launcher import adopt_launcher_settings
+from tandem_cli.child_setup import adopt_launcher_settings
 
 adopt_launcher_settings()  # before torch starts its threads: they inherit the cores
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem_cli.child_setup import PARENT_PID_ENV, PIN_CPUS_ENV
+
 if TYPE_CHECKING:
     import grpc
 
@@ -154,36 +156,6 @@ def split_cores(cpus: tuple[int, ...], k: int, n: int) -> tuple[int, ...]:
         per = len(cpus) // n
         return cpus[k * per : (k + 1) * per]
     return (cpus[k % len(cpus)],)
-
-
-# What a child the launcher starts applies to itself at start-up (``adopt_launcher_settings``): its cores,
-# and the launcher's pid, whose death ends it. Passed in the environment rather than done in a
-# ``preexec_fn``: code between fork and exec in a process with threads (the supervisor's) can deadlock on a
-# lock another thread held at the fork (seen: a restart stuck in ``_fork_exec``).
-PIN_CPUS_ENV = "TANDEM_PIN_CPUS"
-PARENT_PID_ENV = "TANDEM_LAUNCHER_PID"
-
-
-def adopt_launcher_settings(environ: dict[str, str] | None = None) -> None:
-    """In a process ``tandem up`` started, first thing: pin the cores it was given and die with the launcher
-    (PR_SET_PDEATHSIG, so no orphans if the launcher is killed); exit at once if it is already gone."""
-    if environ is None:  # taken out of this process's environment: its own children are not the launcher's
-        environ = {k: os.environ.pop(k) for k in (PIN_CPUS_ENV, PARENT_PID_ENV) if k in os.environ}
-    cpus = environ.get(PIN_CPUS_ENV, "")
-    if cpus:
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-    parent = environ.get(PARENT_PID_ENV, "")
-    if not parent:
-        return
-    try:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except OSError:  # not Linux/glibc: the launcher's own stop() still ends the children
-        return
-    if os.getppid() != int(parent):  # the launcher died before the death signal was armed
-        raise SystemExit(f"tandem: the launcher (pid {parent}) has exited; not starting")
 
 
 def _free_ports(n: int) -> list[int]:

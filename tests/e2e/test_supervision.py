@@ -14,7 +14,8 @@ import grpc
 import pytest
 from test_disaggregated import generate, prompts, request, wait_all_blocks_free
 
-from tandem_cli.launcher import PARENT_PID_ENV, PIN_CPUS_ENV, Launcher, RestartPolicy, Topology, is_serving
+from tandem_cli.child_setup import PARENT_PID_ENV, PIN_CPUS_ENV
+from tandem_cli.launcher import Launcher, RestartPolicy, Topology, is_serving
 
 pytestmark = pytest.mark.e2e
 BACK_WITHIN_S = 60.0
@@ -33,7 +34,7 @@ def test_restart_policy_backs_off_exponentially_and_resets_after_a_long_run() ->
         RestartPolicy(initial_backoff_s=0)
 
 
-_ADOPT = ("import os; from tandem_cli.launcher import adopt_launcher_settings; adopt_launcher_settings(); "
+_ADOPT = ("import os; from tandem_cli.child_setup import adopt_launcher_settings; adopt_launcher_settings(); "
           f"print(sorted(os.sched_getaffinity(0)), os.environ.get('{PARENT_PID_ENV}'))")
 
 
