@@ -67,7 +67,11 @@ class ModelRunner:
         self.draft: DraftModelProposer | None = None
         if self.speculative.method is SpeculativeMethod.DRAFT_MODEL:
             assert draft_model is not None, "speculative draft_model needs the draft model loaded"
-            self.draft = DraftModelProposer(draft_model, num_blocks, block_size, self.device)
+            # the target's own copy (a quantized self-draft) starts from the target's prompt K/V
+            own_copy = (draft_model.config == model.config and draft_model.dtype == model.dtype
+                        and kv_cache_spec(draft_model, block_size) == self.kv_cache.spec)
+            self.draft = DraftModelProposer(draft_model, num_blocks, block_size, self.device,
+                                            prompt_kv=self.kv_cache if own_copy else None)
         self._sampling: dict[str, RequestSamplingState] = {}
         self.draft_seconds = 0.0  # time spent proposing (speculative decoding)
         self.forward_seconds = 0.0  # time in the target's forward + sampling / verification

@@ -10,6 +10,13 @@ catches up (one ragged forward over the tokens since then — the whole prompt t
 decode node gets the draft's prompt KV without any transfer) ending at the request's last token, whose logits
 give the first draft; then k - 1 single-token steps. After verification ``accept`` keeps what the target
 kept: the last token, the accepted drafts that the draft itself fed (its own KV for them is right), no more.
+
+The target's own copy as a draft (the same architecture and name: a quantized self-draft) starts from the
+target's prompt KV instead (``prompt_kv``): its blocks are copied into the draft's cache, block for block,
+and the catch-up forwards only the last token. Its own prefill of the prompt costs as many FLOPs as the
+target's (measured on the 2-core AVX2 EPYC: 15 ms a drafted token on 66-127-token input-grounded prompts
+against 7.7 on short ones); the copy costs a memcpy, and the draft then reads the target's (more exact) K/V,
+which changes only what it proposes, never what is accepted.
 """
 
 from __future__ import annotations
@@ -33,7 +40,10 @@ if TYPE_CHECKING:
 class DraftModelProposer:
     """Proposes up to ``num_draft_slots`` tokens per speculating chunk with ``model``."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+                 prompt_kv: KVCache | None = None) -> None:
+        """``prompt_kv``: the target's cache, when this draft is the target's own copy (its prompt K/V is copied
+        from there); it must have the draft's spec."""
         cfg = model.config
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
                            str(model.dtype).removeprefix("torch."))
@@ -41,6 +51,9 @@ class DraftModelProposer:
         self.block_size = block_size
         self.device = device
         self.kv_cache = KVCache(spec, num_blocks, device)
+        if prompt_kv is not None and (prompt_kv.spec != spec or prompt_kv.data.shape != self.kv_cache.data.shape):
+            raise ValueError("the draft copies the target's prompt K/V only with the same KV layout")
+        self.prompt_kv = prompt_kv
         self._computed: dict[str, int] = {}  # request id -> leading tokens with valid draft KV
         self._fed: dict[str, int] = {}  # request id -> drafts this step whose own KV the draft wrote
 
@@ -54,6 +67,14 @@ class DraftModelProposer:
         wanted = {i: min(chunks[i].num_draft_slots, limit or chunks[i].num_draft_slots) for i in slots}
         # Catch up: tokens computed..start (the chunk's own, the request's last) in one ragged forward.
         starts = {i: min(self._computed.get(chunks[i].request.request_id, 0), chunks[i].start) for i in slots}
+        if self.prompt_kv is not None:  # new requests: the target's K/V of every token before the last
+            fresh = [i for i in slots if chunks[i].request.request_id not in self._computed and chunks[i].start > 0]
+            blocks = [b for i in fresh for b in chunks[i].block_ids[: -(-chunks[i].start // bs)]]
+            if blocks:
+                index = torch.tensor(blocks, device=self.device)
+                self.kv_cache.data[index] = self.prompt_kv.data[index]
+                for i in fresh:
+                    starts[i] = chunks[i].start
         input_ids: list[int] = []
         positions: list[int] = []
         for i in slots:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from common.engine.engine_core import ColocatedEngine
@@ -48,6 +49,36 @@ def test_the_target_as_its_own_draft_is_exact_and_accepts_its_drafts(target: Lla
     engine.kv.check_integrity()
     assert engine.kv.num_used_blocks == 0 and engine.runner.draft is not None
     assert engine.runner.draft._computed == {}  # every finished request was forgotten
+
+
+def test_a_quantized_self_draft_starts_from_the_targets_prompt_kv(target: LlamaForCausalLM,
+                                                                   tiny_model_factory: Callable[..., Path]) -> None:
+    """The target's own int8 copy copies the prompt's K/V from the target instead of prefilling it: its
+    forwards never see a prompt, only each step's few tokens; the output stays the target's greedy text."""
+    draft = load_model(tiny_model_factory("llama", num_hidden_layers=3), dtype="float32", quantization="int8")
+    ps = prompts(4, target.config.vocab_size, seed=13, lo=20, hi=40)
+    work = [(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for p in ps]
+    engine = ColocatedEngine(target, CacheConfig(num_blocks=64, block_size=8),
+                             SchedulerConfig(max_num_batched_tokens=96), speculative=SPEC, draft_model=draft)
+    proposer = engine.runner.draft
+    assert proposer is not None and proposer.prompt_kv is engine.runner.kv_cache
+    sizes: list[int] = []
+    forward = draft.forward
+
+    def spy(input_ids: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        sizes.append(input_ids.shape[0])
+        return forward(input_ids, *args, **kwargs)  # type: ignore[arg-type]
+
+    draft.forward = spy  # type: ignore[method-assign]
+    got = run_staggered(engine, work, arrivals=[0, 0, 2, 3])
+    for i, (p, params) in enumerate(work):
+        assert got[f"r{i}"] == contiguous_greedy(target, p, params.max_tokens), i
+    assert sizes and max(sizes) <= 4 * (SPEC.num_speculative_tokens + 1) < min(map(len, ps)) * 2
+    assert engine.scheduler.num_accepted_tokens >= 0.5 * engine.scheduler.num_draft_tokens > 0
+    other = ColocatedEngine(target, CacheConfig(num_blocks=64, block_size=8), SchedulerConfig(), speculative=SPEC,
+                            draft_model=load_model(tiny_model_factory("llama", seed=7, num_hidden_layers=3),
+                                                   dtype="float32"))
+    assert other.runner.draft is not None and other.runner.draft.prompt_kv is None  # another model: its own
 
 
 def test_another_draft_model_stays_exact_and_leak_free_under_preemption(target: LlamaForCausalLM,
