@@ -117,7 +117,10 @@ def load_draft_model(spec: SpeculativeConfig | None, settings: ModelSettings,
     from common.model.loader import load_model
     from common.model.model_store import resolve_model
 
-    draft_dir = resolve_model(spec.draft_model, settings.home, progress=False)
+    try:
+        draft_dir = resolve_model(spec.draft_model, settings.home, progress=False)
+    except ValueError as exc:  # a missing directory, an unknown name: say which flag
+        raise ValueError(f"--draft-model: {exc}") from exc
     check_same_tokenizer(draft_dir, target_dir)
     draft = load_model(draft_dir, settings.dtype, settings.device, settings.attention_backend,
                        spec.draft_quantization, settings.quantization_group_size, settings.quantization_kernel)

@@ -125,6 +125,15 @@ def test_a_draft_needs_the_targets_vocabulary(tiny_served_model_dir: Path, tmp_p
         check_same_tokenizer(other, tiny_served_model_dir)
 
 
+def test_a_missing_draft_directory_is_refused_naming_the_flag(tmp_path: Path, tiny_served_model_dir: Path) -> None:
+    from common.config.settings import ModelSettings
+    from common.engine.node_setup import load_draft_model
+
+    spec = SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL, draft_model=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=r"--draft-model: .*nowhere"):
+        load_draft_model(spec, ModelSettings(home=tmp_path), tiny_served_model_dir)
+
+
 def test_draft_model_method_needs_a_model() -> None:
     with pytest.raises(ValueError, match="--draft-model"):
         SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL)
