@@ -309,8 +309,9 @@ def test_kv_load_failure_policy_recompute_prefills_on_the_decode_node(tiny_serve
 
 
 def test_decode_node_speculates_with_a_draft_model(tiny_served_model_dir: Path, tmp_path: Path) -> None:
-    """--speculative draft_model on a disaggregated decode node: the draft's prompt KV is computed there (no
-    transfer of it), and the greedy streams equal the colocated engine's."""
+    """--speculative draft_model on a disaggregated decode node: the draft (here the target's own copy) takes
+    its prompt KV from the target's, which the prefill node sent (no transfer of its own), and the greedy
+    streams equal the colocated engine's."""
     topology = Topology(num_prefill=1, num_decode=1, free_ports=True,
                         model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
                         node_args=("--num-blocks", "64", "--kv-timeout-s", "20", "--grace-s", "1"),
