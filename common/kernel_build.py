@@ -20,6 +20,7 @@ import fcntl
 import logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -74,3 +75,35 @@ def _source_text(item: Source) -> str:
         return item.read_text()
     namespace, path = item
     return f"namespace {namespace} {{\n{path.read_text()}\n}}  // namespace {namespace}"
+
+
+class OptionalModules:
+    """An optional kernel module built per instruction set (``{prefix}_{isa}``), once each: None, with a
+    warning naming ``fallback``, where it cannot be built (no compiler or ninja). Flags: -O3, -fopenmp
+    (at::parallel_for shares torch's OpenMP pool), -fno-math-errno (exp vectorises through glibc's vector
+    math without -ffast-math's reassociation of the dtype roundings), and the ISA's own."""
+
+    def __init__(self, prefix: str, sources: Sequence[Source], functions: Sequence[str], what: str,
+                 fallback: str) -> None:
+        self._prefix, self._sources, self._functions = prefix, list(sources), list(functions)
+        self._what, self._fallback = what, fallback
+        self._lock = threading.Lock()
+        self._modules: dict[str, ModuleType | None] = {}
+
+    def get(self, isa: str, isa_flags: Sequence[str]) -> ModuleType | None:
+        """The module for ``isa`` (compiled with ``isa_flags``: common.quant.cpu_kernels.ISA_FLAGS[isa]),
+        built on first use."""
+        if isa not in self._modules:
+            with self._lock:
+                if isa not in self._modules:
+                    self._modules[isa] = self._build(isa, isa_flags)
+        return self._modules[isa]
+
+    def _build(self, isa: str, isa_flags: Sequence[str]) -> ModuleType | None:
+        try:
+            flags = ["-O3", "-fopenmp", "-fno-math-errno", *isa_flags]
+            return load_kernel_module(f"{self._prefix}_{isa}", self._sources, self._functions, flags)
+        except Exception as exc:  # no compiler or ninja: the caller's slower path serves
+            log.warning("%s unavailable (%s: %s); %s", self._what, type(exc).__name__,
+                        str(exc).splitlines()[0] if str(exc) else "", self._fallback)
+            return None

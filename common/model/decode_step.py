@@ -19,16 +19,14 @@ where it builds and applies; on: a start-up error if it cannot build; off: never
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import threading
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.kernel_build import Source
+from common.kernel_build import OptionalModules, Source
 
 if TYPE_CHECKING:
     from common.attention.metadata import AttentionMetadata
@@ -38,7 +36,6 @@ if TYPE_CHECKING:
 Model = Any
 Cache = Any
 
-log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # cpu_step.cpp's MAX_ROWS
 STEP_MODES = ("auto", "on", "off")
@@ -55,8 +52,6 @@ _SOURCES: list[Source] = [
     _MODEL / "cpu_step.cpp",
 ]
 _FUNCTIONS = ["decode_step_plan", "decode_step_run", "decode_step_free", "decode_step_profile", "decode_step_times"]
-_lock = threading.Lock()
-_modules: dict[str, ModuleType | None] = {}
 
 
 def step_mode() -> str:
@@ -66,29 +61,15 @@ def step_mode() -> str:
     return mode
 
 
+_BUILDS = OptionalModules("tandem_step", _SOURCES, _FUNCTIONS, "one-call decode step", "decoding op by op")
+
+
 def step_module(isa: str | None = None) -> ModuleType | None:
     """The compiled step for ``isa`` (default: the widest this CPU runs), built once; None if unbuildable."""
-    from common.quant.cpu_kernels import best_isa
+    from common.quant.cpu_kernels import ISA_FLAGS, best_isa
 
     isa = best_isa() if isa is None else isa
-    if isa not in _modules:
-        with _lock:
-            if isa not in _modules:
-                _modules[isa] = _build(isa)
-    return _modules[isa]
-
-
-def _build(isa: str) -> ModuleType | None:
-    try:
-        from common.kernel_build import load_kernel_module
-        from common.quant.cpu_kernels import ISA_FLAGS
-
-        flags = ["-O3", "-fopenmp", "-fno-math-errno", *ISA_FLAGS[isa]]  # as the kernel modules it wraps
-        return load_kernel_module(f"tandem_step_{isa}", _SOURCES, _FUNCTIONS, flags)
-    except Exception as exc:  # no compiler or ninja: the op-by-op forward serves
-        log.warning("one-call decode step unavailable (%s: %s); decoding op by op", type(exc).__name__,
-                    str(exc).splitlines()[0] if str(exc) else "")
-        return None
+    return _BUILDS.get(isa, ISA_FLAGS[isa])
 
 
 def _linear_entry(linear: torch.nn.Module) -> tuple[list[torch.Tensor], list[int]] | None:

@@ -23,25 +23,20 @@ ops or a start-up error; off: the unfused layer forward, exactly the reference p
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from common.kernel_build import OptionalModules
 from common.kv.kv_cache import write_kv
-
-log = logging.getLogger(__name__)
 
 # cpu_fused.cpp, then the paged K/V write it calls (one definition, shared with the attention module)
 _SOURCES = [Path(__file__).with_name("cpu_fused.cpp"),
             Path(__file__).parents[1] / "attention" / "cpu_kv_write.cpp"]
 _FUNCTIONS = ["add_rms_norm", "silu_mul", "rotary_", "rotary_write_kv_"]
 FUSED_MODES = ("auto", "on", "off")
-_lock = threading.Lock()
-_modules: dict[str, ModuleType | None] = {}
 
 
 class EagerOps:
@@ -131,30 +126,12 @@ def fused_ops_for(device: torch.device, mode: str | None = None) -> FusedOps | N
     return CppOps(module)
 
 
+_BUILDS = OptionalModules("tandem_fused", _SOURCES, _FUNCTIONS, "fused CPU ops", "using the unfused forward")
+
+
 def cpp_module(isa: str | None = None) -> ModuleType | None:
     """The extension for ``isa`` (default: the widest this CPU runs), built once; None if unbuildable."""
-    from common.quant.cpu_kernels import best_isa
+    from common.quant.cpu_kernels import ISA_FLAGS, best_isa
 
     isa = best_isa() if isa is None else isa
-    if isa in _modules:
-        return _modules[isa]
-    with _lock:
-        if isa not in _modules:
-            _modules[isa] = _build(isa)
-        return _modules[isa]
-
-
-def _build(isa: str) -> ModuleType | None:
-    try:
-        from common.kernel_build import load_kernel_module
-        from common.quant.cpu_kernels import ISA_FLAGS
-
-        # -fopenmp: at::parallel_for shares torch's OpenMP pool. -fno-math-errno lets exp vectorise
-        # (glibc's vector math) without -ffast-math's reassociation of the dtype roundings.
-        flags = ["-O3", "-fopenmp", "-fno-math-errno", *ISA_FLAGS[isa]]
-        module = load_kernel_module(f"tandem_fused_{isa}", _SOURCES, _FUNCTIONS, flags)
-    except Exception as exc:  # no compiler or ninja: the unfused forward serves
-        log.warning("fused CPU ops unavailable (%s: %s); using the unfused forward", type(exc).__name__,
-                    str(exc).splitlines()[0] if str(exc) else "")
-        return None
-    return module
+    return _BUILDS.get(isa, ISA_FLAGS[isa])
