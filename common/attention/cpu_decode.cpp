@@ -342,26 +342,29 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
 
 }  // namespace
 
-// For common/model/cpu_step.cpp's one-call decode step (another module): fp32 attention of sequences
-// [begin, end), KV heads [h_begin, h_end), through this module's own code and flags (-ffast-math: glibc's
-// vector exp in the softmax), so the step's rows equal paged_decode's bit for bit. A head range other than
-// all heads needs a SIMD head size (decode_splits_heads). The step takes the address once, from Python.
-void decode_rows_f32(const float* q, const float* kc, const float* vc, const int64_t* kstride, const int64_t* vstride,
-                     const int32_t* tables, int64_t table_stride, const int64_t* lens, float* out, int64_t H,
-                     int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
-                     int64_t h_begin, int64_t h_end) {
+// For common/model/cpu_step.cpp's one-call decode step (another module): attention of sequences
+// [begin, end), KV heads [h_begin, h_end), fp32 or bf16 (q, caches and out of one dtype), through this
+// module's own code and flags (-ffast-math: glibc's vector exp in the softmax), so the step's rows equal
+// paged_decode's bit for bit. A head range other than all heads needs a SIMD head size
+// (decode_splits_heads). The step takes the address once, from Python.
+template <typename scalar_t>
+void decode_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* kstride,
+                 const int64_t* vstride, const int32_t* tables, int64_t table_stride, const int64_t* lens, scalar_t* out,
+                 int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
+                 int64_t h_begin, int64_t h_end) {
 #if defined(__AVX512F__) || defined(__AVX2__)
-  if (D == 4 * W) return decode_sequences_simd<float, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out,
-                                                          H, Hkv, block_size, scale, begin, end, h_begin, h_end);
-  if (D == 8 * W) return decode_sequences_simd<float, 8>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out,
-                                                          H, Hkv, block_size, scale, begin, end, h_begin, h_end);
-  if (D == 16 * W) return decode_sequences_simd<float, 16>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
-                                                            out, H, Hkv, block_size, scale, begin, end, h_begin, h_end);
+  if (D == 4 * W) return decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
+                                                             out, H, Hkv, block_size, scale, begin, end, h_begin, h_end);
+  if (D == 8 * W) return decode_sequences_simd<scalar_t, 8>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
+                                                             out, H, Hkv, block_size, scale, begin, end, h_begin, h_end);
+  if (D == 16 * W) return decode_sequences_simd<scalar_t, 16>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
+                                                               out, H, Hkv, block_size, scale, begin, end, h_begin,
+                                                               h_end);
 #endif
   (void)h_begin;
   (void)h_end;
-  decode_sequences<float>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H, Hkv, D, block_size, scale,
-                          begin, end);
+  decode_sequences<scalar_t>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H, Hkv, D, block_size,
+                             scale, begin, end);
 }
 
 bool decode_splits_heads(int64_t head_dim) {
@@ -373,7 +376,12 @@ bool decode_splits_heads(int64_t head_dim) {
 #endif
 }
 
-int64_t decode_rows_f32_address() { return reinterpret_cast<int64_t>(&decode_rows_f32); }
+// The address of decode_rows for the step's dtype: "float32" or "bfloat16".
+int64_t decode_rows_address(const std::string& dtype) {
+  if (dtype == "float32") return reinterpret_cast<int64_t>(&decode_rows<float>);
+  TORCH_CHECK(dtype == "bfloat16", "decode_rows_address: float32 or bfloat16, not ", dtype);
+  return reinterpret_cast<int64_t>(&decode_rows<c10::BFloat16>);
+}
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {

@@ -57,7 +57,7 @@ def _build() -> ModuleType | None:
         # from glibc's vector math library and reassociated fp32 sums; scores are finite (only rows
         # < seq_len are read), so finite-math assumptions hold.
         flags = ["-O3", "-fopenmp", "-ffast-math", *ISA_FLAGS[isa]]
-        functions = ["paged_decode", "write_kv", "decode_rows_f32_address", "decode_splits_heads"]
+        functions = ["paged_decode", "write_kv", "decode_rows_address", "decode_splits_heads"]
         module = load_kernel_module(f"tandem_cpu_decode_{isa}", _SOURCES, functions, flags)
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch path serves instead
         log.warning("compiled CPU decode attention unavailable (%s: %s); using the PyTorch path",

@@ -18,18 +18,22 @@
 // by one thread whatever the split: the results do not depend on it), attention splits (row, KV head)
 // pairs; the small elementwise parts run on one thread (a few hundred floats a row).
 //
-// Weights: fp32 panels (common/model/gemv.py's PanelLinear) or int8 / int4 panels with int8-rounded
-// activations (common/quant/cpu_linear.py's tandem_a8 layers); activations fp32 (the dtype `--dtype auto`
-// chooses where bf16 is slow: AVX2); up to MAX_ROWS rows, each one decode token of its own sequence.
+// Weights and activations: fp32 activations with fp32 panels (common/model/gemv.py's PanelLinear) or int8 /
+// int4 panels with int8-rounded activations (common/quant/cpu_linear.py's tandem_a8 layers), the dtype
+// `--dtype auto` chooses where bf16 is slow (AVX2); or bf16 activations with bf16 panels, multiplied as
+// dense_matmul_panel does on this CPU (AMX tiles from its row threshold, ``vdpbf16ps`` below it, fp32
+// multiply-adds of widened weights without AVX512-BF16), rounding to bf16 at the same points. Up to
+// MAX_ROWS rows, each one decode token of its own sequence.
 
 namespace tstep {
 
-constexpr int64_t MAX_ROWS = 16;
-enum Kind : int64_t { kInt4 = 4, kInt8 = 8, kFloat32 = 32 };
+constexpr int64_t MAX_ROWS = 256;  // a bound on the buffers; Python sets each model's own (decode_step.py)
+constexpr int64_t kSplitRows = 8;  // from this many rows the elementwise parts split over the threads
+enum Kind : int64_t { kInt4 = 4, kInt8 = 8, kBFloat16 = 16, kFloat32 = 32 };
 
 struct Linear {
   int64_t kind = 0, N = 0, K = 0, G = 0;
-  torch::Tensor w, s, z;  // fp32 panels [N/16, K, 16] | int q panels, scales, zeros (int4)
+  torch::Tensor w, s, z;  // fp32 panels [N/16, K, 16] | bf16 panels [N/16, K/2, 16, 2] | int q panels, scales, zeros
   int64_t panels() const { return N / 16; }
 };
 
@@ -38,15 +42,18 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
-// common/attention/cpu_decode.cpp's decode_rows_f32, in the attention module: attention is that module's
-// compiled code (its own flags: -ffast-math's vector exp), so the rows equal paged_decode's.
-using AttentionFn = void (*)(const float*, const float*, const float*, const int64_t*, const int64_t*,
-                             const int32_t*, int64_t, const int64_t*, float*, int64_t, int64_t, int64_t, int64_t,
+// common/attention/cpu_decode.cpp's decode_rows<scalar_t>, in the attention module: attention is that
+// module's compiled code (its own flags: -ffast-math's vector exp), so the rows equal paged_decode's.
+template <typename scalar_t>
+using AttentionFn = void (*)(const scalar_t*, const scalar_t*, const scalar_t*, const int64_t*, const int64_t*,
+                             const int32_t*, int64_t, const int64_t*, scalar_t*, int64_t, int64_t, int64_t, int64_t,
                              float, int64_t, int64_t, int64_t, int64_t);
 
 struct Plan {
   std::vector<Layer> layers;
-  AttentionFn attention = nullptr;
+  bool bf16 = false;  // activations, norms and K/V in bf16 (else fp32)
+  int64_t amx_min_rows = 0;  // bf16 panels: AMX tiles from this many rows (dense_matmul_panel's threshold)
+  void* attention = nullptr;  // AttentionFn<float> or AttentionFn<c10::BFloat16>
   bool splits_heads = false;  // the attention function takes one KV head at a time
   torch::Tensor final_norm;
   float eps = 0.f;
@@ -70,6 +77,9 @@ Linear make_linear(const torch::Tensor& w, const torch::Tensor& s, const torch::
               ": weights must be contiguous 16-row panels");
   if (kind == kFloat32) {
     TORCH_CHECK(w.scalar_type() == at::kFloat && w.size(1) == K && w.size(2) == 16, name, ": fp32 panels [N/16, K, 16]");
+  } else if (kind == kBFloat16) {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) * 2 == K && w.size(2) == 16 && w.size(3) == 2, name,
+                ": bf16 panels [N/16, K/2, 16, 2]");
   } else if (kind == kInt8) {
     TORCH_CHECK(w.scalar_type() == at::kChar && w.size(1) * 4 == K, name, ": int8 panels [N/16, K/4, 16, 4]");
     TORCH_CHECK(G % 32 == 0 && K % G == 0 && s.scalar_type() == at::kFloat && s.is_contiguous() &&
@@ -85,15 +95,68 @@ Linear make_linear(const torch::Tensor& w, const torch::Tensor& s, const torch::
   return l;
 }
 
-// One projection's input, prepared once by one thread (int8 rounding for the packed kinds).
+// How a bf16 projection multiplies on this CPU for M rows: dense_matmul_panel's choice.
+enum class Bf16Path { kAmx, kDot, kFma };
+
+Bf16Path bf16_path(const Plan& p, const Linear& l, int64_t M) {
+#ifdef TANDEM_HAVE_AMX
+  if (M >= p.amx_min_rows && l.K % 32 == 0 && tq::amx_ready()) return Bf16Path::kAmx;
+#else
+  (void)p;
+  (void)l;
+  (void)M;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (tq::cpu_has_bf16_dot()) return Bf16Path::kDot;
+#endif
+  return Bf16Path::kFma;
+}
+
+// One projection's input, prepared once by one thread: int8 rounding for the packed kinds; for bf16 panels
+// the path, and the widened rows (no AVX512-BF16) or the zero-padded last rows (AMX).
 struct Input {
   const float* x = nullptr;
+  const uint16_t* xb = nullptr;
   tq::QuantX xq;
+  Bf16Path path = Bf16Path::kFma;
+  std::vector<float> xf;
+  std::vector<uint16_t> tail;
 };
 
-void prepare(const Linear& l, const float* x, int64_t M, Input& in) {
+// Whether a projection's input needs work per layer (else ``bind`` alone prepares it, once a run).
+bool needs_prepare(const Linear& l, const Input& in, int64_t M) {
+  if (l.kind == kBFloat16) return in.path == Bf16Path::kFma || (in.path == Bf16Path::kAmx && M % 16 != 0);
+  return l.kind != kFloat32;
+}
+
+// What every layer's input of this projection shares: its buffer (the same for every layer) and its path.
+void bind(const Plan& p, const Linear& l, const float* x, int64_t M, Input& in) {
+  (void)p;
+  (void)l;
+  (void)M;
   in.x = x;
-  if (l.kind != kFloat32) tq::quantize_x(x, M, l.K, l.G, in.xq);
+}
+
+void bind(const Plan& p, const Linear& l, const uint16_t* x, int64_t M, Input& in) {
+  in.xb = x;
+  in.path = bf16_path(p, l, M);
+}
+
+// The per-layer work: int8 rounding (packed kinds), widened rows (bf16 without AVX512-BF16), the
+// zero-padded last rows (AMX).
+void prepare(const Linear& l, int64_t M, Input& in) {
+  if (l.kind == kInt4 || l.kind == kInt8) {
+    tq::quantize_x(in.x, M, l.K, l.G, in.xq);
+    return;
+  }
+  if (l.kind != kBFloat16) return;
+  if (in.path == Bf16Path::kFma) {
+    in.xf.resize(M * l.K);
+    for (int64_t i = 0; i < M * l.K; ++i) in.xf[i] = tf::BF16::in(in.xb[i]);
+  }
+#ifdef TANDEM_HAVE_AMX
+  if (in.path == Bf16Path::kAmx) tq::amx_tail(in.xb, M, l.K, in.tail);
+#endif
 }
 
 }  // namespace tstep
@@ -121,15 +184,6 @@ void panel_span(const PanelArgs& a, int64_t M, int64_t p0, int64_t p1) {
 #endif
 }
 
-// The same for fp32 panels: dense_matmul_panel's fp32 loop.
-void dense_span(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1; ++p) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) dense_panel_tile_fma<4, false>(x + m * K, K, w, y + m * N, N, p);
-    for (; m < M; ++m) dense_panel_tile_fma<1, false>(x + m * K, K, w, y + m * N, N, p);
-  }
-}
-
 }  // namespace tq
 
 namespace tstep {
@@ -140,12 +194,27 @@ inline void share(int64_t n, int tid, int nt, int64_t& begin, int64_t& end) {
   end = n * (tid + 1) / nt;
 }
 
-void matmul_part(const Linear& l, const Input& in, int64_t M, float* y, int tid, int nt) {
+// Columns [c0, c1) of M rows of fp32 sums, rounded to bf16 (round to nearest even, as dense_matmul_panel's
+// Out::finish).
+void round_columns(const float* src, uint16_t* dst, int64_t M, int64_t N, int64_t c0, int64_t c1) {
+  for (int64_t m = 0; m < M; ++m) {
+    auto* d = reinterpret_cast<at::BFloat16*>(dst + m * N);
+    const float* f = src + m * N;
+    int64_t c = c0;
+    for (; c + tq::VL <= c1; c += tq::VL) tq::vstore(d + c, tq::vload(f + c));
+    for (; c < c1; ++c) d[c] = at::BFloat16(f[c]);
+  }
+}
+
+// This thread's panels of a projection: y (the activation dtype) = x times the weights. ``scratch``: fp32
+// [M, N] sums for bf16 panels that do not go through AMX (rounded into y for this thread's columns).
+void matmul_part(const Linear& l, const Input& in, int64_t M, float* y, float* scratch, int tid, int nt) {
+  (void)scratch;
   int64_t p0, p1;
   share(l.panels(), tid, nt, p0, p1);
   if (p0 >= p1) return;
   if (l.kind == kFloat32) {
-    tq::dense_span(in.x, M, l.K, l.w.data_ptr<float>(), y, l.N, p0, p1);
+    tq::dense_fma_span<false>(in.x, M, l.K, l.w.data_ptr(), y, l.N, p0, p1);
     return;
   }
   const bool int4 = l.kind == kInt4;
@@ -158,25 +227,58 @@ void matmul_part(const Linear& l, const Input& in, int64_t M, float* y, int tid,
   else tq::panel_span<false>(args, M, p0, p1);
 }
 
+void matmul_part(const Linear& l, const Input& in, int64_t M, uint16_t* y, float* scratch, int tid, int nt) {
+  // bf16 panels go in pairs (AMX's and vdpbf16ps's tiles take two panels)
+  const int64_t panels = l.panels();
+  int64_t t0, t1;
+  share((panels + 1) / 2, tid, nt, t0, t1);
+  if (t0 >= t1) return;
+  const int64_t p0 = 2 * t0, p1 = std::min(panels, 2 * t1);
+  const auto* w = reinterpret_cast<const uint16_t*>(l.w.data_ptr<at::BFloat16>());
+  switch (in.path) {
+    case Bf16Path::kAmx:
+#ifdef TANDEM_HAVE_AMX
+      tq::amx_pairs<true>(in.xb, in.tail.data(), M, l.K, panels, tq::AmxOut{y, true, l.N, M},
+                          [&](int64_t q0, int64_t, std::vector<uint16_t>&) { return w + q0 * 16 * l.K; }, t0, t1);
+#endif
+      return;
+    case Bf16Path::kDot:
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      tq::dense_bf16_pairs(in.xb, M, l.K, w, scratch, l.N, panels, t0, t1);
+#endif
+      break;
+    case Bf16Path::kFma:
+      tq::dense_fma_span<true>(in.xf.data(), M, l.K, w, scratch, l.N, p0, p1);
+      break;
+  }
+  round_columns(scratch, y, M, l.N, p0 * 16, p1 * 16);
+}
+
 // Attention of rows' (sequence, KV head) pairs [i0, i1) when the attention module splits heads, else of
-// rows [i0, i1): the attention module's own compiled function (see decode_step_plan).
-void attention_part(const Plan& p, const Layer& ly, const float* q, float* out, const int32_t* tables,
-                    int64_t table_stride, const int64_t* lens, int64_t i0, int64_t i1) {
+// rows [i0, i1): the attention module's own compiled function (see decode_step_plan). T: float or uint16_t
+// (bf16 bits), which the attention module reads as c10::BFloat16.
+template <typename T>
+void attention_part(const Plan& p, const Layer& ly, const T* q, T* out, const int32_t* tables, int64_t table_stride,
+                    const int64_t* lens, int64_t i0, int64_t i1) {
+  using A = std::conditional_t<std::is_same_v<T, float>, float, c10::BFloat16>;
+  const auto fn = reinterpret_cast<AttentionFn<A>>(p.attention);
   const int64_t kstride[3] = {ly.kc.stride(0), ly.kc.stride(1), ly.kc.stride(2)};
   const int64_t vstride[3] = {ly.vc.stride(0), ly.vc.stride(1), ly.vc.stride(2)};
-  const float* kc = ly.kc.data_ptr<float>();
-  const float* vc = ly.vc.data_ptr<float>();
+  const auto* kc = static_cast<const A*>(ly.kc.data_ptr());
+  const auto* vc = static_cast<const A*>(ly.vc.data_ptr());
+  const auto* qa = reinterpret_cast<const A*>(q);
+  auto* oa = reinterpret_cast<A*>(out);
   const int64_t block_size = ly.kc.size(1);
   const auto scale = static_cast<float>(p.scale);
   if (!p.splits_heads) {
-    p.attention(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, p.Hq, p.Hkv, p.D, block_size, scale, i0,
-                i1, 0, p.Hkv);
+    fn(qa, kc, vc, kstride, vstride, tables, table_stride, lens, oa, p.Hq, p.Hkv, p.D, block_size, scale, i0, i1, 0,
+       p.Hkv);
     return;
   }
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t s = i / p.Hkv, h = i % p.Hkv;
-    p.attention(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, p.Hq, p.Hkv, p.D, block_size, scale, s,
-                s + 1, h, h + 1);
+    fn(qa, kc, vc, kstride, vstride, tables, table_stride, lens, oa, p.Hq, p.Hkv, p.D, block_size, scale, s, s + 1, h,
+       h + 1);
   }
 }
 
@@ -190,21 +292,27 @@ Plan& plan_at(int64_t handle) {
 
 // Registers a model's layers for decode_step_run; returns the plan's handle. Per layer, ``tensors`` holds
 // 14 entries (input norm, post-attention norm, then weights, scales, zeros of qkv, o, gate_up, down; unused
-// ones empty), ``kinds`` 8 (weight kind 4 / 8 / 32 and group size of each projection), ``caches`` 2 (the
-// layer's K and V cache, fp32 [blocks, block_size, H_kv, D], unit stride over D).
-// ``attention``: the address of the attention module's decode_rows_f32 (``decode_rows_f32_address()``),
+// ones empty), ``kinds`` 8 (weight kind 4 / 8 / 16 / 32 and group size of each projection), ``caches`` 2 (the
+// layer's K and V cache, [blocks, block_size, H_kv, D] in the activation dtype, unit stride over D).
+// ``dtype``: the activations', "float32" (kinds 4, 8, 32) or "bfloat16" (kind 16); ``amx_min_rows``: from
+// how many rows bf16 panels go through AMX tiles (dense_matmul_panel's threshold, from Python).
+// ``attention``: the address of the attention module's decode_rows for the dtype (``decode_rows_address``),
 // ``splits_heads``: its ``decode_splits_heads(head_dim)``.
 int64_t decode_step_plan(std::vector<torch::Tensor> tensors, std::vector<int64_t> kinds,
                          std::vector<torch::Tensor> caches, torch::Tensor final_norm, double eps, double scale,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-                         int64_t attention, bool splits_heads) {
+                         const std::string& dtype, int64_t amx_min_rows, int64_t attention, bool splits_heads) {
   using namespace tstep;
   const int64_t L = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(L > 0 && static_cast<int64_t>(tensors.size()) == 14 * L && static_cast<int64_t>(kinds.size()) == 8 * L,
               "decode_step_plan: 14 tensors, 8 kinds and 2 caches per layer");
   TORCH_CHECK(attention != 0, "decode_step_plan: no attention function");
+  TORCH_CHECK(dtype == "float32" || dtype == "bfloat16", "decode_step_plan: float32 or bfloat16, not ", dtype);
   auto plan = std::make_unique<Plan>();
-  plan->attention = reinterpret_cast<AttentionFn>(attention);
+  plan->bf16 = dtype == "bfloat16";
+  plan->amx_min_rows = amx_min_rows;
+  const auto act = plan->bf16 ? at::kBFloat16 : at::kFloat;
+  plan->attention = reinterpret_cast<void*>(attention);
   plan->splits_heads = splits_heads;
   plan->hidden = final_norm.numel();
   plan->Hq = num_heads;
@@ -213,7 +321,7 @@ int64_t decode_step_plan(std::vector<torch::Tensor> tensors, std::vector<int64_t
   plan->inter = intermediate;
   plan->eps = static_cast<float>(eps);
   plan->scale = scale;
-  TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous(), "final norm: contiguous fp32");
+  TORCH_CHECK(final_norm.scalar_type() == act && final_norm.is_contiguous(), "final norm: contiguous ", dtype);
   plan->final_norm = final_norm;
   const int64_t H = plan->hidden, q = num_heads * head_dim, kv = num_kv_heads * head_dim;
   TORCH_CHECK(num_heads % num_kv_heads == 0, "decode_step_plan: heads must be a multiple of KV heads");
@@ -225,17 +333,19 @@ int64_t decode_step_plan(std::vector<torch::Tensor> tensors, std::vector<int64_t
     const int64_t* k = kinds.data() + 8 * i;
     ly.norm1 = t[0];
     ly.norm2 = t[1];
-    TORCH_CHECK(t[0].scalar_type() == at::kFloat && t[1].scalar_type() == at::kFloat && t[0].is_contiguous() &&
-                    t[1].is_contiguous() && t[0].numel() == H && t[1].numel() == H, "layer norms: contiguous fp32");
+    TORCH_CHECK(t[0].scalar_type() == act && t[1].scalar_type() == act && t[0].is_contiguous() &&
+                    t[1].is_contiguous() && t[0].numel() == H && t[1].numel() == H, "layer norms: contiguous ", dtype);
     Linear* lin[4] = {&ly.qkv, &ly.o, &ly.gate_up, &ly.down};
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 4; ++j) {
+      TORCH_CHECK((k[2 * j] == kBFloat16) == plan->bf16, names[j], ": bf16 panels go with bf16 activations only");
       *lin[j] = make_linear(t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], k[2 * j], k[2 * j + 1], shapes[j][0],
                             shapes[j][1], names[j]);
+    }
     ly.kc = caches[2 * i];
     ly.vc = caches[2 * i + 1];
     for (const auto& c : {ly.kc, ly.vc})
-      TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 4 && c.size(2) == num_kv_heads && c.size(3) == head_dim &&
-                      c.stride(3) == 1, "caches: fp32 [blocks, block_size, H_kv, D], unit stride over D");
+      TORCH_CHECK(c.scalar_type() == act && c.dim() == 4 && c.size(2) == num_kv_heads && c.size(3) == head_dim &&
+                      c.stride(3) == 1, "caches: ", dtype, " [blocks, block_size, H_kv, D], unit stride over D");
     plan->layers.push_back(std::move(ly));
   }
   std::lock_guard<std::mutex> guard(plans_lock);
@@ -248,21 +358,165 @@ void decode_step_free(int64_t handle) {
   if (handle >= 0 && handle < static_cast<int64_t>(tstep::plans.size())) tstep::plans[handle].reset();
 }
 
-// x: [M, hidden] fp32 (the embedded tokens), M <= 16 decode rows, each a token attending to its sequence's
-// cached prefix and itself: positions [M] int64, slot_mapping [M] int64 (where its K/V goes), block_tables
-// [M, max_blocks] int32 (its sequence's), seq_lens [M] (the length it attends to, itself included; the
-// rows of one sequence's chunk: consecutive lengths, every row's K/V written before any attention reads);
-// cos_sin: the rotary table [>= max position + 1, D] fp32.
+namespace tstep {
+
+// The layers for M rows in the activation storage C (tf::F32 or tf::BF16): see decode_step_run.
+template <typename C, typename T = typename C::storage>
+void run_layers(Plan& p, int64_t M, int64_t L, T* res, T* out, const int64_t* pos, const int64_t* slots,
+                const T* cs, const int32_t* tables, int64_t table_stride, const int64_t* lens) {
+  const int64_t H = p.hidden, D = p.D, q_size = p.Hq * D, kv_size = p.Hkv * D;
+  // Activations: a norm's output, qkv, the attention's q (contiguous per row, as the attention kernel reads
+  // it) and output, a projection's output, gate_up, SiLU * up; fp32 sums of a projection (bf16 panels).
+  const int64_t width = q_size + 2 * kv_size;
+  std::vector<T> h(M * H), qkv(M * width), qrows(M * q_size), attn(M * q_size), proj(M * H), gu(M * 2 * p.inter),
+      act(M * p.inter);
+  std::vector<float> scratch(p.bf16 ? M * std::max({width, 2 * p.inter, H}) : 0);
+  Input in_qkv, in_o, in_gu, in_down;
+  const Layer& first = p.layers[0];  // every layer's projections have the same shapes and kinds
+  bind(p, first.qkv, h.data(), M, in_qkv);
+  bind(p, first.o, attn.data(), M, in_o);
+  bind(p, first.gate_up, h.data(), M, in_gu);
+  bind(p, first.down, act.data(), M, in_down);
+  const bool prep_qkv = needs_prepare(first.qkv, in_qkv, M), prep_o = needs_prepare(first.o, in_o, M),
+             prep_gu = needs_prepare(first.gate_up, in_gu, M), prep_down = needs_prepare(first.down, in_down, M);
+  const int64_t items = p.splits_heads ? M * p.Hkv : M;
+  const int nt_req = std::max(1, at::get_num_threads());
+  const bool profile = p.profile;
+  double spent[3] = {0., 0., 0.};
+  double last = profile ? omp_get_wtime() : 0.;
+  // The elementwise parts (norms, rotary and the K/V write, SiLU): one thread for a few rows (a barrier
+  // costs more than their work), split by rows over the threads from kSplitRows rows. A row's result does
+  // not depend on who computes it.
+  const bool split = M >= kSplitRows;
+#pragma omp parallel num_threads(nt_req)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const auto mark = [&](int part) {  // thread 0, right after a barrier: the part just ended
+      if (!profile || tid != 0) return;
+      const double now = omp_get_wtime();
+      spent[part] += now - last;
+      last = now;
+    };
+    // rows(r0, n) on this thread's rows, then (once every row is done) the projection's per-layer input
+    // work on one thread (``prep``: there is some); a barrier after.
+    const auto elementwise = [&](const auto& rows, const Linear* l, Input* in, bool prep) {
+      if (!split) {
+#pragma omp single
+        {
+          rows(int64_t{0}, M);
+          if (prep) prepare(*l, M, *in);
+        }
+        return;
+      }
+      int64_t r0, r1;
+      share(M, tid, nt, r0, r1);
+      if (r0 < r1) rows(r0, r1 - r0);
+#pragma omp barrier
+      if (prep) {
+#pragma omp single
+        prepare(*l, M, *in);
+      }
+    };
+    enum { kMatmul = 0, kAttention = 1, kOther = 2 };
+    for (int64_t l = 0; l < L; ++l) {
+      const Layer& ly = p.layers[l];
+      const T* norm1 = static_cast<const T*>(ly.norm1.data_ptr());
+      const T* norm2 = static_cast<const T*>(ly.norm2.data_ptr());
+      // layer 0: the embedding is the residual stream; after: residual += the last layer's output
+      elementwise(
+          [&](int64_t r0, int64_t n) {
+            tf::add_rms_norm_impl<C>((l == 0 ? res : proj.data()) + r0 * H, res + r0 * H, norm1, h.data() + r0 * H,
+                                     n, H, p.eps, l > 0);
+          },
+          &ly.qkv, &in_qkv, prep_qkv);
+      mark(kOther);
+      matmul_part(ly.qkv, in_qkv, M, qkv.data(), scratch.data(), tid, nt);
+#pragma omp barrier
+      mark(kMatmul);
+      elementwise(
+          [&](int64_t r0, int64_t n) {
+            T* rows = qkv.data() + r0 * width;
+            tf::rotary_impl<C>(rows, n, p.Hq, D, width, cs, pos + r0);
+            tf::rotary_impl<C>(rows + q_size, n, p.Hkv, D, width, cs, pos + r0);
+            T* kc = static_cast<T*>(ly.kc.data_ptr());
+            T* vc = static_cast<T*>(ly.vc.data_ptr());
+            const int64_t bs = ly.kc.size(1);
+            for (int64_t i = r0; i < r0 + n; ++i) {
+              const T* row = qkv.data() + i * width;
+              std::memcpy(qrows.data() + i * q_size, row, q_size * sizeof(T));
+              const int64_t block = slots[i] / bs, offset = slots[i] % bs;
+              for (int64_t hk = 0; hk < p.Hkv; ++hk) {
+                std::memcpy(kc + block * ly.kc.stride(0) + offset * ly.kc.stride(1) + hk * ly.kc.stride(2),
+                            row + q_size + hk * D, D * sizeof(T));
+                std::memcpy(vc + block * ly.vc.stride(0) + offset * ly.vc.stride(1) + hk * ly.vc.stride(2),
+                            row + q_size + kv_size + hk * D, D * sizeof(T));
+              }
+            }
+          },
+          nullptr, nullptr, false);
+      {
+        mark(kOther);
+        int64_t i0, i1;
+        share(items, tid, nt, i0, i1);
+        if (i0 < i1) attention_part<T>(p, ly, qrows.data(), attn.data(), tables, table_stride, lens, i0, i1);
+      }
+#pragma omp barrier
+      mark(kAttention);
+      if (prep_o) {
+#pragma omp single
+        prepare(ly.o, M, in_o);
+      }
+      mark(kOther);
+      matmul_part(ly.o, in_o, M, proj.data(), scratch.data(), tid, nt);
+#pragma omp barrier
+      mark(kMatmul);
+      elementwise(
+          [&](int64_t r0, int64_t n) {
+            tf::add_rms_norm_impl<C>(proj.data() + r0 * H, res + r0 * H, norm2, h.data() + r0 * H, n, H, p.eps, true);
+          },
+          &ly.gate_up, &in_gu, prep_gu);
+      mark(kOther);
+      matmul_part(ly.gate_up, in_gu, M, gu.data(), scratch.data(), tid, nt);
+#pragma omp barrier
+      mark(kMatmul);
+      elementwise(
+          [&](int64_t r0, int64_t n) {
+            tf::silu_mul_impl<C>(gu.data() + r0 * 2 * p.inter, act.data() + r0 * p.inter, n, p.inter, 2 * p.inter);
+          },
+          &ly.down, &in_down, prep_down);
+      mark(kOther);
+      matmul_part(ly.down, in_down, M, proj.data(), scratch.data(), tid, nt);
+#pragma omp barrier
+      mark(kMatmul);
+    }
+  }
+  if (profile) {
+    std::lock_guard<std::mutex> guard(plans_lock);
+    for (int i = 0; i < 3; ++i) p.seconds[i] += spent[i];
+  }
+  const T* final_norm = static_cast<const T*>(p.final_norm.data_ptr());
+  if (L == 0) tf::add_rms_norm_impl<C>(res, res, final_norm, out, M, H, p.eps, false);
+  else tf::add_rms_norm_impl<C>(proj.data(), res, final_norm, out, M, H, p.eps, true);
+}
+
+}  // namespace tstep
+
+// x: [M, hidden] in the plan's dtype (the embedded tokens), M <= 16 decode rows, each a token attending to
+// its sequence's cached prefix and itself: positions [M] int64, slot_mapping [M] int64 (where its K/V goes),
+// block_tables [M, max_blocks] int32 (its sequence's), seq_lens [M] (the length it attends to, itself
+// included; the rows of one sequence's chunk: consecutive lengths, every row's K/V written before any
+// attention reads); cos_sin: the rotary table [>= max position + 1, D] in the plan's dtype.
 // Returns the final norm of the hidden states after the first ``num_layers`` layers.
 torch::Tensor decode_step_run(int64_t handle, torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin,
                               torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
                               int64_t num_layers) {
   using namespace tstep;
   Plan& p = plan_at(handle);
-  const int64_t M = x.size(0), H = p.hidden, D = p.D, q_size = p.Hq * D, kv_size = p.Hkv * D;
+  const int64_t M = x.size(0), H = p.hidden, D = p.D;
   const int64_t L = std::min<int64_t>(num_layers, static_cast<int64_t>(p.layers.size()));
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == H,
-              "x: contiguous fp32 [M, hidden]");
+  const auto act = p.bf16 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == act && x.size(1) == H,
+              "x: contiguous [M, hidden] of the plan's dtype");
   TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "decode_step_run: 1 to ", MAX_ROWS, " rows, not ", M);
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M,
               "positions: contiguous int64 [M]");
@@ -270,8 +524,8 @@ torch::Tensor decode_step_run(int64_t handle, torch::Tensor x, torch::Tensor pos
               "slot_mapping: contiguous int64 [M]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == M &&
                   block_tables.stride(1) == 1, "block_tables: int32 [M, max_blocks]");
-  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.size(1) == D,
-              "cos_sin: contiguous fp32 [P, head_dim]");
+  TORCH_CHECK(cos_sin.scalar_type() == act && cos_sin.is_contiguous() && cos_sin.size(1) == D,
+              "cos_sin: contiguous [P, head_dim] of the plan's dtype");
   TORCH_CHECK((seq_lens.scalar_type() == at::kLong || seq_lens.scalar_type() == at::kInt) && seq_lens.is_contiguous() &&
                   seq_lens.numel() == M, "seq_lens: contiguous int32 or int64 [M]");
   std::vector<int64_t> lens(M);
@@ -286,108 +540,17 @@ torch::Tensor decode_step_run(int64_t handle, torch::Tensor x, torch::Tensor pos
     TORCH_CHECK(slots[i] >= 0 && slots[i] < p.layers[0].kc.size(0) * p.layers[0].kc.size(1), "slot ", slots[i],
                 " is outside the cache");
   }
-  // Activations, fp32 rows: the residual stream, a norm's output, qkv, the attention output (q contiguous
-  // per row, as the attention kernel reads it), a projection's output, gate_up, SiLU * up.
-  torch::Tensor residual = x.clone();
+  torch::Tensor residual = x.clone();  // the residual stream
   torch::Tensor out = torch::empty_like(x);
-  std::vector<float> h(M * H), qkv(M * (q_size + 2 * kv_size)), qrows(M * q_size), attn(M * q_size), proj(M * H),
-      gu(M * 2 * p.inter), act(M * p.inter);
-  Input in_qkv, in_o, in_gu, in_down;
-  float* res = residual.data_ptr<float>();
-  const float* cs = cos_sin.data_ptr<float>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t table_stride = block_tables.stride(0), width = q_size + 2 * kv_size;
-  const int64_t items = p.splits_heads ? M * p.Hkv : M;
-  const int nt_req = std::max(1, at::get_num_threads());
-  const bool profile = p.profile;
-  double spent[3] = {0., 0., 0.};
-  double last = profile ? omp_get_wtime() : 0.;
-#pragma omp parallel num_threads(nt_req)
-  {
-    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    const auto mark = [&](int part) {  // thread 0, right after a barrier: the part just ended
-      if (!profile || tid != 0) return;
-      const double now = omp_get_wtime();
-      spent[part] += now - last;
-      last = now;
-    };
-    enum { kMatmul = 0, kAttention = 1, kOther = 2 };
-    for (int64_t l = 0; l < L; ++l) {
-      const Layer& ly = p.layers[l];
-#pragma omp single
-      {
-        // layer 0: the embedding is the residual stream; after: residual += the last layer's output
-        tf::add_rms_norm_impl<tf::F32>(l == 0 ? res : proj.data(), res, ly.norm1.data_ptr<float>(), h.data(), M, H,
-                                       p.eps, l > 0);
-        prepare(ly.qkv, h.data(), M, in_qkv);
-      }
-      mark(kOther);
-      matmul_part(ly.qkv, in_qkv, M, qkv.data(), tid, nt);
-#pragma omp barrier
-      mark(kMatmul);
-#pragma omp single
-      {
-        tf::rotary_impl<tf::F32>(qkv.data(), M, p.Hq, D, width, cs, pos);
-        tf::rotary_impl<tf::F32>(qkv.data() + q_size, M, p.Hkv, D, width, cs, pos);
-        float* kc = ly.kc.data_ptr<float>();
-        float* vc = ly.vc.data_ptr<float>();
-        const int64_t bs = ly.kc.size(1);
-        for (int64_t i = 0; i < M; ++i) {
-          const float* row = qkv.data() + i * width;
-          std::memcpy(qrows.data() + i * q_size, row, q_size * sizeof(float));
-          const int64_t block = slots[i] / bs, offset = slots[i] % bs;
-          for (int64_t hk = 0; hk < p.Hkv; ++hk) {
-            std::memcpy(kc + block * ly.kc.stride(0) + offset * ly.kc.stride(1) + hk * ly.kc.stride(2),
-                        row + q_size + hk * D, D * sizeof(float));
-            std::memcpy(vc + block * ly.vc.stride(0) + offset * ly.vc.stride(1) + hk * ly.vc.stride(2),
-                        row + q_size + kv_size + hk * D, D * sizeof(float));
-          }
-        }
-      }
-      {
-        mark(kOther);
-        int64_t i0, i1;
-        share(items, tid, nt, i0, i1);
-        if (i0 < i1) attention_part(p, ly, qrows.data(), attn.data(), tables, table_stride, lens.data(), i0, i1);
-      }
-#pragma omp barrier
-      mark(kAttention);
-#pragma omp single
-      prepare(ly.o, attn.data(), M, in_o);
-      mark(kOther);
-      matmul_part(ly.o, in_o, M, proj.data(), tid, nt);
-#pragma omp barrier
-      mark(kMatmul);
-#pragma omp single
-      {
-        tf::add_rms_norm_impl<tf::F32>(proj.data(), res, ly.norm2.data_ptr<float>(), h.data(), M, H, p.eps, true);
-        prepare(ly.gate_up, h.data(), M, in_gu);
-      }
-      mark(kOther);
-      matmul_part(ly.gate_up, in_gu, M, gu.data(), tid, nt);
-#pragma omp barrier
-      mark(kMatmul);
-#pragma omp single
-      {
-        tf::silu_mul_impl<tf::F32>(gu.data(), act.data(), M, p.inter, 2 * p.inter);
-        prepare(ly.down, act.data(), M, in_down);
-      }
-      mark(kOther);
-      matmul_part(ly.down, in_down, M, proj.data(), tid, nt);
-#pragma omp barrier
-      mark(kMatmul);
-    }
+  if (p.bf16) {
+    run_layers<tf::BF16>(p, M, L, static_cast<uint16_t*>(residual.data_ptr()), static_cast<uint16_t*>(out.data_ptr()),
+                         pos, slots, static_cast<const uint16_t*>(cos_sin.data_ptr()), tables, block_tables.stride(0),
+                         lens.data());
+  } else {
+    run_layers<tf::F32>(p, M, L, residual.data_ptr<float>(), out.data_ptr<float>(), pos, slots,
+                        cos_sin.data_ptr<float>(), tables, block_tables.stride(0), lens.data());
   }
-  if (profile) {
-    std::lock_guard<std::mutex> guard(plans_lock);
-    for (int i = 0; i < 3; ++i) p.seconds[i] += spent[i];
-  }
-  if (L == 0) {
-    tf::add_rms_norm_impl<tf::F32>(res, res, p.final_norm.data_ptr<float>(), out.data_ptr<float>(), M, H, p.eps, false);
-    return out;
-  }
-  tf::add_rms_norm_impl<tf::F32>(proj.data(), res, p.final_norm.data_ptr<float>(), out.data_ptr<float>(), M, H, p.eps,
-                                 true);
   return out;
 }
 

@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one C++ call on CPU (``cpu_step.cpp``), for a few decode rows.
+"""A decode step's decoder layers in one C++ call on CPU (``cpu_step.cpp``), for a batch of decode rows.
 
 At batch 1 the op-by-op forward spends as long in Python, dispatch and thread wake-ups as a 4-bit model
 spends streaming its weights: ~400 calls a step for 30 layers. ``DecodeStep`` hands the layers' weights
@@ -8,11 +8,14 @@ the op-by-op path calls (``common/quant``'s panels, ``cpu_decode.cpp``'s attenti
 norms, rotary and SiLU), each wrapped in its own namespace, so its hidden states and K/V are bit-identical
 to that path's (tests/model/test_decode_step.py).
 
-It runs when every projection is a panel layer it knows (fp32 ``PanelLinear``, or ``tandem_a8`` int8 /
-int4 panels), activations and the KV cache are fp32, attention is the compiled CPU decode kernel, and the
-batch is up to ``MAX_ROWS`` tokens that attention reads as decode rows: a decode step, or short chunks
-over a cached prefix (speculative verification, a draft model's catch-up); anything else (prefill, long
-chunks, bf16, other kernels, parallel ranks) takes the op-by-op path. ``TANDEM_DECODE_STEP=auto|on|off`` (auto:
+It runs when every projection is a panel layer it knows for the activation dtype (fp32: fp32 ``PanelLinear``
+or ``tandem_a8`` int8 / int4 panels; bf16: bf16 ``PanelLinear``, multiplied as ``dense_matmul_panel`` does
+on this CPU: AMX tiles from its row threshold, ``vdpbf16ps`` below), the KV cache has the activations'
+dtype, attention is the compiled CPU decode kernel, and the batch is up to ``max_rows`` tokens (the
+fewest rows up to which every projection's op-by-op kernel is the panel loop the step runs; at most
+``MAX_ROWS``) that attention reads as decode rows: a decode step, or short chunks over a cached prefix (speculative
+verification, a draft model's catch-up); anything else (prefill, long chunks, bf16 activations with
+quantized weights, other kernels, parallel ranks) takes the op-by-op path. ``TANDEM_DECODE_STEP=auto|on|off`` (auto:
 where it builds and applies; on: a start-up error if it cannot build; off: never).
 """
 
@@ -37,7 +40,9 @@ Model = Any
 Cache = Any
 
 
-MAX_ROWS = 16  # cpu_step.cpp's MAX_ROWS
+MAX_ROWS = 256  # cpu_step.cpp's MAX_ROWS: a bound on its buffers
+MIN_ROWS = 16  # a model whose projections cannot take this many rows in the step keeps the op-by-op path
+_DTYPES = (torch.float32, torch.bfloat16)  # activations (and the KV cache) the step runs in
 STEP_MODES = ("auto", "on", "off")
 _MODEL = Path(__file__).parent
 _QUANT = _MODEL.parent / "quant"
@@ -72,17 +77,20 @@ def step_module(isa: str | None = None) -> ModuleType | None:
     return _BUILDS.get(isa, ISA_FLAGS[isa])
 
 
-def _linear_entry(linear: torch.nn.Module) -> tuple[list[torch.Tensor], list[int]] | None:
-    """(weights, scales, zeros) and (kind, group) of a projection the step runs, or None."""
+def _linear_entry(linear: torch.nn.Module, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | None:
+    """(weights, scales, zeros) and (kind, group) of a projection the step runs with ``dtype`` activations,
+    or None."""
     from common.model.gemv import PanelLinear
     from common.quant.cpu_linear import _Panels
 
     empty = torch.empty(0)
     if getattr(linear, "bias", None) is not None:
         return None
-    if isinstance(linear, PanelLinear) and linear.panels.dtype == torch.float32:
-        return [linear.panels, empty, empty], [32, linear.in_features]
-    if isinstance(linear, _Panels) and linear.panels and linear._panel_rows >= MAX_ROWS:
+    if isinstance(linear, PanelLinear) and linear.panels.dtype == dtype:
+        return [linear.panels, empty, empty], [16 if dtype == torch.bfloat16 else 32, linear.in_features]
+    if dtype != torch.float32:
+        return None
+    if isinstance(linear, _Panels) and linear.panels and linear._panel_rows >= MIN_ROWS:
         if linear.format == "int4":
             q, scales, zeros = linear._args
             return [q, scales, zeros], [4, linear.group_size]
@@ -92,12 +100,26 @@ def _linear_entry(linear: torch.nn.Module) -> tuple[list[torch.Tensor], list[int
     return None
 
 
+def _row_limit(linear: torch.nn.Module) -> int:
+    """Rows up to which the projection's op-by-op forward runs the panel loop the step runs (beyond it, it
+    unpacks tiles for a GEMM: other sums)."""
+    from common.model.gemv import PanelLinear, _panel_max_rows, gemv_kernels
+    from common.quant.cpu_linear import _Panels
+
+    if isinstance(linear, PanelLinear):
+        ops = gemv_kernels()
+        return 0 if ops is None else _panel_max_rows(ops)
+    assert isinstance(linear, _Panels)  # _linear_entry took it
+    return linear._panel_rows
+
+
 class DecodeStep:
     """A model's decoder layers as one call per decode step (see the module docstring)."""
 
-    def __init__(self, module: ModuleType, model: Model) -> None:
+    def __init__(self, module: ModuleType, model: Model, max_rows: int = MIN_ROWS) -> None:
         self._m = module
         self._model = model
+        self.max_rows = max_rows  # tokens a batch may have to run here
         self._handle: int | None = None
         self._cache_data: torch.Tensor | None = None  # the KV tensor the plan's views are of
         self._profile = False
@@ -108,7 +130,7 @@ class DecodeStep:
         from common.attention.torch_backend import TorchAttentionBackend
 
         mode = step_mode() if mode is None else mode
-        if mode == "off" or model.fused_ops is None or model.dtype != torch.float32:
+        if mode == "off" or model.fused_ops is None or model.dtype not in _DTYPES:
             return None
         layers = list(model.layers)  # decoder layers: norms, self_attn (qkv, o, rotary, backend), mlp
         if not layers:
@@ -123,29 +145,34 @@ class DecodeStep:
         config = model.config
         q, kv, hidden, inter = config.q_size, config.kv_size, config.hidden_size, config.intermediate_size
         shapes = ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter))  # whole, not sharded
+        max_rows = MAX_ROWS
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             for lin, shape in zip((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), shapes, strict=True):
-                if _linear_entry(lin) is None or (lin.out_features, lin.in_features) != shape:
+                if _linear_entry(lin, model.dtype) is None or (lin.out_features, lin.in_features) != shape:
                     return None
+                max_rows = min(max_rows, _row_limit(lin))
+        if max_rows < MIN_ROWS:
+            return None
         module = step_module()
         if module is None:
             if mode == "on":
                 raise RuntimeError("TANDEM_DECODE_STEP=on but the one-call decode step could not be built "
                                    "(see the log)")
             return None
-        return DecodeStep(module, model)
+        return DecodeStep(module, model, max_rows)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: Cache | None) -> bool:
-        """The plan can run this batch: up to ``MAX_ROWS`` tokens, each read as a decode row. That is a plain
+        """The plan can run this batch: up to ``max_rows`` tokens, each read as a decode row. That is a plain
         decode step, or short chunks over a cached prefix (speculative verification, a draft's catch-up),
         which the attention backend also runs as decode rows (``EXTEND_AS_DECODE_ROWS``)."""
         from common.attention.torch_backend import EXTEND_AS_DECODE_ROWS
 
         data = getattr(kv_cache, "data", None)
-        return (data is not None and x.dtype == torch.float32 and data.dtype == torch.float32
+        dtype = self._model.dtype
+        return (data is not None and x.dtype == dtype and data.dtype == dtype
                 and meta.slot_mapping is not None and meta.block_tables is not None
-                and 1 <= meta.num_tokens <= MAX_ROWS and not meta.is_prefill_only
+                and 1 <= meta.num_tokens <= self.max_rows and not meta.is_prefill_only
                 and meta.max_query_len <= EXTEND_AS_DECODE_ROWS)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: Cache,
@@ -179,19 +206,21 @@ class DecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                entry = _linear_entry(lin)
+                entry = _linear_entry(lin, model.dtype)
                 assert entry is not None  # checked by for_model
                 tensors += entry[0]
                 kinds += entry[1]
             caches += list(kv_cache.layer(i))
         from common.attention.cpu_kernels import paged_decode_kernel
+        from common.model.gemv import amx_min_rows
 
         attention = paged_decode_kernel()  # its own compiled attention (flags of its own): rows equal its rows
         assert attention is not None  # checked by for_model
+        dtype = str(model.dtype).removeprefix("torch.")
         self._handle = int(self._m.decode_step_plan(
             tensors, kinds, caches, model.norm.weight.detach(), float(model.norm.eps), config.head_dim**-0.5,
-            config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
-            attention.decode_rows_f32_address(), attention.decode_splits_heads(config.head_dim)))
+            config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size, dtype,
+            amx_min_rows(), attention.decode_rows_address(dtype), attention.decode_splits_heads(config.head_dim)))
         self._cache_data = data
         if self._profile:
             self._m.decode_step_profile(self._handle, True)

@@ -106,6 +106,13 @@ def _amx_min_rows(ops: ModuleType) -> int:
     return _limits["amx_min_rows"]
 
 
+def amx_min_rows() -> int:
+    """Rows from which bf16 panels multiply in AMX tiles in this process (``NO_AMX``: never; the one-call
+    decode step, common/model/decode_step.py, follows the same threshold)."""
+    ops = gemv_kernels()
+    return NO_AMX if ops is None else _amx_min_rows(ops)
+
+
 def _panel_max_rows(ops: ModuleType) -> int:
     """Rows up to which panels multiply as they lie: any count with AMX, else ``PANEL_MAX_ROWS``."""
     return NO_AMX if _amx_min_rows(ops) < NO_AMX else PANEL_MAX_ROWS

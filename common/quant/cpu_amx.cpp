@@ -150,49 +150,66 @@ inline void amx_rows(const uint16_t* xa, const uint16_t* xb, int64_t K, const ui
 
 // out [M, N] = x [M, K] bf16 (K a multiple of 32) times ``panels`` bf16 panels [K/2, 16, 2] that
 // ``source(p0, p1, scratch)`` gives (a pointer to panels p0 .. p1: the weights themselves, or a chunk
-// dequantized into ``scratch``). Rows go in groups of 32, then 16; the last partial group is copied into
-// 16 zero-padded rows. A thread takes its panel pairs in chunks of ``kAmxChunkBytes`` of bf16 weights: the
+// dequantized into ``scratch``), for the panel pairs [t0, t1) on the calling thread (``amx_panels`` splits
+// the pairs over its threads; common/model/cpu_step.cpp's one-call step over its own). Rows go in groups of
+// 32, then 16; the rows past the last multiple of 16 come from ``tail``: 16 zero-padded rows
+// (``amx_tail``). A thread takes its panel pairs in chunks of ``kAmxChunkBytes`` of bf16 weights: the
 // first row group pulls a chunk into L2 (from DRAM, prefetching, or as the source writes it), the others
-// read it there, and each row group's x stays in L1 while it passes over the chunk.
+// read it there, and each row group's x stays in L1 while it passes over the chunk. A tile's sums do not
+// depend on the split: every output is one tile's full sum over K.
 template <bool PREFETCH, typename Source>
-void amx_panels(const uint16_t* x, int64_t M, int64_t K, int64_t panels, const AmxOut& out, const Source& source) {
+void amx_pairs(const uint16_t* x, const uint16_t* tail, int64_t M, int64_t K, int64_t panels, const AmxOut& out,
+               const Source& source, int64_t t0, int64_t t1) {
   const int64_t pair_bytes = 2 * kAmxPanel * K * 2;
   const int64_t chunk = std::max<int64_t>(1, kAmxChunkBytes / pair_bytes);
   const int64_t full = M / 16 * 16;
-  std::vector<uint16_t> tail;
-  if (full < M) {
-    tail.assign(16 * K, 0);
-    std::memcpy(tail.data(), x + full * K, (M - full) * K * sizeof(uint16_t));
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
   }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[4 * 256];
+  static thread_local std::vector<uint16_t> scratch;  // kept across calls: no fresh pages per call
+  for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
+    const int64_t p0 = 2 * c0, p1 = std::min(panels, 2 * std::min(t1, c0 + chunk));
+    const uint16_t* w = source(p0, p1, scratch);
+    bool first = PREFETCH;  // only the first row group streams the chunk from DRAM
+    int64_t m = 0;
+    for (; m + 32 <= full; m += 32, first = false) {
+      if (first) amx_rows<true, true>(x + m * K, x + (m + 16) * K, K, w, p0, p1, out, m, c);
+      else amx_rows<true, false>(x + m * K, x + (m + 16) * K, K, w, p0, p1, out, m, c);
+    }
+    if (m < full) {
+      if (first) amx_rows<false, true>(x + m * K, nullptr, K, w, p0, p1, out, m, c);
+      else amx_rows<false, false>(x + m * K, nullptr, K, w, p0, p1, out, m, c);
+      first = false;
+    }
+    if (full < M) {
+      if (first) amx_rows<false, true>(tail, nullptr, K, w, p0, p1, out, full, c);
+      else amx_rows<false, false>(tail, nullptr, K, w, p0, p1, out, full, c);
+    }
+  }
+  _tile_release();
+}
+
+// The rows of x past the last multiple of 16, copied into 16 zero-padded rows (empty when there are none).
+void amx_tail(const uint16_t* x, int64_t M, int64_t K, std::vector<uint16_t>& tail) {
+  const int64_t full = M / 16 * 16;
+  if (full == M) {
+    tail.clear();
+    return;
+  }
+  tail.assign(16 * K, 0);
+  std::memcpy(tail.data(), x + full * K, (M - full) * K * sizeof(uint16_t));
+}
+
+template <bool PREFETCH, typename Source>
+void amx_panels(const uint16_t* x, int64_t M, int64_t K, int64_t panels, const AmxOut& out, const Source& source) {
+  std::vector<uint16_t> tail;
+  amx_tail(x, M, K, tail);
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-    alignas(64) float c[4 * 256];
-    static thread_local std::vector<uint16_t> scratch;  // kept across calls: no fresh pages per call
-    for (int64_t c0 = t0; c0 < t1; c0 += chunk) {
-      const int64_t p0 = 2 * c0, p1 = std::min(panels, 2 * std::min(t1, c0 + chunk));
-      const uint16_t* w = source(p0, p1, scratch);
-      bool first = PREFETCH;  // only the first row group streams the chunk from DRAM
-      int64_t m = 0;
-      for (; m + 32 <= full; m += 32, first = false) {
-        if (first) amx_rows<true, true>(x + m * K, x + (m + 16) * K, K, w, p0, p1, out, m, c);
-        else amx_rows<true, false>(x + m * K, x + (m + 16) * K, K, w, p0, p1, out, m, c);
-      }
-      if (m < full) {
-        if (first) amx_rows<false, true>(x + m * K, nullptr, K, w, p0, p1, out, m, c);
-        else amx_rows<false, false>(x + m * K, nullptr, K, w, p0, p1, out, m, c);
-        first = false;
-      }
-      if (full < M) {
-        if (first) amx_rows<false, true>(tail.data(), nullptr, K, w, p0, p1, out, full, c);
-        else amx_rows<false, false>(tail.data(), nullptr, K, w, p0, p1, out, full, c);
-      }
-    }
-    _tile_release();
+    amx_pairs<PREFETCH>(x, tail.data(), M, K, panels, out, source, t0, t1);
   });
 }
 

@@ -175,6 +175,34 @@ bool cpu_has_bf16_dot() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
 }
+
+// y [M, N] fp32 = x [M, K] bf16 times the panel pairs [t0, t1) of bf16 panels (``vdpbf16ps``), on the calling
+// thread: what ``dense_matmul_panel`` runs per thread, and common/model/cpu_step.cpp's step over its own split
+// (a panel's sums do not depend on which thread takes it).
+constexpr int kDenseNV = 2;  // panels a tile
+void dense_bf16_pairs(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, float* y, int64_t N,
+                      int64_t panels, int64_t t0, int64_t t1) {
+  constexpr int NV = kDenseNV;
+  constexpr int64_t kPairsPerBlock = 256;  // K block: 2 panels x 512 weights x 2 bytes = 32 KiB, one L1
+  const int64_t pairs = K / 2;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t p = t * NV;
+    const bool full = p + NV <= panels;
+    for (int64_t k0 = 0; k0 < pairs; k0 += kPairsPerBlock) {
+      const int64_t k1 = std::min(pairs, k0 + kPairsPerBlock);
+      const bool first = k0 == 0;
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) {
+        if (full) dense_panel_tile_bf16<8, NV>(xp + m * K, K, wp, y + m * N, N, p, k0, k1, first);
+        else dense_panel_tile_bf16<8, 1>(xp + m * K, K, wp, y + m * N, N, p, k0, k1, first);
+      }
+      for (; m < M; ++m) {
+        if (full) dense_panel_tile_bf16<1, NV>(xp + m * K, K, wp, y + m * N, N, p, k0, k1, first);
+        else dense_panel_tile_bf16<1, 1>(xp + m * K, K, wp, y + m * N, N, p, k0, k1, first);
+      }
+    }
+  }
+}
 #endif
 
 // Any build: fp32 sums of widened weights. VL output rows a vector (16 rows = 16 / VL vectors).
@@ -206,6 +234,17 @@ void dense_panel_tile_fma(const float* x, int64_t K, const void* wv, float* y, i
   }
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < PV; ++v) vstore(y + m * N + p * kDensePanel + v * VL, acc[m][v]);
+}
+
+// Panels [p0, p1) of fp32 (``BF16`` false) or bf16 panels times x [M, K] fp32, fp32 sums into y, on the
+// calling thread: the loop for CPUs without AVX512-BF16, and every CPU's for fp32 panels.
+template <bool BF16>
+void dense_fma_span(const float* x, int64_t M, int64_t K, const void* w, float* y, int64_t N, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) dense_panel_tile_fma<4, BF16>(x + m * K, K, w, y + m * N, N, p);
+    for (; m < M; ++m) dense_panel_tile_fma<1, BF16>(x + m * K, K, w, y + m * N, N, p);
+  }
 }
 
 }  // namespace
@@ -242,27 +281,8 @@ torch::Tensor dense_matmul_panel(torch::Tensor x, torch::Tensor w, int64_t amx_m
   if (bf16 && x.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot()) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    constexpr int NV = 2;
-    constexpr int64_t kPairsPerBlock = 256;  // K block: 2 panels x 512 weights x 2 bytes = 32 KiB, one L1
-    const int64_t pairs = K / 2;
-    at::parallel_for(0, (panels + NV - 1) / NV, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t p = t * NV;
-        const bool full = p + NV <= panels;
-        for (int64_t k0 = 0; k0 < pairs; k0 += kPairsPerBlock) {
-          const int64_t k1 = std::min(pairs, k0 + kPairsPerBlock);
-          const bool first = k0 == 0;
-          int64_t m = 0;
-          for (; m + 8 <= M; m += 8) {
-            if (full) dense_panel_tile_bf16<8, NV>(xp + m * K, K, wp, out.data + m * N, N, p, k0, k1, first);
-            else dense_panel_tile_bf16<8, 1>(xp + m * K, K, wp, out.data + m * N, N, p, k0, k1, first);
-          }
-          for (; m < M; ++m) {
-            if (full) dense_panel_tile_bf16<1, NV>(xp + m * K, K, wp, out.data + m * N, N, p, k0, k1, first);
-            else dense_panel_tile_bf16<1, 1>(xp + m * K, K, wp, out.data + m * N, N, p, k0, k1, first);
-          }
-        }
-      }
+    at::parallel_for(0, (panels + kDenseNV - 1) / kDenseNV, 1, [&](int64_t t0, int64_t t1) {
+      dense_bf16_pairs(xp, M, K, wp, out.data, N, panels, t0, t1);
     });
     return out.finish();
   }
@@ -271,17 +291,8 @@ torch::Tensor dense_matmul_panel(torch::Tensor x, torch::Tensor w, int64_t amx_m
   const float* xp = float_x(x, K, xs);
   const void* wp = w.data_ptr();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) {
-        if (bf16) dense_panel_tile_fma<4, true>(xp + m * K, K, wp, out.data + m * N, N, p);
-        else dense_panel_tile_fma<4, false>(xp + m * K, K, wp, out.data + m * N, N, p);
-      }
-      for (; m < M; ++m) {
-        if (bf16) dense_panel_tile_fma<1, true>(xp + m * K, K, wp, out.data + m * N, N, p);
-        else dense_panel_tile_fma<1, false>(xp + m * K, K, wp, out.data + m * N, N, p);
-      }
-    }
+    if (bf16) dense_fma_span<true>(xp, M, K, wp, out.data, N, p0, p1);
+    else dense_fma_span<false>(xp, M, K, wp, out.data, N, p0, p1);
   });
   return out.finish();
 }

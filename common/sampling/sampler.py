@@ -63,7 +63,9 @@ class Sampler:
             self._apply_penalties_and_min_tokens(logits, states)
 
         if all(p.greedy for p in params):
-            token_ids = logits.argmax(dim=-1)
+            # max's indices: the first maximum, as argmax's, at a third of its time on CPU (64 x 49152 fp32,
+            # 2 threads: 0.96 vs 2.7 ms)
+            token_ids = logits.max(dim=-1).indices
         else:
             token_ids = self._sample(logits, states)
         tokens: list[int] = token_ids.tolist()

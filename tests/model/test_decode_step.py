@@ -1,5 +1,6 @@
 """The one-call decode step (common/model/decode_step.py, cpu_step.cpp) against the op-by-op forward: the
-same hidden states and the same K/V, bit for bit, for float, int8 and int4 panels, and the same greedy text."""
+same hidden states and the same K/V, bit for bit, for fp32, int8 and int4 panels with fp32 activations and
+bf16 panels with bf16 activations (AMX tiles on and off where the CPU has them), and the same greedy text."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from common.config.engine_config import CacheConfig, SchedulerConfig
 from common.engine.engine_core import ColocatedEngine
 from common.engine.model_runner import kv_cache_spec
 from common.kv.kv_cache import KVCache
-from common.model.decode_step import MAX_ROWS, DecodeStep, step_mode, step_module
+from common.model.decode_step import MAX_ROWS, MIN_ROWS, DecodeStep, step_mode, step_module
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.sampling.params import SamplingParams
@@ -31,16 +32,17 @@ def built() -> None:
         pytest.skip("no C++ compiler / ninja here")
 
 
-def _model(factory: Callable[..., Path], shape: str, quantization: str) -> LlamaForCausalLM:
-    model = load_model(factory("llama", **SHAPES[shape]), dtype="float32", quantization=quantization)
+def _model(factory: Callable[..., Path], shape: str, quantization: str, dtype: str = "float32") -> LlamaForCausalLM:
+    model = load_model(factory("llama", **SHAPES[shape]), dtype=dtype, quantization=quantization)
     assert model.decode_step is not None, "the step should apply to every projection of this model"
     return model
 
 
 def _prefilled(model: LlamaForCausalLM, lengths: list[int]) -> tuple[KVCache, list[list[int]]]:
     """A cache holding ``lengths`` prompts (prefilled op by op), blocks scattered over the cache."""
-    cache = KVCache(kv_cache_spec(model, BLOCK), num_blocks=64)
-    tables = [[3 + 5 * b + i for b in range(8)] for i in range(len(lengths))]  # interleaved, 32 tokens each
+    stride = max(5, len(lengths))
+    cache = KVCache(kv_cache_spec(model, BLOCK), num_blocks=max(64, 3 + 8 * stride))
+    tables = [[3 + stride * b + i for b in range(8)] for i in range(len(lengths))]  # interleaved, 32 tokens each
     g = torch.Generator().manual_seed(len(lengths))
     ids = torch.randint(3, model.config.vocab_size, (sum(lengths),), generator=g)
     positions = torch.cat([torch.arange(n) for n in lengths])
@@ -74,17 +76,40 @@ def _both_ways(model: LlamaForCausalLM, cache: KVCache, tables: list[list[int]],
     return got, want
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def _set_amx(amx: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 panels through AMX tiles from 2 rows (where the CPU grants them), or never (``vdpbf16ps``, or fp32
+    multiply-adds without AVX512-BF16)."""
+    from common.model import gemv
+    from common.quant.cpu_kernels import NO_AMX
+
+    if amx == "amx" and gemv.amx_min_rows() == NO_AMX:
+        pytest.skip("no AMX tiles on this CPU")
+    if amx == "no-amx":
+        monkeypatch.setitem(gemv._limits, "amx_min_rows", NO_AMX)  # both paths read the one threshold
+
+
+MODES = [("float32", "none", ""), ("float32", "int8", ""), ("float32", "int4", ""), ("bfloat16", "none", "amx"),
+         ("bfloat16", "none", "no-amx")]
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "amx"), MODES, ids=["-".join(filter(None, m)) for m in MODES])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_the_step_equals_the_op_by_op_forward_bit_for_bit(tiny_model_factory: Callable[..., Path], shape: str,
-                                                          quantization: str) -> None:
-    model = _model(tiny_model_factory, shape, quantization)
+                                                          dtype: str, quantization: str, amx: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _set_amx(amx, monkeypatch)
+    model = _model(tiny_model_factory, shape, quantization, dtype)
     for lengths in ([9], [5, 17, 1]):
         cache, tables = _prefilled(model, lengths)
         (got, got_cache), (want, want_cache) = _both_ways(model, cache, tables, lengths)
         assert torch.equal(got, want)
         assert torch.equal(got_cache, want_cache)  # the new K/V, in the same slots, nothing else touched
         assert not torch.equal(got_cache, cache.data.new_zeros(()).expand_as(got_cache))
+    # a batch of decode rows past the point where the elementwise parts split over the threads
+    lengths = [1 + (7 * i) % 23 for i in range(40)]
+    cache, tables = _prefilled(model, lengths)
+    (got, got_cache), (want, want_cache) = _both_ways(model, cache, tables, lengths)
+    assert torch.equal(got, want) and torch.equal(got_cache, want_cache)
     # short chunks over the cached prefix (a verification, a draft's catch-up): one decode row per token
     cache, tables = _prefilled(model, [9, 5, 12])
     (got, got_cache), (want, want_cache) = _both_ways(model, cache, tables, [9, 5, 12], chunks=[4, 1, 3])
@@ -110,9 +135,9 @@ def _greedy(model: LlamaForCausalLM, prompts: list[list[int]], n: int) -> dict[s
     return out
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_greedy_text_is_unchanged(tiny_model_factory: Callable[..., Path], quantization: str) -> None:
-    model = _model(tiny_model_factory, "head64", quantization)
+@pytest.mark.parametrize(("dtype", "quantization"), [("float32", "none"), ("float32", "int4"), ("bfloat16", "none")])
+def test_greedy_text_is_unchanged(tiny_model_factory: Callable[..., Path], dtype: str, quantization: str) -> None:
+    model = _model(tiny_model_factory, "head64", quantization, dtype)
     calls = 0
     step = model.decode_step
     assert step is not None
@@ -142,11 +167,13 @@ def test_where_it_does_not_apply(tiny_model_factory: Callable[..., Path], monkey
     assert not step.applies(x, AttentionMetadata.build([33, 1], [3, 3], long_tables, BLOCK), cache)  # a long chunk
     assert not step.applies(x, AttentionMetadata.build([1, 1], [3, 3], tables, BLOCK), None)
     assert not step.applies(x.bfloat16(), AttentionMetadata.build([1, 1], [3, 3], tables, BLOCK), cache)
-    rows = MAX_ROWS + 1
+    assert MIN_ROWS <= step.max_rows <= MAX_ROWS
+    rows = step.max_rows + 1 if step.max_rows < MAX_ROWS else MAX_ROWS + 1
     many = AttentionMetadata.build([1] * rows, [1] * rows, [[i] for i in range(rows)], BLOCK)
     assert not step.applies(torch.zeros(rows, model.config.hidden_size), many, cache)
     model_dir = tiny_model_factory("llama", **SHAPES["head16"])
-    assert load_model(model_dir, dtype="bfloat16").decode_step is None  # fp32 activations only
+    # bf16 activations with packed int8 weights: op by op
+    assert load_model(model_dir, dtype="bfloat16", quantization="int8").decode_step is None
     monkeypatch.setenv("TANDEM_DECODE_STEP", "off")
     assert load_model(model_dir, dtype="float32").decode_step is None
     monkeypatch.setenv("TANDEM_DECODE_STEP", "fast")
@@ -165,7 +192,7 @@ def test_bad_rows_are_refused_by_the_kernel(tiny_model_factory: Callable[..., Pa
         step.run(x, torch.tensor([10_000]), meta, cache, 2)
     rows = MAX_ROWS + 1
     many = AttentionMetadata.build([1] * rows, [3] * rows, tables * rows, BLOCK)
-    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+    with pytest.raises(RuntimeError, match=f"1 to {MAX_ROWS} rows"):
         step.run(torch.zeros(rows, model.config.hidden_size), torch.full((rows,), 3), many, cache, 2)
 
 
