@@ -219,3 +219,51 @@ void rotary_write_kv_(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
   rotary_(q, k, cos_sin, positions);
   write_kv(key_cache, value_cache, k, v, slot_mapping);
 }
+
+// The index of each row's largest value, as torch.max(dim=-1).indices: the first maximum; a row holding a
+// NaN gives its first NaN. logits: [n, V] fp32 with unit stride over V. Rows split over the threads; a
+// row is read once in full (the max, vectorised) and then in blocks of 64 up to the first block holding it.
+// Greedy sampling of a 64-row batch of SmolLM2's 49,152 logits: torch's max 1.8-2 ms after a decode
+// step (the logits out of cache), this about a third of it.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+                  logits.stride(1) == 1 && logits.size(1) > 0, "logits: fp32 [n, V], unit stride over V, V > 0");
+  const int64_t n = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  auto out = torch::empty({n}, logits.options().dtype(at::kLong));
+  const float* base = logits.data_ptr<float>();
+  int64_t* idx = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* v = base + r * stride;
+      float m = v[0];
+      int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+      for (int64_t i = 0; i < V; ++i) {
+        m = v[i] > m ? v[i] : m;  // (std::max here does not vectorise: 7x slower)
+        nan |= v[i] != v[i];
+      }
+      int64_t found = V - 1;
+      constexpr int64_t kBlock = 64;
+      for (int64_t b = 0; b < V; b += kBlock) {
+        const int64_t e = std::min(V, b + kBlock);
+        int any = 0;
+        if (nan) {
+#pragma omp simd reduction(| : any)
+          for (int64_t i = b; i < e; ++i) any |= v[i] != v[i];
+        } else {
+#pragma omp simd reduction(| : any)
+          for (int64_t i = b; i < e; ++i) any |= v[i] == m;
+        }
+        if (!any) continue;
+        for (int64_t i = b; i < e; ++i)
+          if (nan ? v[i] != v[i] : v[i] == m) {
+            found = i;
+            break;
+          }
+        break;
+      }
+      idx[r] = found;
+    }
+  });
+  return out;
+}

@@ -111,6 +111,28 @@ def test_rotary_write_kv_matches_rotary_then_write(cpp: CppOps, dtype: torch.dty
                              torch.tensor([0, 1, 2, 3, 8 * block_size]))
 
 
+@pytest.mark.parametrize("vocab", [1, 63, 64, 1000, 49152])
+def test_argmax_rows_matches_torch_max(cpp: CppOps, vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab, generator=g)
+    last = vocab - 1
+    x[1, last] = 1e9  # the last element
+    x[2, 0] = 1e9
+    if vocab > 3:
+        x[3, [1, last]] = 1e9  # a tie: the first
+        x[4, [2, 3]] = float("nan")  # a NaN wins, the first one
+        x[6, 1:] = -1.0
+        x[6, 0] = -0.0
+    x[5] = 0.0
+    x[7] = -float("inf")  # all -inf: index 0
+    x[8, last] = float("inf")
+    x[9, 0] = float("nan")
+    for t in (x, x[:, : max(1, vocab // 2)], x[::3], x[:1]):
+        assert torch.equal(cpp.argmax_rows(t), t.max(dim=-1).indices)
+        assert torch.equal(EagerOps().argmax_rows(t), t.max(dim=-1).indices)
+    assert torch.equal(cpp.argmax_rows(x.bfloat16()), x.bfloat16().max(dim=-1).indices)  # other dtypes: torch's
+
+
 def test_mode_off_and_cuda_use_the_reference_forward() -> None:
     assert fused_ops_for(torch.device("cpu"), "off") is None
     assert fused_ops_for(torch.device("cuda"), "on") is None
