@@ -22,8 +22,10 @@
 // int4 panels with int8-rounded activations (common/quant/cpu_linear.py's tandem_a8 layers), the dtype
 // `--dtype auto` chooses where bf16 is slow (AVX2); or bf16 activations with bf16 panels, multiplied as
 // dense_matmul_panel does on this CPU (AMX tiles from its row threshold, ``vdpbf16ps`` below it, fp32
-// multiply-adds of widened weights without AVX512-BF16), rounding to bf16 at the same points. Up to
-// MAX_ROWS rows, each one decode token of its own sequence.
+// multiply-adds of widened weights without AVX512-BF16), or int8 / int4 panels as the tandem_a8 layers
+// multiply bf16 rows (chunks dequantized into AMX tiles from their row threshold, else the int8-rounded
+// rows), rounding to bf16 at the same points. Up to MAX_ROWS rows, each one decode token of its own
+// sequence.
 
 namespace tstep {
 
@@ -53,6 +55,7 @@ struct Plan {
   std::vector<Layer> layers;
   bool bf16 = false;  // activations, norms and K/V in bf16 (else fp32)
   int64_t amx_min_rows = 0;  // bf16 panels: AMX tiles from this many rows (dense_matmul_panel's threshold)
+  int64_t amx_quant_min_rows = 0;  // int8 / int4 panels with bf16 activations: dequantized into AMX tiles from here
   void* attention = nullptr;  // AttentionFn<float> or AttentionFn<c10::BFloat16>
   bool splits_heads = false;  // the attention function takes one KV head at a time
   torch::Tensor final_norm;
@@ -95,17 +98,21 @@ Linear make_linear(const torch::Tensor& w, const torch::Tensor& s, const torch::
   return l;
 }
 
-// How a bf16 projection multiplies on this CPU for M rows: dense_matmul_panel's choice.
-enum class Bf16Path { kAmx, kDot, kFma };
+// How a projection with bf16 activations multiplies on this CPU for M rows, as its op-by-op kernel
+// chooses: bf16 panels as dense_matmul_panel (AMX tiles, vdpbf16ps, or fp32 multiply-adds of widened
+// weights); int8 / int4 panels as the tandem_a8 layers (chunks dequantized into AMX tiles from their row
+// threshold, else the int8-rounded rows through the integer panel loop: kA8).
+enum class Bf16Path { kAmx, kDot, kFma, kA8 };
 
 Bf16Path bf16_path(const Plan& p, const Linear& l, int64_t M) {
+  const bool packed = l.kind == kInt4 || l.kind == kInt8;
 #ifdef TANDEM_HAVE_AMX
-  if (M >= p.amx_min_rows && l.K % 32 == 0 && tq::amx_ready()) return Bf16Path::kAmx;
+  if (M >= (packed ? p.amx_quant_min_rows : p.amx_min_rows) && l.K % 32 == 0 && tq::amx_ready()) return Bf16Path::kAmx;
 #else
   (void)p;
-  (void)l;
   (void)M;
 #endif
+  if (packed) return Bf16Path::kA8;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (tq::cpu_has_bf16_dot()) return Bf16Path::kDot;
 #endif
@@ -124,9 +131,9 @@ struct Input {
 };
 
 // Whether a projection's input needs work per layer (else ``bind`` alone prepares it, once a run).
-bool needs_prepare(const Linear& l, const Input& in, int64_t M) {
-  if (l.kind == kBFloat16) return in.path == Bf16Path::kFma || (in.path == Bf16Path::kAmx && M % 16 != 0);
-  return l.kind != kFloat32;
+bool needs_prepare(const Plan& p, const Linear& l, const Input& in, int64_t M) {
+  if (!p.bf16) return l.kind != kFloat32;
+  return in.path == Bf16Path::kFma || in.path == Bf16Path::kA8 || (in.path == Bf16Path::kAmx && M % 16 != 0);
 }
 
 // What every layer's input of this projection shares: its buffer (the same for every layer) and its path.
@@ -142,17 +149,17 @@ void bind(const Plan& p, const Linear& l, const uint16_t* x, int64_t M, Input& i
   in.path = bf16_path(p, l, M);
 }
 
-// The per-layer work: int8 rounding (packed kinds), widened rows (bf16 without AVX512-BF16), the
-// zero-padded last rows (AMX).
-void prepare(const Linear& l, int64_t M, Input& in) {
-  if (l.kind == kInt4 || l.kind == kInt8) {
-    tq::quantize_x(in.x, M, l.K, l.G, in.xq);
+// The per-layer work: int8 rounding (packed kinds: of the widened rows with bf16 activations), widened rows
+// (bf16 panels without AVX512-BF16), the zero-padded last rows (AMX).
+void prepare(const Plan& p, const Linear& l, int64_t M, Input& in) {
+  if (!p.bf16) {
+    if (l.kind != kFloat32) tq::quantize_x(in.x, M, l.K, l.G, in.xq);
     return;
   }
-  if (l.kind != kBFloat16) return;
-  if (in.path == Bf16Path::kFma) {
+  if (in.path == Bf16Path::kFma || in.path == Bf16Path::kA8) {
     in.xf.resize(M * l.K);
     for (int64_t i = 0; i < M * l.K; ++i) in.xf[i] = tf::BF16::in(in.xb[i]);
+    if (in.path == Bf16Path::kA8) tq::quantize_x(in.xf.data(), M, l.K, l.G, in.xq);
   }
 #ifdef TANDEM_HAVE_AMX
   if (in.path == Bf16Path::kAmx) tq::amx_tail(in.xb, M, l.K, in.tail);
@@ -208,15 +215,8 @@ void round_columns(const float* src, uint16_t* dst, int64_t M, int64_t N, int64_
 
 // This thread's panels of a projection: y (the activation dtype) = x times the weights. ``scratch``: fp32
 // [M, N] sums for bf16 panels that do not go through AMX (rounded into y for this thread's columns).
-void matmul_part(const Linear& l, const Input& in, int64_t M, float* y, float* scratch, int tid, int nt) {
-  (void)scratch;
-  int64_t p0, p1;
-  share(l.panels(), tid, nt, p0, p1);
-  if (p0 >= p1) return;
-  if (l.kind == kFloat32) {
-    tq::dense_fma_span<false>(in.x, M, l.K, l.w.data_ptr(), y, l.N, p0, p1);
-    return;
-  }
+// Panels [p0, p1) of an int8 / int4 projection: fp32 sums into y [M, N] from the int8-rounded rows.
+void packed_span(const Linear& l, const Input& in, int64_t M, float* y, int64_t p0, int64_t p1) {
   const bool int4 = l.kind == kInt4;
   const tq::PanelArgs args{in.xq, l.K, l.G, l.N, static_cast<const uint8_t*>(l.w.data_ptr()),
                            int4 ? nullptr : l.s.data_ptr<float>(),
@@ -227,6 +227,45 @@ void matmul_part(const Linear& l, const Input& in, int64_t M, float* y, float* s
   else tq::panel_span<false>(args, M, p0, p1);
 }
 
+void matmul_part(const Linear& l, const Input& in, int64_t M, float* y, float* scratch, int tid, int nt) {
+  (void)scratch;
+  int64_t p0, p1;
+  share(l.panels(), tid, nt, p0, p1);
+  if (p0 >= p1) return;
+  if (l.kind == kFloat32) tq::dense_fma_span<false>(in.x, M, l.K, l.w.data_ptr(), y, l.N, p0, p1);
+  else packed_span(l, in, M, y, p0, p1);
+}
+
+#ifdef TANDEM_HAVE_AMX
+// Panel pairs [t0, t1) of an int8 / int4 projection through AMX: each chunk dequantized into bf16 panels
+// (the thread's scratch), as int8_matmul_panel_amx / int4_matmul_panel_amx do; bf16 out.
+void packed_amx_pairs(const Linear& l, const Input& in, int64_t M, uint16_t* y, int64_t t0, int64_t t1) {
+  const int64_t K = l.K, G = l.G;
+  const auto* q = static_cast<const uint8_t*>(l.w.data_ptr());
+  if (l.kind == kInt8) {
+    const float* sp = l.s.data_ptr<float>();
+    tq::amx_pairs<false>(in.xb, in.tail.data(), M, K, l.panels(), tq::AmxOut{y, true, l.N, M, G == K ? sp : nullptr},
+                         [&](int64_t p0, int64_t p1, std::vector<uint16_t>& scratch) {
+                           scratch.resize((p1 - p0) * 16 * K);
+                           tq::dequant_int8_panels(reinterpret_cast<const int8_t*>(q), sp, K, G, p0, p1,
+                                                   scratch.data());
+                           return static_cast<const uint16_t*>(scratch.data());
+                         },
+                         t0, t1);
+    return;
+  }
+  const auto* sp = reinterpret_cast<const uint16_t*>(l.s.data_ptr<at::Half>());
+  const auto* zp = reinterpret_cast<const uint16_t*>(l.z.data_ptr<at::Half>());
+  tq::amx_pairs<false>(in.xb, in.tail.data(), M, K, l.panels(), tq::AmxOut{y, true, l.N, M},
+                       [&](int64_t p0, int64_t p1, std::vector<uint16_t>& scratch) {
+                         scratch.resize((p1 - p0) * 16 * K);
+                         tq::dequant_int4_panels(q, sp, zp, K, G, p0, p1, scratch.data());
+                         return static_cast<const uint16_t*>(scratch.data());
+                       },
+                       t0, t1);
+}
+#endif
+
 void matmul_part(const Linear& l, const Input& in, int64_t M, uint16_t* y, float* scratch, int tid, int nt) {
   // bf16 panels go in pairs (AMX's and vdpbf16ps's tiles take two panels)
   const int64_t panels = l.panels();
@@ -234,14 +273,19 @@ void matmul_part(const Linear& l, const Input& in, int64_t M, uint16_t* y, float
   share((panels + 1) / 2, tid, nt, t0, t1);
   if (t0 >= t1) return;
   const int64_t p0 = 2 * t0, p1 = std::min(panels, 2 * t1);
-  const auto* w = reinterpret_cast<const uint16_t*>(l.w.data_ptr<at::BFloat16>());
+  const bool packed = l.kind != kBFloat16;
+  const auto* w = packed ? nullptr : reinterpret_cast<const uint16_t*>(l.w.data_ptr<at::BFloat16>());
   switch (in.path) {
     case Bf16Path::kAmx:
 #ifdef TANDEM_HAVE_AMX
-      tq::amx_pairs<true>(in.xb, in.tail.data(), M, l.K, panels, tq::AmxOut{y, true, l.N, M},
-                          [&](int64_t q0, int64_t, std::vector<uint16_t>&) { return w + q0 * 16 * l.K; }, t0, t1);
+      if (packed) packed_amx_pairs(l, in, M, y, t0, t1);
+      else tq::amx_pairs<true>(in.xb, in.tail.data(), M, l.K, panels, tq::AmxOut{y, true, l.N, M},
+                               [&](int64_t q0, int64_t, std::vector<uint16_t>&) { return w + q0 * 16 * l.K; }, t0, t1);
 #endif
       return;
+    case Bf16Path::kA8:
+      packed_span(l, in, M, scratch, p0, p1);
+      break;
     case Bf16Path::kDot:
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       tq::dense_bf16_pairs(in.xb, M, l.K, w, scratch, l.N, panels, t0, t1);
@@ -294,14 +338,16 @@ Plan& plan_at(int64_t handle) {
 // 14 entries (input norm, post-attention norm, then weights, scales, zeros of qkv, o, gate_up, down; unused
 // ones empty), ``kinds`` 8 (weight kind 4 / 8 / 16 / 32 and group size of each projection), ``caches`` 2 (the
 // layer's K and V cache, [blocks, block_size, H_kv, D] in the activation dtype, unit stride over D).
-// ``dtype``: the activations', "float32" (kinds 4, 8, 32) or "bfloat16" (kind 16); ``amx_min_rows``: from
-// how many rows bf16 panels go through AMX tiles (dense_matmul_panel's threshold, from Python).
+// ``dtype``: the activations', "float32" (kinds 4, 8, 32) or "bfloat16" (kinds 4, 8, 16); ``amx_min_rows``,
+// ``amx_quant_min_rows``: from how many rows bf16 panels, and int8 / int4 panels with bf16 activations, go
+// through AMX tiles (the op-by-op kernels' thresholds, from Python).
 // ``attention``: the address of the attention module's decode_rows for the dtype (``decode_rows_address``),
 // ``splits_heads``: its ``decode_splits_heads(head_dim)``.
 int64_t decode_step_plan(std::vector<torch::Tensor> tensors, std::vector<int64_t> kinds,
                          std::vector<torch::Tensor> caches, torch::Tensor final_norm, double eps, double scale,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-                         const std::string& dtype, int64_t amx_min_rows, int64_t attention, bool splits_heads) {
+                         const std::string& dtype, int64_t amx_min_rows, int64_t amx_quant_min_rows,
+                         int64_t attention, bool splits_heads) {
   using namespace tstep;
   const int64_t L = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(L > 0 && static_cast<int64_t>(tensors.size()) == 14 * L && static_cast<int64_t>(kinds.size()) == 8 * L,
@@ -311,6 +357,7 @@ int64_t decode_step_plan(std::vector<torch::Tensor> tensors, std::vector<int64_t
   auto plan = std::make_unique<Plan>();
   plan->bf16 = dtype == "bfloat16";
   plan->amx_min_rows = amx_min_rows;
+  plan->amx_quant_min_rows = amx_quant_min_rows;
   const auto act = plan->bf16 ? at::kBFloat16 : at::kFloat;
   plan->attention = reinterpret_cast<void*>(attention);
   plan->splits_heads = splits_heads;
@@ -337,7 +384,7 @@ int64_t decode_step_plan(std::vector<torch::Tensor> tensors, std::vector<int64_t
                     t[1].is_contiguous() && t[0].numel() == H && t[1].numel() == H, "layer norms: contiguous ", dtype);
     Linear* lin[4] = {&ly.qkv, &ly.o, &ly.gate_up, &ly.down};
     for (int j = 0; j < 4; ++j) {
-      TORCH_CHECK((k[2 * j] == kBFloat16) == plan->bf16, names[j], ": bf16 panels go with bf16 activations only");
+      TORCH_CHECK(k[2 * j] != (plan->bf16 ? kFloat32 : kBFloat16), names[j], ": float panels of the activations' dtype");
       *lin[j] = make_linear(t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], k[2 * j], k[2 * j + 1], shapes[j][0],
                             shapes[j][1], names[j]);
     }
@@ -377,8 +424,8 @@ void run_layers(Plan& p, int64_t M, int64_t L, T* res, T* out, const int64_t* po
   bind(p, first.o, attn.data(), M, in_o);
   bind(p, first.gate_up, h.data(), M, in_gu);
   bind(p, first.down, act.data(), M, in_down);
-  const bool prep_qkv = needs_prepare(first.qkv, in_qkv, M), prep_o = needs_prepare(first.o, in_o, M),
-             prep_gu = needs_prepare(first.gate_up, in_gu, M), prep_down = needs_prepare(first.down, in_down, M);
+  const bool prep_qkv = needs_prepare(p, first.qkv, in_qkv, M), prep_o = needs_prepare(p, first.o, in_o, M),
+             prep_gu = needs_prepare(p, first.gate_up, in_gu, M), prep_down = needs_prepare(p, first.down, in_down, M);
   const int64_t items = p.splits_heads ? M * p.Hkv : M;
   const int nt_req = std::max(1, at::get_num_threads());
   const bool profile = p.profile;
@@ -404,7 +451,7 @@ void run_layers(Plan& p, int64_t M, int64_t L, T* res, T* out, const int64_t* po
 #pragma omp single
         {
           rows(int64_t{0}, M);
-          if (prep) prepare(*l, M, *in);
+          if (prep) prepare(p, *l, M, *in);
         }
         return;
       }
@@ -414,7 +461,7 @@ void run_layers(Plan& p, int64_t M, int64_t L, T* res, T* out, const int64_t* po
 #pragma omp barrier
       if (prep) {
 #pragma omp single
-        prepare(*l, M, *in);
+        prepare(p, *l, M, *in);
       }
     };
     enum { kMatmul = 0, kAttention = 1, kOther = 2 };
@@ -464,7 +511,7 @@ void run_layers(Plan& p, int64_t M, int64_t L, T* res, T* out, const int64_t* po
       mark(kAttention);
       if (prep_o) {
 #pragma omp single
-        prepare(ly.o, M, in_o);
+        prepare(p, ly.o, M, in_o);
       }
       mark(kOther);
       matmul_part(ly.o, in_o, M, proj.data(), scratch.data(), tid, nt);

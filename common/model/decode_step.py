@@ -8,15 +8,16 @@ the op-by-op path calls (``common/quant``'s panels, ``cpu_decode.cpp``'s attenti
 norms, rotary and SiLU), each wrapped in its own namespace, so its hidden states and K/V are bit-identical
 to that path's (tests/model/test_decode_step.py).
 
-It runs when every projection is a panel layer it knows for the activation dtype (fp32: fp32 ``PanelLinear``
-or ``tandem_a8`` int8 / int4 panels; bf16: bf16 ``PanelLinear``, multiplied as ``dense_matmul_panel`` does
-on this CPU: AMX tiles from its row threshold, ``vdpbf16ps`` below), the KV cache has the activations'
-dtype, attention is the compiled CPU decode kernel, and the batch is up to ``max_rows`` tokens (the
-fewest rows up to which every projection's op-by-op kernel is the panel loop the step runs; at most
-``MAX_ROWS``) that attention reads as decode rows: a decode step, or short chunks over a cached prefix (speculative
-verification, a draft model's catch-up); anything else (prefill, long chunks, bf16 activations with
-quantized weights, other kernels, parallel ranks) takes the op-by-op path. ``TANDEM_DECODE_STEP=auto|on|off`` (auto:
-where it builds and applies; on: a start-up error if it cannot build; off: never).
+It runs when every projection is a panel layer it knows (``tandem_a8`` int8 / int4 panels, or a
+``PanelLinear`` of the activations' dtype: fp32 or bf16), each multiplied as its op-by-op kernel does on
+this CPU (bf16: AMX tiles from the kernel's row threshold, ``vdpbf16ps`` or the int8-rounded rows below
+it), the KV cache has the activations' dtype, attention is the compiled CPU decode kernel, and the batch
+is up to ``max_rows`` tokens (the fewest rows up to which every projection's op-by-op kernel is the panel
+loop the step runs; at most ``MAX_ROWS``) that attention reads as decode rows: a decode step, or short
+chunks over a cached prefix (speculative verification, a draft model's catch-up); anything else
+(prefill, long chunks, other kernels, parallel ranks) takes the op-by-op path.
+``TANDEM_DECODE_STEP=auto|on|off`` (auto: where it builds and applies; on: a start-up error if it cannot
+build; off: never).
 """
 
 from __future__ import annotations
@@ -88,8 +89,6 @@ def _linear_entry(linear: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tor
         return None
     if isinstance(linear, PanelLinear) and linear.panels.dtype == dtype:
         return [linear.panels, empty, empty], [16 if dtype == torch.bfloat16 else 32, linear.in_features]
-    if dtype != torch.float32:
-        return None
     if isinstance(linear, _Panels) and linear.panels and linear._panel_rows >= MIN_ROWS:
         if linear.format == "int4":
             q, scales, zeros = linear._args
@@ -100,7 +99,7 @@ def _linear_entry(linear: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tor
     return None
 
 
-def _row_limit(linear: torch.nn.Module) -> int:
+def _row_limit(linear: torch.nn.Module, dtype: torch.dtype) -> int:
     """Rows up to which the projection's op-by-op forward runs the panel loop the step runs (beyond it, it
     unpacks tiles for a GEMM: other sums)."""
     from common.model.gemv import PanelLinear, _panel_max_rows, gemv_kernels
@@ -110,7 +109,18 @@ def _row_limit(linear: torch.nn.Module) -> int:
         ops = gemv_kernels()
         return 0 if ops is None else _panel_max_rows(ops)
     assert isinstance(linear, _Panels)  # _linear_entry took it
+    if dtype == torch.bfloat16 and linear._amx is not None:
+        return MAX_ROWS  # from its AMX threshold on, AMX tiles at every row count
     return linear._panel_rows
+
+
+def _amx_quant_min_rows(model: Model) -> int:
+    """Rows from which the model's int8 / int4 panels multiply bf16 rows in AMX tiles (``NO_AMX``: never)."""
+    from common.quant.cpu_kernels import NO_AMX
+
+    rows = [getattr(lin, "_amx_rows", NO_AMX) for layer in model.layers
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    return int(min(rows, default=NO_AMX))
 
 
 class DecodeStep:
@@ -151,7 +161,7 @@ class DecodeStep:
             for lin, shape in zip((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), shapes, strict=True):
                 if _linear_entry(lin, model.dtype) is None or (lin.out_features, lin.in_features) != shape:
                     return None
-                max_rows = min(max_rows, _row_limit(lin))
+                max_rows = min(max_rows, _row_limit(lin, model.dtype))
         if max_rows < MIN_ROWS:
             return None
         module = step_module()
@@ -220,7 +230,8 @@ class DecodeStep:
         self._handle = int(self._m.decode_step_plan(
             tensors, kinds, caches, model.norm.weight.detach(), float(model.norm.eps), config.head_dim**-0.5,
             config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size, dtype,
-            amx_min_rows(), attention.decode_rows_address(dtype), attention.decode_splits_heads(config.head_dim)))
+            amx_min_rows(), _amx_quant_min_rows(model), attention.decode_rows_address(dtype),
+            attention.decode_splits_heads(config.head_dim)))
         self._cache_data = data
         if self._profile:
             self._m.decode_step_profile(self._handle, True)
