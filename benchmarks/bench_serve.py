@@ -244,7 +244,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--rate", type=parse_rates, help="Poisson arrivals, requests/s (mixed: the short requests'; "
                       "the long ones come at a fraction of it); inf = all at once; a list (1,2.5,4) sweeps: each "
                       "system started once runs every rate in turn, and the report gives each system's highest "
-                      f"rate with >= {CAPACITY_ATTAINMENT:.0%} SLO attainment (DistServe's goodput) [{DEFAULT_RATE}]")
+                      f"rate with >= {CAPACITY_ATTAINMENT:.0%}% SLO attainment (DistServe's goodput) [{DEFAULT_RATE}]")
     load.add_argument("--concurrency", type=int, help="closed loop: keep this many requests in flight instead")
     p.add_argument("--prompt-len", type=_length_range, help="serving: prompt lengths LOW:HIGH, log-uniform "
                    f"[{_show(SERVING.prompt_len)}, shorter with --quick]")

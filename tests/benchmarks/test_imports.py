@@ -127,3 +127,25 @@ def test_bench_without_the_benchmarks_says_they_are_not_installed(
     assert main(["bench", "--help"]) == 2
     err = capsys.readouterr().err
     assert "not installed" in err and "no_such_package_xyz" in err
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parser and every subcommand's, depth first."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                found += _parsers(sub)
+    return found
+
+
+def test_every_command_s_help_renders() -> None:
+    """argparse %-formats each help string: a bare '%' (as in '90%') breaks --help with a ValueError."""
+    from benchmarks import bench_serve
+
+    parsers = _parsers(build_parser())
+    assert len(parsers) > 10
+    serve = argparse.ArgumentParser(prog="python -m benchmarks.bench_serve")
+    bench_serve.add_arguments(serve)
+    for parser in [*parsers, serve]:
+        assert parser.format_help()
