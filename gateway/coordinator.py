@@ -97,6 +97,7 @@ class Coordinator:
         # Tokens of prompts bound for a prefill node still waiting for their decode reservation (the prefill
         # nodes' backlog to come; gateway.prefill_policy counts it).
         self._queued_remote_tokens = 0
+        self._queued_local_tokens: dict[str, int] = {}  # per decode target: local prompts not answered yet
 
     async def generate(self, req: GatewayRequest, arrival: float, deadline: float,
                        ) -> AsyncGenerator[OutputChunk, None]:
@@ -106,14 +107,22 @@ class Coordinator:
         """
         block_hashes = hash_prompt_blocks(req.prompt_token_ids, self._block_size)
         num_prompt_blocks = len(req.prompt_token_ids) // self._block_size
-        local = self._prefill_locally(req, block_hashes, num_prompt_blocks)
-        # A remote prompt waits for its reservation before any prefill node sees it: count it meanwhile.
-        queued = 0 if local else len(req.prompt_token_ids)
-        self._queued_remote_tokens += queued
+        local_target = self._prefill_locally(req, block_hashes, num_prompt_blocks)
+        local = local_target is not None
+        # Until the decode node answers, neither side's backlog holds the prompt: count it meanwhile (a remote
+        # one waits for its reservation before any prefill node sees it; a local one for the node's answer).
+        n = len(req.prompt_token_ids)
+        if local_target is None:
+            self._queued_remote_tokens += n
+        else:
+            self._queued_local_tokens[local_target] = self._queued_local_tokens.get(local_target, 0) + n
         try:
             decode = await self._reserve(req, deadline, num_prompt_blocks, local)
         finally:
-            self._queued_remote_tokens -= queued
+            if local_target is None:
+                self._queued_remote_tokens -= n
+            else:
+                self._queued_local_tokens[local_target] -= n
         span = trace.get_current_span()
         if span.is_recording() and decode.reservation is not None:
             r = decode.reservation
@@ -199,18 +208,21 @@ class Coordinator:
             decode.cached_tokens, decode.queue_seconds = d.num_cached_tokens, d.queue_seconds
         return Delta(d.token_ids, d.logprobs, d.finish_reason or None)
 
-    def _prefill_locally(self, req: GatewayRequest, block_hashes: list[bytes], num_prompt_blocks: int) -> bool:
-        """Conditional disaggregation: whether the decode node the router would pick prefills this prompt."""
+    def _prefill_locally(self, req: GatewayRequest, block_hashes: list[bytes], num_prompt_blocks: int,
+                         ) -> str | None:
+        """Conditional disaggregation: the target of the decode node the router would pick if it prefills this
+        prompt itself, else None."""
         if self._local_prefill.max_tokens == 0:
-            return False
+            return None
         node = self._router.pick_decode(num_prompt_blocks)
         if node is None:
-            return False
+            return None
         cached = {target: blocks * self._block_size for target, blocks in
                   self._router.affinity.matched_blocks(block_hashes).items()}
-        return prefill_locally(self._local_prefill, len(req.prompt_token_ids), node,
-                               list(self._router.prefill.values()), self._block_size, cached,
-                               self._queued_remote_tokens)
+        local = prefill_locally(self._local_prefill, len(req.prompt_token_ids), node,
+                                list(self._router.prefill.values()), self._block_size, cached,
+                                self._queued_remote_tokens, self._queued_local_tokens.get(node.target, 0))
+        return node.target if local else None
 
     async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int,
                        local: bool = False) -> _DecodeLeg:

@@ -67,12 +67,15 @@ def local_wins(policy: LocalPrefillPolicy, num_prompt_tokens: int, local_backlog
 
 def prefill_locally(policy: LocalPrefillPolicy, num_prompt_tokens: int, decode: NodeState,
                     prefill_nodes: Sequence[NodeState], block_size: int,
-                    prefill_cached_tokens: Mapping[str, int] | None = None, queued_remote_tokens: int = 0) -> bool:
+                    prefill_cached_tokens: Mapping[str, int] | None = None, queued_remote_tokens: int = 0,
+                    queued_local_tokens: int = 0) -> bool:
     """Whether ``decode`` should prefill a prompt of ``num_prompt_tokens`` tokens itself.
 
     ``prefill_cached_tokens``: per prefill node's target, the prompt's leading tokens it probably has cached;
     ``queued_remote_tokens``: prompts already bound for the prefill nodes but not sent to one yet (waiting for
-    their decode reservation), spread evenly over the reachable ones.
+    their decode reservation), spread evenly over the reachable ones; ``queued_local_tokens``: prompts already
+    bound for this decode node's own prefill whose call it has not answered yet (its backlog counts them only
+    from the answer on: without them, a burst's concurrent decisions all see the backlog before the burst).
     """
     if policy.max_tokens == 0:
         return False
@@ -87,6 +90,6 @@ def prefill_locally(policy: LocalPrefillPolicy, num_prompt_tokens: int, decode: 
             return False
     cached = prefill_cached_tokens or {}
     queued = queued_remote_tokens // len(reachable)
-    return local_wins(policy, num_prompt_tokens, decode.prefill_tokens,
+    return local_wins(policy, num_prompt_tokens, decode.prefill_tokens + queued_local_tokens,
                       ((n.prefill_tokens + queued, min(cached.get(n.target, 0), num_prompt_tokens - 1))
                        for n in reachable))

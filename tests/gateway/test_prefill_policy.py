@@ -83,3 +83,12 @@ def test_negative_settings_are_refused() -> None:
         LocalPrefillPolicy(max_tokens=-1)
     with pytest.raises(ValueError, match="local_cost_factor must be >= 1"):
         LocalPrefillPolicy(local_cost_factor=0.5)
+
+
+def test_prompts_bound_for_the_decode_node_count_on_its_side() -> None:
+    """A burst's concurrent decisions: the local prompts its node has not answered yet are its backlog too."""
+    prefill = [node("p", backlog=2000)]
+    assert prefill_locally(POLICY, 1000, node("d"), prefill, 16)  # 1500 < 3000
+    assert not prefill_locally(POLICY, 1000, node("d"), prefill, 16, queued_local_tokens=101)  # busy already
+    assert prefill_locally(POLICY, 100, node("d"), [node("p")], 16)
+    assert not prefill_locally(POLICY, 100, node("d"), [node("p")], 16, queued_local_tokens=900)  # 1000 > 150
