@@ -18,6 +18,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import TypeAlias, TypeVar
@@ -38,6 +39,8 @@ from gateway.router import NodeState, Router
 from tandem.v1 import decode_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)
+
+_REMOTE = ""  # the prefill nodes' side in Coordinator._queued (decode targets are host:port)
 
 T = TypeVar("T")
 
@@ -94,10 +97,10 @@ class Coordinator:
         self._kv_timeout_s = kv_timeout_s
         self._local_prefill = local_prefill or LocalPrefillPolicy()
         self._recompute_on_kv_failure = recompute_on_kv_failure
-        # Tokens of prompts bound for a prefill node still waiting for their decode reservation (the prefill
-        # nodes' backlog to come; gateway.prefill_policy counts it).
-        self._queued_remote_tokens = 0
-        self._queued_local_tokens: dict[str, int] = {}  # per decode target: local prompts not answered yet
+        # Tokens of prompts routed but not answered by their decode node yet, the backlog to come of one side
+        # (gateway.prefill_policy counts it): under _REMOTE those bound for a prefill node (waiting for their
+        # reservation), under a decode node's target those it prefills itself.
+        self._queued: Counter[str] = Counter()
 
     async def generate(self, req: GatewayRequest, arrival: float, deadline: float,
                        ) -> AsyncGenerator[OutputChunk, None]:
@@ -108,21 +111,14 @@ class Coordinator:
         block_hashes = hash_prompt_blocks(req.prompt_token_ids, self._block_size)
         num_prompt_blocks = len(req.prompt_token_ids) // self._block_size
         local_target = self._prefill_locally(req, block_hashes, num_prompt_blocks)
-        local = local_target is not None
         # Until the decode node answers, neither side's backlog holds the prompt: count it meanwhile (a remote
         # one waits for its reservation before any prefill node sees it; a local one for the node's answer).
-        n = len(req.prompt_token_ids)
-        if local_target is None:
-            self._queued_remote_tokens += n
-        else:
-            self._queued_local_tokens[local_target] = self._queued_local_tokens.get(local_target, 0) + n
+        side = _REMOTE if local_target is None else local_target
+        self._queued[side] += len(req.prompt_token_ids)
         try:
-            decode = await self._reserve(req, deadline, num_prompt_blocks, local)
+            decode = await self._reserve(req, deadline, num_prompt_blocks, local_target is not None)
         finally:
-            if local_target is None:
-                self._queued_remote_tokens -= n
-            else:
-                self._queued_local_tokens[local_target] -= n
+            self._queued[side] -= len(req.prompt_token_ids)
         span = trace.get_current_span()
         if span.is_recording() and decode.reservation is not None:
             r = decode.reservation
@@ -221,7 +217,7 @@ class Coordinator:
                   self._router.affinity.matched_blocks(block_hashes).items()}
         local = prefill_locally(self._local_prefill, len(req.prompt_token_ids), node,
                                 list(self._router.prefill.values()), self._block_size, cached,
-                                self._queued_remote_tokens, self._queued_local_tokens.get(node.target, 0))
+                                self._queued[_REMOTE], self._queued[node.target])
         return node.target if local else None
 
     async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int,

@@ -353,13 +353,17 @@ void decode_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
                  int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
                  int64_t h_begin, int64_t h_end) {
 #if defined(__AVX512F__) || defined(__AVX2__)
-  if (D == 4 * W) return decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
-                                                             out, H, Hkv, block_size, scale, begin, end, h_begin, h_end);
-  if (D == 8 * W) return decode_sequences_simd<scalar_t, 8>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
-                                                             out, H, Hkv, block_size, scale, begin, end, h_begin, h_end);
-  if (D == 16 * W) return decode_sequences_simd<scalar_t, 16>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (D == 4 * W) return decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
                                                                out, H, Hkv, block_size, scale, begin, end, h_begin,
                                                                h_end);
+    if (D == 8 * W) return decode_sequences_simd<scalar_t, 8>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
+                                                               out, H, Hkv, block_size, scale, begin, end, h_begin,
+                                                               h_end);
+    if (D == 16 * W) return decode_sequences_simd<scalar_t, 16>(q, kc, vc, kstride, vstride, tables, table_stride,
+                                                                 lens, out, H, Hkv, block_size, scale, begin, end,
+                                                                 h_begin, h_end);
+  }
 #endif
   (void)h_begin;
   (void)h_end;
@@ -416,28 +420,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
     scalar_t* o = out.data_ptr<scalar_t>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-        if (D == 4 * W) {
-          decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(),
-                                             o, H, Hkv, block_size, static_cast<float>(scale), begin, end);
-          return;
-        }
-        if (D == 8 * W) {
-          decode_sequences_simd<scalar_t, 8>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(),
-                                             o, H, Hkv, block_size, static_cast<float>(scale), begin, end);
-          return;
-        }
-        if (D == 16 * W) {
-          decode_sequences_simd<scalar_t, 16>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0),
-                                              lens.data(), o, H, Hkv, block_size, static_cast<float>(scale), begin,
-                                              end);
-          return;
-        }
-      }
-#endif
-      decode_sequences<scalar_t>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(), o, H, Hkv, D,
-                             block_size, static_cast<float>(scale), begin, end);
+      decode_rows<scalar_t>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(), o, H, Hkv, D,
+                            block_size, static_cast<float>(scale), begin, end, 0, Hkv);
     });
   });
   return out;
