@@ -37,7 +37,7 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
     security = security or SecuritySettings()
     credentials = server_credentials(security, internal=True)  # fails fast on a bad TLS setup, before the model loads
     loaded = load_node_model(model_settings)
-    cache, scheduler = engine_configs(node)
+    cache, scheduler = engine_configs(node, model_settings.device)
     core = EngineCore(loaded.model, cache, scheduler, speculative=speculative, connector=KVConsumer(),
                       draft_model=load_draft_model(speculative, model_settings, loaded.model_dir),
                       parallel=loaded.parallel)

@@ -6,16 +6,17 @@ prefills locally below a length threshold and when the prefill queue is long; Ta
 queues in tokens of work (each node's prefill backlog: prompt tokens this gateway sent it that have not
 produced their first token yet), and weighs them with ``local_cost_factor`` (f):
 
-- a prompt of at most ``max_tokens`` tokens prefills on its decode node unless that node is busy prefilling
-  long prompts while a prefill node is not: local when ``local backlog <= max_tokens`` or
-  ``local backlog + n <= f * (remote backlog + n)``;
+- a prompt of at most ``max_tokens`` tokens prefills on its decode node: the node's scheduler gives prefill
+  chunks shortest prompt first (``prefill_order``, common/engine/scheduler.py), so it goes ahead of every
+  longer prompt the node is prefilling and gets its first token within a step or two, without a KV transfer;
 - a longer one goes to a prefill node unless the decode node would give it its first token sooner:
   local when ``f * (local backlog + n) < remote backlog + n``, the decode node's side weighted because its
-  decode steps share the core and wait behind the prompt's chunks; and the decode node must have headroom
-  (no long prefill of its own under way, nothing queued, free blocks for the prompt and ``headroom_blocks``
-  more). An idle prefill node always takes it; one busy with a long prompt loses the next one to an idle
-  decode node, as a colocated replica would take it, but a decode node takes one long prompt at a time, so
-  that a burst of long prompts cannot queue in front of the short ones it keeps answering;
+  decode steps share the core and wait behind the prompt's chunks, and the decode node has free blocks for
+  the prompt and ``headroom_blocks`` more. So an idle prefill node always takes it, and when the prefill
+  nodes fall behind, the decode node takes its share of the long prompts, as a colocated replica would.
+  (Before the scheduler ordered prefills by length, a decode node took one long prompt at a time, so that a
+  burst of them could not queue in front of its short ones; with the order by length that limit only cost
+  goodput: benchmarks/RESULTS.md, issue 16.)
 - a prefill node's side counts only the prompt's tokens it does not hold already (its prefix cache, as the
   router's affinity index knows it), and its share of the prompts bound for the prefill nodes that still
   wait for their decode reservation (the admission queue: no prefill node has seen them yet);
@@ -58,11 +59,10 @@ def local_wins(policy: LocalPrefillPolicy, num_prompt_tokens: int, local_backlog
     tokens) of each reachable prefill node.
     """
     n, f = num_prompt_tokens, policy.local_cost_factor
-    remote_cost = min(backlog + n - cached for backlog, cached in remote)
-    busy = local_backlog > policy.max_tokens  # prefilling more than a short prompt's worth already
     if n <= policy.max_tokens:
-        return not busy or local_backlog + n <= f * remote_cost
-    return not busy and f * (local_backlog + n) < remote_cost
+        return True  # the decode node's shortest-first prefill order puts it ahead of every longer prompt
+    remote_cost = min(backlog + n - cached for backlog, cached in remote)
+    return f * (local_backlog + n) < remote_cost
 
 
 def prefill_locally(policy: LocalPrefillPolicy, num_prompt_tokens: int, decode: NodeState,
@@ -84,7 +84,7 @@ def prefill_locally(policy: LocalPrefillPolicy, num_prompt_tokens: int, decode: 
         return True
     if num_prompt_tokens > policy.max_tokens:
         load = decode.load
-        if load is None or load.num_waiting > 0:
+        if load is None:
             return False
         if load.free_blocks < -(-num_prompt_tokens // block_size) + policy.headroom_blocks:
             return False

@@ -33,7 +33,7 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
     security = security or SecuritySettings()
     credentials = server_credentials(security, internal=True)  # fails fast on a bad TLS setup, before the model loads
     loaded = load_node_model(model_settings)
-    cache, scheduler = engine_configs(node)
+    cache, scheduler = engine_configs(node, model_settings.device)
     core = EngineCore(loaded.model, cache, scheduler, connector=KVProducer(cache.block_size),
                       parallel=loaded.parallel)
     engine = AsyncEngine(core, name="prefill-engine")

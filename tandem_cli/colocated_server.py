@@ -125,7 +125,7 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
     )
 
     loaded = load_node_model(model_settings)
-    cache, scheduler = engine_configs(node)
+    cache, scheduler = engine_configs(node, model_settings.device)
     core = ColocatedEngine(loaded.model, cache, scheduler, speculative=speculative,
                            draft_model=load_draft_model(speculative, model_settings, loaded.model_dir),
                            parallel=loaded.parallel)

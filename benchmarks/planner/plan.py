@@ -159,6 +159,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from benchmarks.bench_serve import configure_workload, cpu_list, resolve_dtype_name
     from common.config.settings import ModelSettings, NodeSettings, load_settings
+    from common.engine.node_setup import step_budget
     from common.model.model_store import resolve_model
 
     if args.nodes < 1:
@@ -173,8 +174,8 @@ def run(args: argparse.Namespace) -> int:
     threads = threads_per_node(args.nodes, cpus)
     cost, key, fitted = cost_model(model_dir, dtype, threads, settings.home, args.refit)
     node = load_settings(NodeSettings)
-    limits = NodeLimits(node.max_num_batched_tokens, node.max_prefill_chunk, node.max_num_seqs, node.block_size,
-                        node.enable_prefix_caching)
+    limits = NodeLimits(*step_budget(node, settings.device), node.max_num_seqs, node.block_size,
+                        node.enable_prefix_caching, node.prefill_order)
 
     requests = workload.requests(_vocab_size(model_dir), args.rate)
     results = [Candidate(simulate(requests, d, cost, limits), slo) for d in candidates(args.nodes, thresholds)]

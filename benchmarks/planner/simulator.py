@@ -1,9 +1,10 @@
 """A discrete-event simulation of a deployment serving a workload, step by step, with a fitted step cost.
 
-Each node runs the token-budget scheduler (``common.engine.scheduler``) as a model: running requests
-first, oldest first (a decoding one gets 1 token, one still prefilling a chunk of at most
-``max_prefill_chunk``), then waiting ones FCFS while the budget (``max_num_batched_tokens``) and
-``max_num_seqs`` allow; a step costs ``CostModel.step_s`` of what it computes, and requests that arrive
+Each node runs the token-budget scheduler (``common.engine.scheduler``) as a model: decoding requests
+first, oldest first (1 token each), then prefill chunks of at most ``max_prefill_chunk`` for the running
+prompts and the waiting ones (admitted when reached, as ``max_num_seqs`` allows) in the scheduler's
+``prefill_order`` (its sort key and pass-over count, shared), while the budget (``max_num_batched_tokens``)
+lasts; a step costs ``CostModel.step_s`` of what it computes, and requests that arrive
 during a step wait for the next one. KV memory is not modelled (the admission queue makes a full cache
 wait, not fail). Prefix caching: a node skips the full blocks of a prompt it has computed before.
 
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from benchmarks.planner.cost_model import CostModel, StepShape
 from benchmarks.slo import SLO, Attainment
+from common.engine.scheduler import count_prefill_skips, prefill_priority
 from gateway.prefill_policy import LocalPrefillPolicy, local_wins
 
 if TYPE_CHECKING:
@@ -45,6 +47,8 @@ class NodeLimits:
     max_num_seqs: int = 128
     block_size: int = 16
     prefix_caching: bool = True
+    prefill_order: str = "shortest"
+    max_prefill_skips: int = 8
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,9 @@ class _Job:
     first_token_s: float | None = None
     decode_node: _Node | None = None  # a prefill node's job: where its KV goes
     backlog: int = 0  # tokens it adds to its node's prefill backlog until its first token (as the gateway counts)
+    arrival_seq: int = 0  # its node's arrival order (the scheduler's prefill order uses it)
+    prefill_skips: int = 0
+    admitted: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -165,6 +172,7 @@ def simulate(requests: Sequence[TimedRequest], deployment: Deployment, cost: Cos
     events: list[tuple[float, int, Callable[[float], None]]] = []
     order = itertools.count()
     rotation = itertools.count()
+    arrivals = itertools.count()
     done: dict[int, RequestTiming] = {}
     block = limits.block_size
     policy = LocalPrefillPolicy(max_tokens=deployment.local_prefill_max_tokens)
@@ -183,21 +191,23 @@ def simulate(requests: Sequence[TimedRequest], deployment: Deployment, cost: Cos
         decode = least_loaded(serve_nodes)
         decode.outstanding += 1
         if deployment.colocated or prefill_here(decode, keys, n):
-            job = _Job(req, keys, n, n + req.output_len, backlog=0 if deployment.colocated else n)
+            job = _Job(req, keys, n, n + req.output_len, backlog=0 if deployment.colocated else n,
+                       arrival_seq=next(arrivals))
             decode.prefill_backlog += job.backlog
             decode.waiting.append(job)
             kick(decode, now)
             return
         node = least_loaded(prefill_nodes, keys, n)  # prefix-cache affinity first, then load
         node.outstanding += 1
-        job = _Job(req, keys, n, n + 1, decode_node=decode, backlog=max(1, n - node.cached_tokens(keys, n, block)))
+        job = _Job(req, keys, n, n + 1, decode_node=decode, backlog=max(1, n - node.cached_tokens(keys, n, block)),
+                   arrival_seq=next(arrivals))
         node.prefill_backlog += job.backlog
         node.waiting.append(job)
         kick(node, now)
 
     def prefill_here(decode: _Node, keys: list[int], n: int) -> bool:
         """Conditional disaggregation: the gateway's rule (``gateway.prefill_policy``) on the simulated backlogs."""
-        if policy.max_tokens == 0 or (n > policy.max_tokens and decode.waiting):
+        if policy.max_tokens == 0:
             return False
         return local_wins(policy, n, decode.prefill_backlog,
                                                  [(p.prefill_backlog, p.cached_tokens(keys, n, block))
@@ -216,19 +226,35 @@ def simulate(requests: Sequence[TimedRequest], deployment: Deployment, cost: Cos
     def schedule(node: _Node) -> list[tuple[_Job, int, int]]:
         budget = limits.max_num_batched_tokens
         chunks: list[tuple[_Job, int, int]] = []
+        prefilling: list[_Job] = []
         for job in node.running:
             if budget <= 0:
                 break
+            if job.num_tokens - job.computed > 1:
+                prefilling.append(job)
+                continue
+            chunks.append((job, job.computed, 1))
+            budget -= 1
+        candidates = prefilling + list(node.waiting)
+        if limits.prefill_order == "shortest":
+            candidates.sort(key=lambda j: prefill_priority(j.num_tokens - j.computed, j.arrival_seq,
+                                                           j.prefill_skips >= limits.max_prefill_skips))
+        scheduled: list[_Job] = []
+        for job in candidates:
+            if budget <= 0:
+                break
+            if not job.admitted:
+                if len(node.running) >= limits.max_num_seqs:
+                    continue
+                node.waiting.remove(job)
+                job.admitted = True
+                job.computed = node.cached_tokens(job.keys, job.prompt_len, block)
+                node.running.append(job)
             n = chunk_size(job, budget)
             chunks.append((job, job.computed, n))
+            scheduled.append(job)
             budget -= n
-        while node.waiting and budget > 0 and len(node.running) < limits.max_num_seqs:
-            job = node.waiting.popleft()
-            job.computed = node.cached_tokens(job.keys, job.prompt_len, block)
-            node.running.append(job)
-            n = chunk_size(job, budget)
-            chunks.append((job, job.computed, n))
-            budget -= n
+        count_prefill_skips(candidates, scheduled)
         return chunks
 
     def chunk_size(job: _Job, budget: int) -> int:
@@ -275,7 +301,7 @@ def simulate(requests: Sequence[TimedRequest], deployment: Deployment, cost: Cos
             return
         # Joins the running batch with its prompt's KV and the first token (decoding from here on).
         decoding = _Job(job.request, job.keys, job.prompt_len, job.prompt_len + job.request.output_len,
-                        computed=job.prompt_len, outputs=1, first_token_s=now)
+                        computed=job.prompt_len, outputs=1, first_token_s=now, admitted=True)
         decode.running.append(decoding)
         kick(decode, now)
 

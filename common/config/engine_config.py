@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+PREFILL_ORDERS = ("shortest", "fcfs")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -35,6 +37,10 @@ class SchedulerConfig:
     # A single prefill chunk takes at most this many tokens, so one long prompt cannot hold decodes back
     # for a whole step (Sarathi-Serve's stall-free batching). None: limited by the step budget only.
     max_prefill_chunk: int | None = 512
+    # Which prefill gets the step's budget first (common/engine/scheduler.py): "shortest" (fewest uncomputed
+    # tokens; a prompt passed over max_prefill_skips steps in a row by later arrivals goes first) or "fcfs".
+    prefill_order: str = "shortest"
+    max_prefill_skips: int = 8
     # Keep this fraction of blocks free when admitting new work, so running requests can grow without
     # preempting each other straight away.
     watermark: float = 0.01
@@ -52,6 +58,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, got {self.prefill_order!r}")
+        if self.max_prefill_skips < 1:
+            raise ValueError(f"max_prefill_skips must be >= 1, got {self.max_prefill_skips}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_lease_s <= 0:

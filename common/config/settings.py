@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from common.config.engine_config import PREFILL_ORDERS
+
 T = TypeVar("T")
 
 ENV_PREFIX = "TANDEM_"
@@ -90,8 +92,12 @@ class NodeSettings:
     kv_cache_memory_gb: float = 1.0
     block_size: int = 16
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_prefill_chunk: int = 512
+    # tokens per step (decodes + prefill chunks) and per prefill chunk; 0: by device (step_budget: CPU
+    # 512 / 256, so a step with prefill chunks stays near a TPOT SLO's 200 ms on one core; GPU 2048 / 512)
+    max_num_batched_tokens: int = 0
+    max_prefill_chunk: int = 0
+    # which prompt's prefill goes first: shortest (fewest uncomputed tokens; bounded delay for long ones) | fcfs
+    prefill_order: str = "shortest"
     enable_prefix_caching: bool = True
     # how long a transfer may take once its first chunk arrived (a decode node); how long a push may take
     kv_timeout_s: float = 30.0
@@ -109,11 +115,17 @@ class NodeSettings:
         for name in ("port", "kv_store_port", "num_blocks", "metrics_port"):
             if not 0 <= getattr(self, name) <= (65535 if "port" in name else 2**31):
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_waiting"):
+        for name in ("block_size", "max_num_seqs", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_num_batched_tokens", "max_prefill_chunk"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 1, or 0 for the device's default; got {getattr(self, name)}")
         if self.kv_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.grace_s < 0 or self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_timeout_s, queue_timeout_s and kv_cache_memory_gb must be > 0, grace_s >= 0")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"--prefill-order (TANDEM_PREFILL_ORDER) must be one of {', '.join(PREFILL_ORDERS)}; "
+                             f"got {self.prefill_order!r}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"--kv-transport (TANDEM_KV_TRANSPORT) must be one of {', '.join(KV_TRANSPORTS)}; "
                              f"got {self.kv_transport!r}")

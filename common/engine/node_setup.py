@@ -80,11 +80,28 @@ async def prepare_decode_attention(settings: ModelSettings, engine: AsyncEngine)
     log.info("CPU decode attention: %s", "compiled kernel" if compiled else "PyTorch path")
 
 
-def engine_configs(node: NodeSettings) -> tuple[CacheConfig, SchedulerConfig]:
+# A serving node's step budget by device when not set (max_num_batched_tokens, max_prefill_chunk). On a CPU
+# core a step with 2,048 tokens of prefill takes over a second (SmolLM2, bf16), and every stream on the
+# node waits for it: 512 / 256 kept the mixed workload's TPOT p99 under its 200 ms SLO and cut short
+# chats' TTFT under issue 16's burst from 1.8 to 0.4 s, at the same throughput (benchmarks/RESULTS.md).
+# GPUs keep vLLM's 2,048 (their step time is flat well past it).
+DEVICE_STEP_BUDGETS = {"cpu": (512, 256)}
+DEFAULT_STEP_BUDGET = (2048, 512)
+
+
+def step_budget(node: NodeSettings, device: str) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_prefill_chunk) for ``node`` on ``device``: its settings, 0 by device."""
+    tokens, chunk = DEVICE_STEP_BUDGETS.get(device.split(":")[0], DEFAULT_STEP_BUDGET)
+    return node.max_num_batched_tokens or tokens, node.max_prefill_chunk or chunk
+
+
+def engine_configs(node: NodeSettings, device: str) -> tuple[CacheConfig, SchedulerConfig]:
     cache = CacheConfig(block_size=node.block_size, num_blocks=node.num_blocks or None,
                         kv_cache_memory_gb=node.kv_cache_memory_gb, enable_prefix_caching=node.enable_prefix_caching)
-    scheduler = SchedulerConfig(max_num_seqs=node.max_num_seqs, max_num_batched_tokens=node.max_num_batched_tokens,
-                                max_prefill_chunk=node.max_prefill_chunk, max_waiting=node.max_waiting,
+    max_num_batched_tokens, max_prefill_chunk = step_budget(node, device)
+    scheduler = SchedulerConfig(max_num_seqs=node.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_prefill_chunk=max_prefill_chunk, prefill_order=node.prefill_order,
+                                max_waiting=node.max_waiting,
                                 # a decode servicer waits at most queue_timeout_s for the first chunk, then
                                 # kv_timeout_s: past both (and a minute's slack) a reservation has leaked
                                 kv_lease_s=node.queue_timeout_s + node.kv_timeout_s + 60.0)

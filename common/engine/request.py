@@ -41,6 +41,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    arrival_seq: int = 0  # the scheduler's arrival order (add_request)
+    prefill_skips: int = 0  # steps in a row it got no prefill chunk while a later arrival got one
     first_scheduled_time: float | None = None
     waiting_for_kv_since: float | None = None  # time.monotonic() when it began to wait for remote KV
     first_token_time: float | None = None

@@ -3,11 +3,19 @@
 Each request has ``num_tokens`` (prompt + outputs) and ``num_computed_tokens`` (those with KV). A step
 gives every scheduled request a chunk of its uncomputed tokens, within a per-step token budget:
 
-1. Running requests first, oldest first: a decoding request gets 1 token, a request still in prefill
-   gets a chunk (at most ``max_prefill_chunk``). That puts decodes and prefill chunks in one batch
-   (Sarathi-Serve), so a long prompt never stalls the running streams.
-2. Then waiting requests in arrival order (FCFS; the queue is never skipped, so nobody starves), while
-   the budget, ``max_num_seqs`` and free blocks allow. Their cached prefix is reused.
+1. Decoding requests first, oldest first: 1 token each (plus draft slots when speculating). Decodes and
+   prefill chunks share one batch (Sarathi-Serve), so a long prompt never stalls the running streams.
+2. Then prefill chunks (at most ``max_prefill_chunk`` each) while the budget lasts, for the running
+   requests still in prefill and the waiting ones (admitted when reached, as ``max_num_seqs`` and free
+   blocks allow; their cached prefix is reused), in ``prefill_order``:
+   - ``shortest`` (default): fewest uncomputed tokens first, so a short prompt is not stuck behind long
+     ones (it gets its first token in the next step, not after every long prompt queued before it:
+     shortest-remaining-first minimizes mean TTFT). Preempted requests come first, and so does a prompt
+     passed over for ``max_prefill_skips`` steps in a row by later arrivals (then in arrival order), so a
+     long prompt is delayed a bounded number of steps, never starved.
+   - ``fcfs``: running prefills in admission order, then the queue in arrival order.
+   Blocks are granted in the same order: when the first waiting request in that order does not fit, no
+   request after it is admitted in this step (none takes the memory it waits for).
 
 When a running request cannot grow, the newest running request is preempted by **recompute**: its blocks
 are freed (its full blocks stay in the prefix cache, so re-admission usually finds most of them) and it
@@ -25,10 +33,12 @@ recomputed locally.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from common.engine.kv_connector import KVConnector
 from common.engine.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -72,6 +82,29 @@ def adaptive_num_drafts(request: Request, max_drafts: int, economics: DraftEcono
     return min(max_drafts, 1 + int(math.log(cost / a) / math.log(h)))
 
 
+def prefill_priority(remaining: int, arrival: int, urgent: bool) -> tuple[int, int, int]:
+    """The ``shortest`` prefill order's sort key (shared with the planner's simulator): urgent requests
+    (preempted, or passed over too long) first in arrival order, then fewest uncomputed tokens."""
+    return (0, 0, arrival) if urgent else (1, remaining, arrival)
+
+
+class _Prefill(Protocol):
+    arrival_seq: int
+    prefill_skips: int
+
+
+def count_prefill_skips(candidates: Sequence[_Prefill], scheduled: Sequence[_Prefill]) -> None:
+    """After a step: a prefill without a chunk while one that arrived after it got one was passed over once
+    more; one with a chunk starts counting again (shared with the planner's simulator)."""
+    latest = max((r.arrival_seq for r in scheduled), default=-1)
+    done = {id(r) for r in scheduled}
+    for request in candidates:
+        if id(request) in done:
+            request.prefill_skips = 0
+        elif request.arrival_seq < latest:
+            request.prefill_skips += 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  connector: KVConnector | None = None, speculative: SpeculativeConfig | None = None) -> None:
@@ -96,6 +129,7 @@ class Scheduler:
         self._stalled = False
         self.num_preemptions = 0
         self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
+        self._arrivals = itertools.count()
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -103,6 +137,7 @@ class Scheduler:
         """Queue a request; it is admitted in FCFS order as the budget and free blocks allow."""
         assert request.num_tokens < self.max_model_len or self.connector.ends_at_first_token
         request.status = RequestStatus.WAITING
+        request.arrival_seq = next(self._arrivals)
         self.waiting.append(request)
         self._stalled = False
 
@@ -121,6 +156,7 @@ class Scheduler:
         allocation = self.kv.allocate(request.request_id, request.prompt_token_ids)
         if allocation is None:
             return None
+        request.arrival_seq = next(self._arrivals)
         request.num_cached_tokens = allocation.num_cached_tokens
         request.num_computed_tokens = allocation.num_cached_tokens
         if self._start(request) is RequestStatus.RUNNING:
@@ -155,39 +191,59 @@ class Scheduler:
         preempted: list[str] = []
 
         speculate = self._speculation_on()
+        prefilling: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._chunk_size(request, budget)
-            k = self._num_drafts(request, budget - n) if speculate else 0
-            if not self._grow(request, n + k, preempted):
-                break  # `request` itself was preempted: everything after it already was
-            chunks.append(ScheduledChunk(request, request.num_computed_tokens, n,
-                                         self.kv.block_table(request.request_id), k))
-            budget -= n + k
             i += 1
+            if request.num_tokens - request.num_computed_tokens > 1:
+                prefilling.append(request)  # its chunk is given out below, in prefill order
+                continue
+            k = self._num_drafts(request, budget - 1) if speculate else 0
+            if not self._grow(request, 1 + k, preempted):
+                break  # `request` itself was preempted: everything after it already was
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, 1,
+                                         self.kv.block_table(request.request_id), k))
+            budget -= 1 + k
 
         # No admissions in a step that had to preempt: memory is short, let running requests finish.
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            if not self._admit(request):
-                break  # FCFS: never let a later request overtake the head of the queue
-            self.waiting.popleft()
-            if self._start(request) is RequestStatus.WAITING_FOR_KV:
-                self._reserved.append(RequestOutput(
-                    request.request_id, [], False, num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=request.num_cached_tokens,
-                    reserved_block_ids=tuple(self.kv.block_table(request.request_id))))
-                continue
+        candidates = prefilling if preempted else prefilling + list(self.waiting)
+        if self.config.prefill_order == "shortest":
+            candidates.sort(key=self._prefill_priority)
+        admitting = True
+        scheduled: list[Request] = []
+        for request in candidates:
+            if budget <= 0:
+                break
+            if request.status is RequestStatus.WAITING:
+                if not admitting:
+                    continue
+                if len(self.running) >= self.config.max_num_seqs or not self._admit(request):
+                    admitting = False  # later ones in this order must not take the blocks it waits for
+                    continue
+                self.waiting.remove(request)
+                if self._start(request) is RequestStatus.WAITING_FOR_KV:
+                    self._reserved.append(RequestOutput(
+                        request.request_id, [], False, num_prompt_tokens=request.num_prompt_tokens,
+                        num_cached_tokens=request.num_cached_tokens,
+                        reserved_block_ids=tuple(self.kv.block_table(request.request_id))))
+                    continue
+                self.running.append(request)
             n = self._chunk_size(request, budget)
-            self.running.append(request)
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, n,
                                          self.kv.block_table(request.request_id)))
+            scheduled.append(request)
             budget -= n
+        count_prefill_skips(candidates, scheduled)
         copies, self._pending_copies = self._pending_copies, []
         self._stalled = not chunks
         return SchedulerOutput(chunks, preempted, copies)
+
+    def _prefill_priority(self, request: Request) -> tuple[int, int, int]:
+        """``shortest`` order: preempted and long-passed-over requests first (by arrival), then fewest
+        uncomputed tokens (a waiting request's cached prefix is not known before its admission)."""
+        return prefill_priority(request.num_tokens - request.num_computed_tokens, request.arrival_seq,
+                                request.num_preemptions > 0 or request.prefill_skips >= self.config.max_prefill_skips)
 
     def update(self, output: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
         """Account for a finished forward: advance computed tokens, append sampled tokens, stop.

@@ -20,14 +20,15 @@ def node(target: str, running: int = 0, waiting: int = 0, free: int = 1000, reac
 @pytest.mark.parametrize(("tokens", "prefill_backlogs", "decode", "expected"), [
     (100, [0], node("d"), True),  # short, both idle: local
     (100, [5000], node("d", backlog=5000), True),  # short, both busy: local (5100 <= 1.5 * 5100)
-    (100, [0], node("d", backlog=2000), False),  # short, but the decode node prefills a long one: 2100 > 150
+    (100, [0], node("d", backlog=2000), True),  # short: ahead of the long one the decode node prefills
     (101, [0], node("d"), False),  # longer, prefill idle: disaggregate
     (1000, [499], node("d"), False),  # 1.5 * 1000 = 1500 local vs 1499 remote
     (1000, [501], node("d"), True),  # 1500 vs 1501: the decode node gives the first token sooner
     (1000, [5000, 0], node("d"), False),  # the shortest prefill backlog counts
     (1000, [2000], node("d", backlog=100), True),  # 1.5 * 1100 = 1650 local vs 3000 remote: local...
-    (1000, [9000], node("d", backlog=101), False),  # ...but one long prefill at a time on a decode node
-    (1000, [5000], node("d", waiting=1), False),  # the decode node queues already
+    (1000, [9000], node("d", backlog=1101), True),  # ...and a second long one: 1.5 * 2101 < 10000
+    (1000, [2000], node("d", backlog=1101), False),  # ...but not while 3151.5 > 3000
+    (1000, [5000], node("d", waiting=1), True),  # queued requests there are in its backlog already
     (160, [5000], node("d", free=17), False),  # 10 blocks + 8 headroom do not fit in 17
     (160, [5000], node("d", free=18), True),
 ])
@@ -45,22 +46,21 @@ def test_tokens_cached_on_a_prefill_node_are_not_its_work() -> None:
 
 
 def test_prompts_waiting_for_a_reservation_count_on_the_prefill_side() -> None:
-    """A short prompt while the decode node prefills a long one: local only if the prefill side is busier."""
+    """A long prompt while the decode node prefills one: local only if the prefill side is busier."""
     busy_decode = node("d", backlog=900)
-    assert not prefill_locally(POLICY, 100, busy_decode, [node("p")], 16)  # 1000 > 1.5 * 100
-    assert prefill_locally(POLICY, 100, busy_decode, [node("p")], 16, queued_remote_tokens=9000)
+    assert not prefill_locally(POLICY, 1000, busy_decode, [node("p")], 16)  # 1.5 * 1900 > 1000
+    assert prefill_locally(POLICY, 1000, busy_decode, [node("p")], 16, queued_remote_tokens=9000)
     # Spread over the reachable prefill nodes: 2 x 4500.
-    assert prefill_locally(POLICY, 100, busy_decode, [node("p"), node("q")], 16, queued_remote_tokens=9000)
-    assert not prefill_locally(POLICY, 100, busy_decode, [node("p"), node("q")], 16, queued_remote_tokens=1000)
+    assert prefill_locally(POLICY, 1000, busy_decode, [node("p"), node("q")], 16, queued_remote_tokens=9000)
+    assert not prefill_locally(POLICY, 1000, busy_decode, [node("p"), node("q")], 16, queued_remote_tokens=1000)
 
 
 def test_local_wins_compares_weighted_backlogs() -> None:
     assert local_wins(POLICY, 101, 0, [(200, 0)])  # 151.5 < 301
-    assert not local_wins(POLICY, 101, 101, [(5000, 0)])  # the decode node prefills a long prompt already
+    assert local_wins(POLICY, 101, 101, [(5000, 0)])  # 303 < 5101: a second long prompt on the decode node
+    assert not local_wins(POLICY, 101, 3500, [(5000, 0)])  # 1.5 * 3601 = 5401.5 > 5101
     assert not local_wins(POLICY, 101, 0, [(200, 0), (0, 0)])  # an idle prefill node: 151.5 > 101
-    assert local_wins(POLICY, 100, 100, [(0, 0)])  # short, the decode node's backlog <= max_tokens: local
-    assert local_wins(POLICY, 100, 101, [(101, 0)])  # busier, but 201 <= 1.5 * 201
-    assert not local_wins(POLICY, 100, 101, [(0, 0)])  # 201 > 150: the idle prefill node
+    assert local_wins(POLICY, 100, 10_000, [(0, 0)])  # short: always the decode node's (shortest first there)
     assert not local_wins(LocalPrefillPolicy(max_tokens=1, local_cost_factor=3.0), 100, 0, [(200, 0)])
 
 
@@ -89,6 +89,4 @@ def test_prompts_bound_for_the_decode_node_count_on_its_side() -> None:
     """A burst's concurrent decisions: the local prompts its node has not answered yet are its backlog too."""
     prefill = [node("p", backlog=2000)]
     assert prefill_locally(POLICY, 1000, node("d"), prefill, 16)  # 1500 < 3000
-    assert not prefill_locally(POLICY, 1000, node("d"), prefill, 16, queued_local_tokens=101)  # busy already
-    assert prefill_locally(POLICY, 100, node("d"), [node("p")], 16)
-    assert not prefill_locally(POLICY, 100, node("d"), [node("p")], 16, queued_local_tokens=900)  # 1000 > 150
+    assert not prefill_locally(POLICY, 1000, node("d"), prefill, 16, queued_local_tokens=1001)  # 3001.5 > 3000

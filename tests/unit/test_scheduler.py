@@ -256,3 +256,69 @@ def test_reservations_past_their_lease_are_reported_for_reaping() -> None:
     assert s.expired_kv_waits(since + 10.1) == ["a"]
     s.kv_arrived("a", 42)
     assert s.expired_kv_waits(since + 100) == []  # its KV came: no longer waiting
+
+
+def test_shortest_prefill_first_a_short_prompt_is_not_stuck_behind_long_ones() -> None:
+    s = make(num_blocks=64, max_num_batched_tokens=8, max_prefill_chunk=4)
+    s.add_request(req("long1", 20))
+    s.add_request(req("long2", 20, first=100))
+    assert step(s) == [("long1", 0, 4), ("long2", 0, 4)]  # equal lengths: arrival order
+    s.add_request(req("short", 3, first=200))
+    # the short prompt's whole prefill goes first (and samples its first token), the long ones share the rest
+    assert step(s) == [("short", 0, 3), ("long1", 4, 4), ("long2", 4, 1)]
+    assert s.running[-1].output_token_ids == [7]
+
+
+def test_fcfs_prefill_order_keeps_arrival_order() -> None:
+    s = make(num_blocks=64, max_num_batched_tokens=8, max_prefill_chunk=4, prefill_order="fcfs")
+    s.add_request(req("long1", 20))
+    s.add_request(req("long2", 20, first=100))
+    step(s)
+    s.add_request(req("short", 3, first=200))
+    assert step(s) == [("long1", 4, 4), ("long2", 4, 4)]  # the short prompt waits behind both
+
+
+def test_decodes_go_before_prefill_chunks_in_either_order() -> None:
+    for order in ("shortest", "fcfs"):
+        s = make(num_blocks=64, max_num_batched_tokens=8, max_prefill_chunk=8, prefill_order=order)
+        s.add_request(req("a", 2))
+        assert step(s) == [("a", 0, 2)]
+        s.add_request(req("long", 20, first=100))
+        assert step(s) == [("a", 2, 1), ("long", 0, 7)]
+
+
+def test_a_long_prompt_passed_over_is_delayed_a_bounded_number_of_steps() -> None:
+    s = make(num_blocks=256, max_num_batched_tokens=4, max_prefill_chunk=4, max_prefill_skips=3,
+             max_num_seqs=64)
+    s.add_request(req("long", 24))
+    assert step(s) == [("long", 0, 4)]
+    got_chunk = []
+    for i in range(8):  # a new 4-token prompt every step would take the whole budget forever
+        s.add_request(req(f"s{i}", 4, first=100 + 10 * i, params=SamplingParams(temperature=0.0, max_tokens=1)))
+        got_chunk.append(any(rid == "long" for rid, _, _ in step(s)))
+    # passed over 3 steps in a row by later arrivals, it goes first in the 4th; then the count starts again
+    assert got_chunk == [False, False, False, True, False, False, False, True]
+
+
+def test_blocks_are_granted_in_prefill_order() -> None:
+    # 6 blocks of 4 tokens, "a" holds 3 and grows into a 4th: "big" and "bigger" (3 blocks each) wait, the
+    # later "small" (1 block) fits and is first in shortest order
+    s = make(num_blocks=6, max_num_batched_tokens=32)
+    s.add_request(req("a", 12))
+    assert step(s) == [("a", 0, 12)]
+    s.add_request(req("big", 10, first=100))   # 3 blocks: does not fit (a holds 3 + grows into a 4th)
+    s.add_request(req("bigger", 11, first=200))
+    s.add_request(req("small", 2, first=300))  # 1 block: fits, and goes first in shortest order
+    out = step(s)
+    assert ("small", 0, 2) in out and all(rid not in ("big", "bigger") for rid, _, _ in out)
+
+
+def test_a_smaller_prompt_does_not_take_the_blocks_a_higher_priority_one_waits_for() -> None:
+    # preempted requests go first; while the first of the order does not fit, nobody after it is admitted
+    s = make(num_blocks=4, max_num_batched_tokens=32)
+    s.add_request(req("a", 8))
+    step(s)
+    s.waiting.appendleft(req("urgent", 12, first=100))
+    s.waiting[0].num_preemptions = 1  # as if preempted: first in the order, needs 3 blocks, 2 free
+    s.add_request(req("small", 2, first=200))  # 1 block would fit, but it must not overtake
+    assert step(s) == [("a", 8, 1)]
