@@ -20,3 +20,18 @@ def test_bad_env_value_names_the_variable() -> None:
         load_settings(ModelSettings, environ={"TANDEM_NUM_THREADS": "many"})
     with pytest.raises(ValueError, match="dtype"):
         load_settings(ModelSettings, environ={"TANDEM_DTYPE": "int3"})
+
+
+def test_a_serving_node_s_step_budget_defaults_by_device() -> None:
+    from common.config.settings import NodeSettings
+    from common.engine.node_setup import engine_configs, step_budget
+
+    assert step_budget(NodeSettings(), "cpu") == (512, 256)
+    assert step_budget(NodeSettings(), "cuda:0") == (2048, 512)
+    assert step_budget(NodeSettings(max_num_batched_tokens=4096), "cpu") == (4096, 256)  # set: kept
+    scheduler = engine_configs(load_settings(NodeSettings, environ={"TANDEM_PREFILL_ORDER": "fcfs"}), "cpu")[1]
+    assert (scheduler.max_num_batched_tokens, scheduler.max_prefill_chunk, scheduler.prefill_order) == (512, 256, "fcfs")
+    with pytest.raises(ValueError, match="max_prefill_chunk must be >= 1, or 0"):
+        NodeSettings(max_prefill_chunk=-1)
+    with pytest.raises(ValueError, match="TANDEM_PREFILL_ORDER"):
+        NodeSettings(prefill_order="lifo")
