@@ -170,14 +170,14 @@ SECTIONS: tuple[Section, ...] = (
     Section("kv-transfer", "KV transfer bandwidth", kv_transfer_command, (40, 15)),
     Section("http-relay", "Gateway relay overhead: OpenAI HTTP SSE vs gRPC", http_relay_command, (25, 12)),
     # The serving and mixed workloads sweep the load: at 1 request/s every system meets its SLOs on a fast
-    # machine, so goodput tells them apart only at the higher rates.
+    # machine, so goodput tells them apart only at the higher rates (mixed 8 and 10: past one prefill core).
     Section("serve-serving", "Serving workload: disaggregated vs conditional vs colocated",
-            serve_command("serving", "disaggregated,conditional,colocated", "1,2.5,5", 32), (360, 90)),
+            serve_command("serving", "disaggregated,conditional,colocated", "1,2.5,5,8", 32), (400, 100)),
     Section("serve-shared-prefix", "Shared-prefix workload: disaggregated vs conditional vs colocated, prefix "
             "caching on vs off", serve_command("shared-prefix", "disaggregated,conditional,colocated,"
                                                "disaggregated-nocache", "1.5,4", 32), (300, 80)),
     Section("serve-mixed", "Mixed workload (long prompts during decoding): disaggregated vs conditional vs "
-            "colocated", serve_command("mixed", "disaggregated,conditional,colocated", "1,2.5,4", 48), (420, 90)),
+            "colocated", serve_command("mixed", "disaggregated,conditional,colocated", "1,4,8,10", 48), (480, 100)),
     Section("parallel", "Tensor / pipeline parallel layouts and the all-reduce (gloo vs shared memory)",
             parallel_command, (420, 150)),
     Section("quantization", "Quantized weights: none / int8 / int4 / w8a8 beside llama.cpp", quant_command,

@@ -72,17 +72,16 @@ def test_disaggregated_pushes_kv_then_decodes_and_conditional_prefills_short_pro
 
 
 def test_conditional_sends_a_long_prompt_to_an_idle_decode_node_when_the_prefill_node_is_busy() -> None:
-    # Two 1000-token prompts at once, local threshold 64: the first goes to the idle prefill node (1000 tokens
-    # of backlog there); for the second the decode node's 1.5 * 1000 < 1000 + 1000, so it prefills locally,
-    # beside the first's prefill instead of behind it (the gateway's rule, gateway.prefill_policy.local_wins).
-    both = [req(0, 1000, 2, 0.0), req(1, 1000, 2, 0.0, first_id=5000)]
-    a, b = simulate(both, Deployment(1, 1, local_prefill_max_tokens=64), COST).timings
-    # 512 + 488 tokens in two steps on either node: 0.522 + 0.498; the first adds its last chunk's KV (the
-    # first chunk's moved during the second step): 488 tokens at 0.1 ms.
-    assert a.ttft_s == pytest.approx(1.02 + 0.0488)
-    assert b.ttft_s == pytest.approx(1.02)
-    _, queued = simulate(both, Deployment(1, 1), COST).timings  # disaggregated: the second waits
-    assert queued.ttft_s > 2.0
+    # Three 1000-token prompts at once, local threshold 64: the first two go to the prefill node (for the
+    # second, the decode node's 2.5 * 1000 > 1000 + 1000); for the third 2.5 * 1000 < 2000 + 1000, so the decode
+    # node prefills it, beside the others' prefill instead of behind it (gateway.prefill_policy.local_wins).
+    three = [req(i, 1000, 2, 0.0, first_id=5000 * i) for i in range(3)]
+    a, b, c = simulate(three, Deployment(1, 1, local_prefill_max_tokens=64), COST).timings
+    # 512 + 488 tokens in two steps on the decode node alone: 0.522 + 0.498
+    assert c.ttft_s == pytest.approx(1.02)
+    assert a.ttft_s > 1.02 and b.ttft_s > 1.02  # two prompts' chunks share the prefill node's steps
+    *_, queued = simulate(three, Deployment(1, 1), COST).timings  # disaggregated: it shares the prefill steps
+    assert queued.ttft_s > c.ttft_s + 0.5
 
 
 def test_prefix_caching_skips_the_cached_full_blocks_and_the_kv_already_on_the_decode_node() -> None:
