@@ -62,12 +62,21 @@ def load_kernel_module(name: str, sources: Sequence[Source], functions: Sequence
             if baton.exists():  # no live Tandem builder holds it: we hold the flock
                 log.warning("removing %s left by a build that did not finish", baton)
                 baton.unlink(missing_ok=True)
-            source = "\n".join(_source_text(item) for item in sources)
-            return load_inline(name=name, cpp_sources=[source], functions=list(functions),
-                               extra_cflags=list(cflags), extra_ldflags=["-fopenmp"],
-                               build_directory=str(build_dir), verbose=False)
+            source = "\n".join([*(_source_text(item) for item in sources), _bindings(functions)])
+            return load_inline(name=name, cpp_sources=[source], extra_cflags=list(cflags),
+                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
+
+
+def _bindings(functions: Sequence[str]) -> str:
+    """The module's Python bindings (what ``load_inline(functions=...)`` writes), each releasing the GIL
+    while it runs: the kernels touch no Python object, and a node's gRPC threads share the process with the
+    engine's, so a request that arrives during a step is received then, not only after it (and joins the
+    next step instead of the one after)."""
+    # torch's wrapper releases it inside its error handling: a failed TORCH_CHECK still raises RuntimeError
+    defs = "\n".join(f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");' for f in functions)
+    return f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}\n}}"
 
 
 def _source_text(item: Source) -> str:

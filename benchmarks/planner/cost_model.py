@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from dataclasses import fields as fields_of
 from pathlib import Path
 
 
@@ -152,6 +153,8 @@ class CostModelStore:
             return None
         fields = entry["cost_model"]
         assert isinstance(fields, dict)
+        if set(fields) != {f.name for f in fields_of(CostModel)}:
+            return None  # stored by another version of Tandem: fit again
         return CostModel(**fields)
 
     def save(self, key: CostKey, model: CostModel, samples: Sequence[StepSample] = ()) -> None:

@@ -164,6 +164,10 @@ def test_the_store_keys_models_by_model_dtype_threads_and_cpu(tmp_path: Path) ->
     store.save(CostKey("SmolLM2-135M-Instruct", "bfloat16", 2, "AMD EPYC"), CostModel(1, 0, 0, 0, 0))
     assert CostModelStore(tmp_path).load(key) == COST
     assert store.path == tmp_path / "planner" / "cost_models.json" and len(json.loads(store.path.read_text())) == 2
+    entries = json.loads(store.path.read_text())  # a fit stored by another version (other fields): fit again
+    entries[key.label]["cost_model"]["a_field_of_another_version"] = 1.0
+    store.path.write_text(json.dumps(entries))
+    assert store.load(key) is None
 
 
 def test_plan_end_to_end_on_a_tiny_model(tiny_model_factory: Callable[..., Path], tmp_path: Path,

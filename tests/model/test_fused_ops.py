@@ -183,3 +183,41 @@ def test_fused_model_matches_the_reference_forward(tiny_model_factory: Callable[
     reference = _greedy(model, prompt_sets, 12)
     model.fused_ops = ops
     assert _greedy(model, prompt_sets, 12) == reference  # greedy output unchanged in fp32
+
+
+def test_kernels_release_the_gil_while_they_run() -> None:
+    """A node's gRPC threads share its process with the engine: while a kernel runs, Python threads run too."""
+    import threading
+    import time
+
+    from common.model.fused_ops import cpp_module
+
+    module = cpp_module()
+    if module is None:
+        pytest.skip("no C++ toolchain: the fused ops are not built")
+    rows = torch.randn(2048, 49152)
+    module.argmax_rows(rows)  # warm
+    started = time.perf_counter()
+    module.argmax_rows(rows)
+    one_call = time.perf_counter() - started
+    calls = max(1, int(0.3 / max(one_call, 1e-4)))  # about 0.3 s of kernel time in all
+    done = threading.Event()
+    ticks = 0
+
+    def count() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            time.sleep(0.0005)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    time.sleep(0.01)
+    before = ticks
+    for _ in range(calls):
+        module.argmax_rows(rows)
+    during = ticks - before
+    done.set()
+    counter.join()
+    # Holding the GIL, each call would let the counter run only between calls (about `calls` ticks at most).
+    assert during > 2 * calls + 20, (during, calls, one_call)
