@@ -79,12 +79,14 @@ class CostModel:
     per_context_token_s: float
     per_prefill_pair_s: float
     kv_transfer_per_token_s: float = 0.0
+    # a serving node's own work per token it streams (benchmarks/planner/serving_overhead.py), measured
+    per_streamed_token_s: float = 0.0
     num_samples: int = 0
     rms_error_s: float = 0.0  # of the fit, on its own samples
     rms_relative_error: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.coefficients) < 0 or self.kv_transfer_per_token_s < 0:
+        if min(self.coefficients) < 0 or self.kv_transfer_per_token_s < 0 or self.per_streamed_token_s < 0:
             raise ValueError(f"cost coefficients must be >= 0, got {self}")
 
     @property
@@ -93,13 +95,16 @@ class CostModel:
                 self.per_prefill_pair_s)
 
     def step_s(self, shape: StepShape) -> float:
-        return sum(c * f for c, f in zip(self.coefficients, shape.features, strict=True))
+        """The fitted step, plus streaming each decoding sequence's token (a served step's own work)."""
+        fitted = sum(c * f for c, f in zip(self.coefficients, shape.features, strict=True))
+        return fitted + self.per_streamed_token_s * shape.decode_seqs
 
     def describe(self) -> str:
         return (f"step = {self.base_s * 1e3:.2f} ms + {self.per_prefill_token_s * 1e6:.1f} us/prefill token + "
                 f"{self.per_decode_seq_s * 1e3:.3f} ms/decoding sequence + {self.per_context_token_s * 1e9:.1f} "
                 f"ns/context token + {self.per_prefill_pair_s * 1e9:.3f} ns/prefill query-key pair; KV transfer "
-                f"{self.kv_transfer_per_token_s * 1e6:.2f} us/token ({self.num_samples} steps, rms error "
+                f"{self.kv_transfer_per_token_s * 1e6:.2f} us/token; serving "
+                f"{self.per_streamed_token_s * 1e6:.0f} us per streamed token ({self.num_samples} steps, rms error "
                 f"{self.rms_error_s * 1e3:.2f} ms, {100 * self.rms_relative_error:.0f}%)")
 
 

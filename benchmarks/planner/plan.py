@@ -6,7 +6,9 @@
    computes, fitted once by least squares from ~60 timed steps of the model on this machine, with the
    threads each node gets when N nodes share this machine's cores (as `tandem up` and `bench serve`
    place them), plus the KV transfer cost per token; stored in TANDEM_HOME/planner/cost_models.json
-   keyed by model, dtype, threads and CPU, and reused (``--refit`` measures again).
+   keyed by model, dtype, threads and CPU, and reused (``--refit`` measures again). With it, what a serving
+   node spends per token it streams (the engine's output hand-off, protobuf, gRPC), measured on one real
+   colocated server (benchmarks/planner/serving_overhead.py) and added to every simulated step.
 2. Every candidate layout of the N nodes is simulated on the workload's requests (the same seeded
    requests `bench serve` sends; benchmarks/planner/simulator.py): colocated (N replicas), and each
    prefill:decode split, without and with local prefill of prompts up to each ``--thresholds`` value.
@@ -109,7 +111,8 @@ def threads_per_node(nodes: int, cpus: Sequence[int]) -> int:
     return max(1, len(cpus) // nodes)
 
 
-def cost_model(model_dir: Path, dtype: str, threads: int, home: Path, refit: bool) -> tuple[CostModel, CostKey, bool]:
+def cost_model(model_dir: Path, dtype: str, threads: int, home: Path, refit: bool,
+               cpus: Sequence[int]) -> tuple[CostModel, CostKey, bool]:
     """The stored fit for this model, dtype, threads and CPU, or a new one (then stored); True when fitted now."""
     from benchmarks.machine import cpu_name
 
@@ -119,6 +122,7 @@ def cost_model(model_dir: Path, dtype: str, threads: int, home: Path, refit: boo
         return stored, key, False
     import torch
 
+    from benchmarks.planner.serving_overhead import measure_per_streamed_token_s
     from benchmarks.planner.step_timing import kv_transfer_per_token_s, time_steps
     from common.model.loader import load_model
 
@@ -129,6 +133,9 @@ def cost_model(model_dir: Path, dtype: str, threads: int, home: Path, refit: boo
     started = time.perf_counter()
     samples = time_steps(model)
     fitted = fit(samples, kv_transfer_per_token_s(bytes_per_token))
+    del model  # the probe server loads its own copy
+    fitted = dataclasses.replace(fitted, per_streamed_token_s=measure_per_streamed_token_s(
+        model_dir, dtype, cpus[:threads], fitted, cfg.vocab_size))
     _progress(f"fitted the cost model from {len(samples)} steps in {time.perf_counter() - started:.0f} s")
     store.save(key, fitted, samples)
     return fitted, key, True
@@ -172,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(settings.model, settings.home, progress=True)
     dtype = resolve_dtype_name(settings.dtype, settings.device)
     threads = threads_per_node(args.nodes, cpus)
-    cost, key, fitted = cost_model(model_dir, dtype, threads, settings.home, args.refit)
+    cost, key, fitted = cost_model(model_dir, dtype, threads, settings.home, args.refit, cpus)
     node = load_settings(NodeSettings)
     limits = NodeLimits(*step_budget(node, settings.device), node.max_num_seqs, node.block_size,
                         node.enable_prefix_caching, node.prefill_order)

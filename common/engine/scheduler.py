@@ -134,7 +134,7 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; it is admitted in FCFS order as the budget and free blocks allow."""
+        """Queue a request; it is admitted in the prefill order as the budget and free blocks allow."""
         assert request.num_tokens < self.max_model_len or self.connector.ends_at_first_token
         request.status = RequestStatus.WAITING
         request.arrival_seq = next(self._arrivals)

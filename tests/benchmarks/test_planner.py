@@ -3,8 +3,8 @@ synthetic data and its store, and `tandem plan` end to end on a tiny random-weig
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,6 +82,16 @@ def test_conditional_sends_a_long_prompt_to_an_idle_decode_node_when_the_prefill
     assert a.ttft_s > 1.02 and b.ttft_s > 1.02  # two prompts' chunks share the prefill node's steps
     *_, queued = simulate(three, Deployment(1, 1), COST).timings  # disaggregated: it shares the prefill steps
     assert queued.ttft_s > c.ttft_s + 0.5
+
+
+def test_a_served_step_adds_its_streamed_tokens() -> None:
+    alone = [req(0, 64, 3, 0.0)]
+    (plain,) = simulate(alone, COLOCATED, COST).timings
+    (served,) = simulate(alone, COLOCATED, dataclasses.replace(COST, per_streamed_token_s=0.004)).timings
+    assert served.ttft_s == pytest.approx(plain.ttft_s)  # the prefill step decodes nothing
+    assert served.tpot_s == pytest.approx(plain.tpot_s + 0.004)  # each decode step streams one token
+    assert dataclasses.replace(COST, per_streamed_token_s=0.004).step_s(StepShape(0, 3, 30)) == pytest.approx(
+        COST.step_s(StepShape(0, 3, 30)) + 0.012)
 
 
 def test_prefix_caching_skips_the_cached_full_blocks_and_the_kv_already_on_the_decode_node() -> None:
@@ -170,11 +180,11 @@ def test_the_store_keys_models_by_model_dtype_threads_and_cpu(tmp_path: Path) ->
     assert store.load(key) is None
 
 
-def test_plan_end_to_end_on_a_tiny_model(tiny_model_factory: Callable[..., Path], tmp_path: Path,
+def test_plan_end_to_end_on_a_tiny_model(tiny_served_model_dir: Path, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from tandem_cli.cli import main
 
-    model_dir = tiny_model_factory(max_position_embeddings=1024)
+    model_dir = tiny_served_model_dir  # servable: the serving overhead is measured on a real server
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     argv = ["plan", "--workload", "mixed", "--quick", "--num-requests", "6", "--rate", "4", "--nodes", "2",
             "--cpus", "0", "--model", str(model_dir), "--dtype", "float32", "--thresholds", "128",
@@ -188,6 +198,7 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_model_factory: Callable[..., Path]
     assert [c["configuration"] for c in plan["candidates"]] == ["colocated x2", "1P:1D", "1P:1D local<=128"]
     assert plan["recommended"] in out and plan["cost_key"]["threads"] == 1
     assert plan["cost_model"]["num_samples"] >= 30
+    assert plan["cost_model"]["per_streamed_token_s"] >= 0 and "us per streamed token" in out
     stored = (tmp_path / "home" / "planner" / "cost_models.json")
     assert stored.is_file()
     assert main(argv) == 0  # the second time the stored fit is reused
