@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from benchmarks.planner.cost_model import CostModel, StepShape
 from benchmarks.slo import SLO, Attainment
-from common.engine.scheduler import count_prefill_skips, prefill_priority
+from common.engine.scheduling_policy import count_prefill_skips, prefill_priority
 from gateway.prefill_policy import LocalPrefillPolicy, local_wins
 
 if TYPE_CHECKING:

@@ -63,6 +63,7 @@ def test_pure_python_scheduling_reaches_no_torch(graph: ImportGraph) -> None:
     """The block pool, prefix cache, scheduler and its connectors are pure Python, all the way down."""
     pure = {"common.kv.block_pool", "common.kv.kv_cache_manager", "common.kv.block_hash", "common.tokenizer",
             "common.config.settings", "common.config.model_config", "common.engine.scheduler",
+            "common.engine.scheduling_policy",
             "common.engine.kv_connector", "common.engine.commands", "prefill_service.kv_producer",
             "decode_service.kv_consumer"}
     assert pure <= graph.modules

@@ -6,8 +6,9 @@ import pytest
 
 from common.config.engine_config import DraftEconomics, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from common.engine.request import Request
-from common.engine.scheduler import Scheduler, adaptive_num_drafts
+from common.engine.scheduler import Scheduler
 from common.engine.scheduler_output import SchedulerOutput, StepResult
+from common.engine.scheduling_policy import adaptive_num_drafts
 from common.kv.kv_cache_manager import KVCacheManager
 from common.sampling.params import SamplingParams
 
