@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from benchmarks.planner.cost_model import CostModel, StepShape
 from benchmarks.slo import SLO, Attainment
+from common.config.engine_config import SchedulerConfig
 from common.engine.scheduling_policy import count_prefill_skips, prefill_priority
 from gateway.prefill_policy import LocalPrefillPolicy, local_wins
 
@@ -40,15 +41,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class NodeLimits:
-    """The scheduler's knobs (``NodeSettings``'s defaults)."""
+    """The scheduler's knobs (``SchedulerConfig``'s defaults; `tandem plan` passes a serving node's, by device)."""
 
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int | None = 512
     max_num_seqs: int = 128
     block_size: int = 16
     prefix_caching: bool = True
-    prefill_order: str = "shortest"
-    max_prefill_skips: int = 8
+    prefill_order: str = SchedulerConfig.prefill_order
+    max_prefill_skips: int = SchedulerConfig.max_prefill_skips
 
 
 @dataclass(frozen=True)
