@@ -33,7 +33,8 @@ import torch
 from benchmarks.machine import cpu_name, load_average, machine_description
 from common.parallel.comm import Communicator, GlooComm
 from common.parallel.shm_comm import ShmComm
-from common.parallel.spawn import free_port, run_ranks
+from common.parallel.spawn import run_ranks
+from common.serving.port_reservation import reserve_port
 
 SHAPES = [(1, 576), (8, 576), (64, 576), (512, 576)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -80,7 +81,7 @@ def _rank_main(rank: int, world_size: int, gloo_port: int, shm_name: str, iters:
 def _bench_world(world_size: int, iters: int, max_bytes: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="tandem-collectives-") as out_dir, \
             ShmComm.create(world_size, max_bytes) as segment:
-        port = free_port()
+        port = reserve_port()
         codes = run_ranks(_rank_main, [(rank, world_size, port, segment.name, iters, out_dir)
                                        for rank in range(world_size)], GROUP_TIMEOUT_S)
         failed = [f"rank {rank}: exit code {code}" for rank, code in enumerate(codes) if code != 0]

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.machine import cpu_name
+from common.serving.port_reservation import reserve_ports
 
 GOAL_TOKENS_PER_S = 5000.0
 
@@ -105,19 +106,6 @@ async def _grpc_run(target: str, streams: int, tokens: int, requests: int) -> tu
     return counts[0], counts[1]
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
     import httpx
 
@@ -147,7 +135,7 @@ def bench(model_dir: Path, streams: int, tokens: int, requests: int, log_dir: Pa
         if len(line) != 3 or line[0] != "ready":
             raise RuntimeError(f"the scripted nodes did not start: {line}")
         prefill, decode = line[1], line[2]
-        port, http_port = _free_ports(2)
+        port, http_port = reserve_ports(2)
         gateway = subprocess.Popen(
             [sys.executable, "-m", "tandem_cli", "serve", "gateway", "--model", str(model_dir), "--port", str(port),
              "--http-port", str(http_port), "--prefill", prefill, "--decode", decode,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.serving.port_reservation import reserve_ports
 from tandem_cli.child_setup import PARENT_PID_ENV, PIN_CPUS_ENV
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class Topology:
 
     def nodes(self) -> list[NodeSpec]:
         n = self.num_prefill + self.num_decode + 1
-        ports = _free_ports(n + 1) if self.free_ports else None  # the last one: HTTP
+        ports = reserve_ports(n + 1) if self.free_ports else None  # the last one: HTTP
         metrics_ports = self._metrics_ports(n)
         workers = [("prefill", i) for i in range(self.num_prefill)] + [("decode", i) for i in range(self.num_decode)]
         specs: list[NodeSpec] = []
@@ -110,7 +110,7 @@ class Topology:
         if self.metrics_base_port is None:
             return None
         if self.free_ports:
-            return _free_ports(n)
+            return reserve_ports(n)
         return [self.metrics_base_port + k for k in range(n)]
 
     def _cores(self, k: int, n: int) -> tuple[int, ...]:
@@ -138,7 +138,7 @@ class ColocatedTopology:
 
     def nodes(self) -> list[NodeSpec]:
         n = self.replicas
-        ports = _free_ports(2 * n) if self.free_ports else [self.base_port + i for i in range(n)] + [
+        ports = reserve_ports(2 * n) if self.free_ports else [self.base_port + i for i in range(n)] + [
             HTTP_PORT + i for i in range(n)]
         specs = []
         for i in range(n):
@@ -156,18 +156,6 @@ def split_cores(cpus: tuple[int, ...], k: int, n: int) -> tuple[int, ...]:
         per = len(cpus) // n
         return cpus[k * per : (k + 1) * per]
     return (cpus[k % len(cpus)],)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from common.engine.scheduler_output import StepResult
 from common.kv.kv_cache import KVCache
 from common.kv.shared_segment import SharedSegment
 from common.parallel.channel import ChannelClosed, read_frame, write_frame
-from common.parallel.spawn import free_port
+from common.serving.port_reservation import reserve_port
 from tandem.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class ParallelModelRunner(ModelRunner):
             log.warning("%d ranks on %d cores: ranks share cores round-robin, one thread each (slower than "
                         "one core per rank)", launch.world_size, len(cpus))
         comm_names = self._create_comm_segments(t, p)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        init_method = f"tcp://127.0.0.1:{reserve_port()}"
         assert self.kv_cache.segment is not None
         kv, logits = self.kv_cache.segment, self._logits_segment
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

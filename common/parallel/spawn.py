@@ -1,19 +1,11 @@
 """Ranks as spawned processes, for the collectives benchmark and the parallel tests (the node's own ranks
-are subprocesses with a typed channel: common/parallel/executor.py), and a free loopback port for gloo."""
+are subprocesses with a typed channel: common/parallel/executor.py)."""
 
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import time
 from collections.abc import Callable, Sequence
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (gloo's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(target: Callable[..., None], args: Sequence[tuple[object, ...]], timeout_s: float) -> list[int | None]:

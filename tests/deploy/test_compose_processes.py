@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,21 +23,12 @@ import grpc
 import pytest
 import torch
 
+from common.serving.port_reservation import reserve_ports
 from tandem.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.deploy.test_compose import enabled, load_compose
 from tests.e2e.test_disaggregated import generate, prompts, reference, request
 
 pytestmark = pytest.mark.e2e
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class ComposeOnLoopback:
@@ -48,7 +38,7 @@ class ComposeOnLoopback:
         compose = load_compose({"TANDEM_MODEL": str(model_dir), "TANDEM_DTYPE": "float32"})
         self.services = {n: s for n, s in enabled(compose, "cpu").items() if n != "jaeger"}
         fixed = sorted({int(p) for s in self.services.values() for p in s.get("expose", [])} | {50051, 8000})
-        self.ports = dict(zip(fixed, _free_ports(len(fixed)), strict=True))
+        self.ports = dict(zip(fixed, reserve_ports(len(fixed)), strict=True))
         self.names = set(compose["services"])
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}

@@ -17,14 +17,15 @@ import pytest
 from benchmarks.serve_client import Api, drive
 from benchmarks.serve_stats import summarize
 from benchmarks.workloads import MixedWorkload
+from common.serving.port_reservation import reserve_port
 from tandem.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tandem_cli.launcher import ColocatedTopology, Launcher, _free_ports
+from tandem_cli.launcher import ColocatedTopology, Launcher
 from tests.e2e.test_disaggregated import generate, prompts, reference, request
 
 pytestmark = pytest.mark.e2e
 
 
-HTTP_PORT = _free_ports(1)[0]
+HTTP_PORT = reserve_port()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import socket
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +20,7 @@ import grpc
 
 from common.serving.channel import open_channel
 from common.serving.errors import DeadlineExceededError
+from common.serving.port_reservation import reserve_port
 from common.serving.server import RunningServer, start_server
 from gateway.model import ServedModel
 from gateway.server import serve_gateway
@@ -168,10 +169,8 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):
 
 
 def free_port() -> int:
-    """A loopback port with nothing listening on it (a node that is down)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port with nothing listening on it (a node that is down), reserved so that none will."""
+    return reserve_port()
 
 
 @dataclass
@@ -222,13 +221,13 @@ async def scripted_cluster(model: ServedModel, model_dir: Path, script_tokens: S
             await server.stop(0)
 
 
-async def eventually(check: Callable[[], bool], timeout_s: float = 3.0) -> None:
-    """Wait (bounded) until ``check()`` holds; fail the test if it never does."""
-    for _ in range(int(timeout_s / 0.01)):
-        if check():
-            return
+async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait (bounded) until ``check()`` holds; fail the test if it never does. The bound is generous: on a
+    busy machine the other side's step may come seconds late, and a passing check returns at once."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "the condition did not hold within the bound"
         await asyncio.sleep(0.01)
-    assert check()
 
 
 def run_async(coro: Coroutine[Any, Any, T], timeout_s: float = 20.0) -> T:

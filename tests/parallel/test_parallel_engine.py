@@ -178,9 +178,11 @@ def test_kv_moves_between_nodes_of_different_layouts(three_kv_heads_dir: Path, t
 def _no_leftover_segments() -> Iterator[None]:
     from common.kv.shared_segment import PREFIX, SHM_DIR
 
-    before = {p.name for p in SHM_DIR.glob(PREFIX + "*")}
+    # This process's segments only (their names carry the creator's pid): other tests' run beside it.
+    mine = f"{PREFIX}{os.getpid()}-*"
+    before = {p.name for p in SHM_DIR.glob(mine)}
     yield
-    after = {p.name for p in SHM_DIR.glob(PREFIX + "*")}
+    after = {p.name for p in SHM_DIR.glob(mine)}
     assert after <= before, f"segments left behind: {sorted(after - before)}"
 
 

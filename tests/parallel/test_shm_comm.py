@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from common.parallel.shm_comm import ShmComm
-from common.parallel.spawn import free_port, run_ranks
+from common.parallel.spawn import run_ranks
+from common.serving.port_reservation import reserve_port
 
 MAX_BYTES = 16 << 10  # [8, 576] fp32 and [64, 576] in any dtype need several chunks
 SHAPES = [(1, 576), (8, 576), (3, 7, 5), (64, 576)]
@@ -153,7 +154,7 @@ def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     world_size: int = request.param
     out_dir = tmp_path_factory.mktemp(f"shm-T{world_size}")
     with ShmComm.create(world_size, max_bytes=MAX_BYTES) as segment:
-        gloo_port = free_port() if world_size == 2 else 0
+        gloo_port = reserve_port() if world_size == 2 else 0
         codes = run_ranks(_rank_main, [(segment.name, rank, world_size, gloo_port, str(out_dir))
                                        for rank in range(world_size)], GROUP_TIMEOUT_S)
     assert not Path("/dev/shm", segment.segment.name).exists()  # the creator unlinked it

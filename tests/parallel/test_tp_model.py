@@ -27,9 +27,10 @@ from common.model.fused_ops import EagerOps, FusedOps, fused_ops_for
 from common.model.loader import load_model
 from common.parallel.comm import GlooComm, SingleRank
 from common.parallel.layout import ParallelLayout
-from common.parallel.spawn import free_port, run_ranks
+from common.parallel.spawn import run_ranks
 from common.parallel.tp_model import KVCacheShard, gather_logits, quantize_shard, shard_model, stage_forward
 from common.quant.config import QuantConfig, QuantizationError
+from common.serving.port_reservation import reserve_port
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 24
 TABLES = [[5, 0, 9, 13], [2, 7, 11, 14], [1, 3, 8, 20]]  # scattered blocks, 16 slots per sequence
@@ -164,7 +165,7 @@ def _worker(rank: int, world: int, init_method: str, cases: list[Case], out_dir:
 
 def _run_world(world: int, cases: list[Case], out_dir: Path, timeout: float = 150.0) -> None:
     """Start ``world`` rank processes, wait for all of them, and fail (killing the rest) at the first error."""
-    port = free_port()
+    port = reserve_port()
     codes = run_ranks(_worker, [(r, world, f"tcp://127.0.0.1:{port}", cases, str(out_dir)) for r in range(world)],
                       timeout)
     if any(code != 0 for code in codes):
