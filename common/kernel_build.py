@@ -17,6 +17,7 @@ against another torch would otherwise load and crash.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import sys
@@ -37,36 +38,61 @@ def build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / tag
 
 
+# The torch API every module's sources use, first in each (not <torch/extension.h>: see the file).
+_API = Path(__file__).with_name("kernel_api.h")
+
 # A source: a file, or (namespace, file): the file wrapped in that namespace.
 Source = Path | tuple[str, Path]
 
 
 def load_kernel_module(name: str, sources: Sequence[Source], functions: Sequence[str],
                        cflags: Sequence[str]) -> ModuleType:
-    """Compile (once) and import the extension ``name``: ``sources`` joined, in order, into one translation
-    unit, linked with OpenMP (at::parallel_for shares torch's libgomp pool). A ``(namespace, path)`` source
-    is wrapped in ``namespace {namespace} { ... }``, so files whose internals share names (each kernel file's
-    vector helpers) can meet in one unit; the headers they include must come before, unwrapped.
+    """Compile (once) and import the extension ``name``: common/kernel_api.h, then ``sources`` joined, in
+    order, into one translation unit, linked with OpenMP (at::parallel_for shares torch's libgomp pool). A
+    ``(namespace, path)`` source is wrapped in ``namespace {namespace} { ... }``, so files whose internals
+    share names (each kernel file's vector helpers) can meet in one unit; the headers they include must come
+    before, unwrapped.
 
-    Raises what ``load_inline`` raises (no compiler, no ninja, a compile error); callers decide whether a
-    slower path serves instead.
+    A build lives in a folder named after the hash of its source text and flags, so every checkout and
+    every virtual environment with the same Python and torch loads it without a compiler (torch's own
+    builder would rebuild: its ninja command names the venv's include paths). Raises what ``load_inline``
+    raises (no compiler, no ninja, a compile error); callers decide whether a slower path serves instead.
     """
+    source = "\n".join([_API.read_text(), *(_source_text(item) for item in sources), _bindings(functions)])
+    key = hashlib.sha256("\0".join([source, *cflags]).encode()).hexdigest()[:16]
+    build_dir = build_root() / f"{name}-{key}"
+    built = build_dir / f"{name}.so"
+    if built.exists():
+        return _import_extension(name, built)
     from torch.utils.cpp_extension import load_inline
 
-    build_dir = build_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    with (build_dir.parent / f"{name}.flock").open("a") as guard:
+    with (build_dir.parent / f"{name}-{key}.flock").open("a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
         try:
+            if built.exists():  # another process built it while we waited
+                return _import_extension(name, built)
             baton = build_dir / "lock"
             if baton.exists():  # no live Tandem builder holds it: we hold the flock
                 log.warning("removing %s left by a build that did not finish", baton)
                 baton.unlink(missing_ok=True)
-            source = "\n".join([*(_source_text(item) for item in sources), _bindings(functions)])
             return load_inline(name=name, cpp_sources=[source], extra_cflags=list(cflags),
                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
+
+
+def _import_extension(name: str, path: Path) -> ModuleType:
+    """Import a built extension module from its shared library (torch, whose symbols it uses, is loaded)."""
+    import importlib.util
+
+    import torch  # noqa: F401 - libtorch's symbols before the extension's
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _bindings(functions: Sequence[str]) -> str:

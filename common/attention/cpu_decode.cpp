@@ -22,7 +22,7 @@
 // int64 (the metadata's own int32 tensor is read as it is: no conversion per layer).
 //
 // The module is this file followed by cpu_kv_write.cpp (``write_kv``), in one translation unit.
-#include <torch/extension.h>
+// torch: common/kernel_api.h, which common/kernel_build.py puts first
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -5,7 +5,7 @@
 //
 // Rows (tokens) are split over torch's intra-op threads; within a row the loops are plain and
 // `omp simd`, vectorised by the compiler for the instruction set named by the module's build flags.
-#include <torch/extension.h>
+// torch: common/kernel_api.h, which common/kernel_build.py puts first
 #include <ATen/Parallel.h>
 
 #include <algorithm>

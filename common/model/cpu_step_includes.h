@@ -1,6 +1,6 @@
 // The headers of every kernel file common/model/cpu_step.cpp's module wraps in a namespace
 // (common/model/decode_step.py): included here first, unwrapped, so the files' own includes are no-ops.
-#include <torch/extension.h>
+// torch: common/kernel_api.h, which common/kernel_build.py puts first
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <omp.h>

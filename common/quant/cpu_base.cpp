@@ -9,7 +9,7 @@
 // At decode batch sizes a linear layer is bound by streaming its weights from DRAM, so every GEMV reads the
 // weights once, widens them in registers and multiply-adds against x (held in L1).
 
-#include <torch/extension.h>
+// torch: common/kernel_api.h, which common/kernel_build.py puts first
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
