@@ -115,7 +115,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         # [n] -> [n, hidden]; a quantized model may replace it with a lookup into the packed LM head's rows
-        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Its weight given, not initialised: loaders build on the meta device, where nn.Embedding's random
+        # init runs through torch._refs and imports torch._dynamo (~3 s of every node's start-up).
+        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size,
+                                                    _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers)
         )

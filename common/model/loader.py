@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from common.attention.backend import get_backend
 from common.config.model_config import ModelConfig
@@ -105,7 +106,7 @@ def load_model(
     # Build on the meta device (no random init of ~all parameters), then allocate for real.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend)
-    model = model.to_empty(device=device).to(torch_dtype)
+    model = _allocate(model, torch.device(device)).to(torch_dtype)
     load_weights(model, iter_weights(model_dir))
     if quant is not None and quant.enabled:
         _quantize(model, model_dir, quant, quantization_kernel)
@@ -127,6 +128,19 @@ def load_model(
         from common.model.decode_step import DecodeStep
 
         model.decode_step = DecodeStep.for_model(model)  # TANDEM_DECODE_STEP=auto|on|off
+    return model
+
+
+def _allocate(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model.to_empty(device)`` without its meta-tensor ``empty_like``, which runs through torch._refs and
+    imports sympy and torch.fx's symbolic shapes (~1 s of every node's start-up): uninitialised tensors of
+    each parameter's and buffer's shape and dtype, filled by the loader next."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                               requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
     return model
 
 
