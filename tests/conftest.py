@@ -14,9 +14,21 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Modules whose tests take the longest (pytest --durations on a 2-core machine), run first: under
+# pytest-xdist (`make test` runs two workers) a long test that starts last would run on alone at the end.
+LONGEST_FIRST = ("tests/benchmarks/test_suite.py", "tests/parallel/test_parallel_engine.py",
+                 "tests/deploy/test_wheel.py", "tests/benchmarks/test_bench_parallel.py",
+                 "tests/quant/test_bundled_model_quant.py", "tests/kernels/test_kernel_build.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::")[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: every module's tests stay together and in order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
