@@ -19,5 +19,14 @@ class QueueFullError(RuntimeError):
     """The admission queue is at its limit; the message names the limit. Load beyond it is refused."""
 
 
+class AddressInUseError(OSError):
+    """A server cannot listen on its address: the port is taken, or the host is not a local address. A
+    process that starts a server exits with ``EXIT_ADDRESS_IN_USE`` on it, so that its launcher can tell
+    a lost race for a port from any other failure (and, where it chose the port, choose another)."""
+
+
+EXIT_ADDRESS_IN_USE = 98  # EADDRINUSE's number, as an exit status
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread crashed (a parallel node's rank died, a bug); every pending request fails with this."""

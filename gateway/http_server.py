@@ -16,6 +16,7 @@ from typing import Any
 
 import uvicorn
 
+from common.errors import AddressInUseError
 from common.serving.channel import format_address
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,8 @@ class HttpServer:
             if task.done():  # uvicorn logs the bind error and exits (SystemExit) instead of raising it
                 with contextlib.suppress(BaseException):
                     task.result()
-                raise OSError(f"cannot listen on {format_address(host, port)} for HTTP: port in use or not a "
-                              "local address")
+                raise AddressInUseError(f"cannot listen on {format_address(host, port)} for HTTP: port in use "
+                                        "or not a local address")
             await asyncio.sleep(0.01)
         bound = server.servers[0].sockets[0].getsockname()[1]
         http = HttpServer(server, task, host, bound, tls is not None)

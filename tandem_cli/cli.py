@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.config.settings import ModelSettings, NodeSettings, SecuritySettings, env_name, load_settings
+from common.errors import EXIT_ADDRESS_IN_USE, AddressInUseError
 
 if TYPE_CHECKING:
     from common.config.engine_config import SpeculativeConfig
@@ -393,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # caller mistakes: say what and exit 2, no traceback
         print(f"tandem: error: {exc}", file=sys.stderr)
         return 2
+    except AddressInUseError as exc:  # a launcher that chose the port may choose another (tandem_cli/launcher.py)
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return EXIT_ADDRESS_IN_USE
     return int(result)
 
 

@@ -12,6 +12,7 @@ answer. Only ``stop`` (Ctrl-C, SIGTERM) ends the deployment.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.errors import EXIT_ADDRESS_IN_USE
 from common.serving.port_reservation import reserve_ports
 from tandem_cli.child_setup import PARENT_PID_ENV, PIN_CPUS_ENV
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     import grpc
 
 GATEWAY_PORT = 50051
+MAX_PORT_MOVES = 3  # per process and start: a port lost to another process is chosen again this often
 HTTP_PORT = 8000  # the gateway's OpenAI-compatible HTTP API (vLLM's and SGLang's usual port)
 # Fixed internal ports, as in compose.yaml: prefill nodes from 50061, decode nodes from 50071.
 PREFILL_BASE_PORT = 50061
@@ -49,6 +52,11 @@ class NodeSpec:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """Every port it listens on: gRPC, then metrics and HTTP where it serves them."""
+        return (self.port, *(p for p in (self.metrics_port, self.http_port) if p))
 
 
 @dataclass(frozen=True)
@@ -246,19 +254,56 @@ class Launcher:
 
     def wait_healthy(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
-        for spec in self.specs:
-            while spec.name in self.procs:
+        for k in range(len(self.specs)):
+            moves = 0
+            while self.specs[k].name in self.procs:
+                spec = self.specs[k]
                 proc = self.procs[spec.name]
                 if proc.poll() is not None:
+                    if (proc.returncode == EXIT_ADDRESS_IN_USE and self.topology.free_ports
+                            and moves < MAX_PORT_MOVES):
+                        moves += 1  # another process took a port chosen for it: choose again and restart it
+                        self._spawn(self._move_to_new_ports(k))
+                        continue
                     path = self.log_path(spec.name)
-                    raise RuntimeError(f"{spec.name} exited with code {proc.returncode} during start-up"
-                                       + (f"; see {path}" if path else ""))
+                    what = (f"could not listen on its port{'s' if spec.metrics_port or spec.http_port else ''} "
+                            f"{', '.join(str(p) for p in spec.ports)} (in use?)"
+                            if proc.returncode == EXIT_ADDRESS_IN_USE else f"exited with code {proc.returncode}")
+                    raise RuntimeError(f"{spec.name} {what} during start-up" + (f"; see {path}" if path else ""))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"{spec.name} was not healthy within {timeout_s:.0f} s")
                 if is_serving(spec.target, min(2.0, remaining), self._credentials):
                     break
                 time.sleep(0.2)
+
+    def _move_to_new_ports(self, k: int) -> NodeSpec:
+        """Give ``specs[k]`` new reserved ports (gRPC, metrics, HTTP: whichever it has) and rewrite the
+        flags that name them, its own and the gateway's list of nodes."""
+        spec = self.specs[k]
+        old_ports = spec.ports
+        new_ports = reserve_ports(len(old_ports))
+        renamed = dict(zip((str(p) for p in old_ports), (str(p) for p in new_ports), strict=True))
+        targets = {spec.target: f"127.0.0.1:{new_ports[0]}"}
+
+        def rewrite(args: tuple[str, ...], own: bool) -> tuple[str, ...]:
+            out = list(args)
+            for i, arg in enumerate(out):
+                if own and i > 0 and out[i - 1] in ("--metrics-port", "--http-port") and arg in renamed:
+                    out[i] = renamed[arg]
+                elif not own:  # the gateway's --prefill / --decode lists
+                    out[i] = ",".join(targets.get(part, part) for part in arg.split(","))
+            return tuple(out)
+
+        rest = iter(new_ports[1:])  # in the order of ``ports``
+        metrics_port = next(rest) if spec.metrics_port else None
+        http_port = next(rest) if spec.http_port else None
+        moved = dataclasses.replace(spec, port=new_ports[0], args=rewrite(spec.args, own=True),
+                                    metrics_port=metrics_port, http_port=http_port)
+        self.specs = [moved if i == k else dataclasses.replace(s, args=rewrite(s.args, own=False))
+                      if s.role == "gateway" and spec.role != "gateway" else s for i, s in enumerate(self.specs)]
+        self.on_event(f"{spec.name}: a port was taken before it could listen; moved to {moved.target}")
+        return moved
 
     def supervise(self) -> None:
         """Start the supervisor thread (``__enter__`` does, when ``restart`` is set)."""

@@ -131,7 +131,7 @@ def load_model(
     return model
 
 
-def _allocate(model: nn.Module, device: torch.device) -> nn.Module:
+def _allocate(model: LlamaForCausalLM, device: torch.device) -> LlamaForCausalLM:
     """``model.to_empty(device)`` without its meta-tensor ``empty_like``, which runs through torch._refs and
     imports sympy and torch.fx's symbolic shapes (~1 s of every node's start-up): uninitialised tensors of
     each parameter's and buffer's shape and dtype, filled by the loader next."""

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.errors import AddressInUseError
 from common.serving.channel import format_address, open_channel
 from common.serving.status import StatusInterceptor
 from common.telemetry.propagation import server_interceptors
@@ -134,9 +135,9 @@ async def start_server(
         bound = (server.add_secure_port(address, credentials) if credentials is not None
                  else server.add_insecure_port(address))
     except RuntimeError as exc:  # recent grpcio raises; older ones return 0
-        raise OSError(f"cannot listen on {address}: port in use or not a local address ({exc})") from None
+        raise AddressInUseError(f"cannot listen on {address}: port in use or not a local address ({exc})") from None
     if bound == 0:
-        raise OSError(f"cannot listen on {address}: port in use or not a local address")
+        raise AddressInUseError(f"cannot listen on {address}: port in use or not a local address")
     await server.start()
     log.info("serving %s on %s%s", ", ".join(names), format_address(host, bound), " (TLS)" if credentials else "")
     return RunningServer(server=server, health=health_servicer, host=host, port=bound, service_names=names)

@@ -30,6 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.errors import AddressInUseError
+
 if TYPE_CHECKING:
     import threading
     from wsgiref.simple_server import WSGIServer
@@ -290,6 +292,6 @@ def serve_metrics(metrics: ServiceMetrics, host: str, port: int) -> MetricsServe
     try:
         httpd, thread = prometheus_client.start_http_server(port, addr=host, registry=metrics.registry)
     except OSError as exc:
-        raise OSError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
+        raise AddressInUseError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
     log.info("metrics on http://%s:%d/metrics", host, port)
     return MetricsServer(httpd, thread, host, port)

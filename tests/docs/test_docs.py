@@ -51,6 +51,7 @@ OTHER_VARIABLES = {
     "TANDEM_PEER_VLLM_PYTHON": "benchmarks/peers/registry.py",
     "TANDEM_PEER_LLAMACPP_PYTHON": "benchmarks/peers/registry.py",
     "TANDEM_PEERS_DIR": "scripts/setup-peer.sh",
+    "TANDEM_TEST_WORKERS": "scripts/run-tests.sh",
     "TANDEM_COMPOSE": "tests/deploy/test_compose_docker.py",
     "TANDEM_CONTAINER_ENGINE": "tests/deploy/test_compose_docker.py",
     "TANDEM_DOCKER_BASE_IMAGE": "tests/deploy/test_compose_docker.py",

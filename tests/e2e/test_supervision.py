@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,8 +15,9 @@ import grpc
 import pytest
 from test_disaggregated import generate, prompts, request, wait_all_blocks_free
 
+from common.serving.port_reservation import reserve_port
 from tandem_cli.child_setup import PARENT_PID_ENV, PIN_CPUS_ENV
-from tandem_cli.launcher import Launcher, RestartPolicy, Topology, is_serving
+from tandem_cli.launcher import ColocatedTopology, Launcher, RestartPolicy, Topology, is_serving
 
 pytestmark = pytest.mark.e2e
 BACK_WITHIN_S = 60.0
@@ -113,3 +115,43 @@ def test_killed_processes_come_back_and_serve(tiny_served_model_dir: Path, tmp_p
     assert all(proc.poll() is not None for proc in launcher.procs.values())
     for log_file in tmp_path.glob("*.log"):
         assert "nanobind" not in log_file.read_text(errors="replace"), log_file.name
+
+
+def _listen(port: int) -> socket.socket:
+    held = socket.socket()
+    held.bind(("127.0.0.1", port))
+    held.listen()
+    return held
+
+
+def test_a_node_whose_port_was_taken_moves_to_another_and_serves(tiny_served_model_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """A port reserved for a node and taken by another process before the node binds it (a race the
+    reservation makes rare, not impossible): the node exits with EXIT_ADDRESS_IN_USE, the launcher gives
+    it new ports, rewrites the gateway's node list, and the deployment serves."""
+    topology = Topology(num_prefill=1, num_decode=1, free_ports=True, http_port=None, metrics_base_port=0,
+                        model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
+                        node_args=("--num-blocks", "64", "--grace-s", "1"),
+                        gateway_args=("--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
+    events: list[str] = []
+    launcher = Launcher(topology, log_dir=tmp_path, on_event=events.append)
+    taken = next(s for s in launcher.specs if s.name == "decode-0")
+    with _listen(taken.port), launcher:
+        moved = next(s for s in launcher.specs if s.name == "decode-0")
+        assert moved.port != taken.port and moved.metrics_port != taken.metrics_port
+        assert moved.target in launcher.gateway.args[launcher.gateway.args.index("--decode") + 1]
+        assert any("decode-0: a port was taken" in e for e in events)
+        tokens, _ = generate(launcher.gateway.target, request(prompts(1)[0], 4))
+        assert len(tokens) == 4
+
+
+def test_a_fixed_port_in_use_is_refused_naming_the_port(tiny_served_model_dir: Path, tmp_path: Path) -> None:
+    """Without free ports (``tandem up``, ``tandem serve``) a taken port is the user's to free: the launcher
+    says which port, and the node's log says why."""
+    port = reserve_port()
+    topology = ColocatedTopology(replicas=1, base_port=port,
+                                 model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"))
+    refused = pytest.raises(RuntimeError, match=f"colocated-0 could not listen on its port {port}")
+    with _listen(port), refused, Launcher(topology, log_dir=tmp_path):
+        pass
+    assert "cannot listen on 127.0.0.1:" in (tmp_path / "colocated-0.log").read_text()
