@@ -270,6 +270,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds [600]")
     p.add_argument("--log-dir", help="each service's log goes here [a temporary directory, printed]")
     p.add_argument("--json", dest="json_path", help="also write the results here as JSON")
+    peer = p.add_argument_group("against vLLM's own server, measured by vLLM's own client (benchmarks/serve_peer.py)")
+    peer.add_argument("--peer", choices=["vllm"], help="run the peer comparison instead: every --peer-systems "
+                      "system, --peer-workloads workload and --rate rate, driven by `vllm bench serve`")
+    peer.add_argument("--peer-systems", help="from vllm, colocated, disaggregated, conditional [all four]")
+    peer.add_argument("--peer-workloads", default="random-384-128",
+                      help="from random-384-128, random-1024-64, random-128-256, chat, shared-prefix [random-384-128]")
+    peer.add_argument("--no-tandem-client", action="store_true",
+                      help="skip the cross-check run of Tandem's own client on each system")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -278,6 +286,14 @@ def run(args: argparse.Namespace) -> int:
     from common.config.settings import ModelSettings, load_settings
     from common.model.model_store import resolve_model
 
+    if getattr(args, "peer", None):
+        from benchmarks import serve_peer
+
+        args.cpus = args.cpus or tuple(sorted(os.sched_getaffinity(0)))
+        settings = load_settings(ModelSettings, {"model": args.model, "dtype": args.dtype})
+        model_dir = resolve_model(settings.model, settings.home, progress=True)
+        vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
+        return serve_peer.run(args, model_dir, resolve_dtype_name(settings.dtype, settings.device), vocab_size)
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not names or set(names) - set(SYSTEMS):
         raise ValueError(f"--systems: choose from {', '.join(SYSTEMS)}, got {args.systems!r}")

@@ -115,6 +115,17 @@ def peer_command(name: str) -> Callable[[SuiteConfig], list[str] | Skip]:
     return command
 
 
+def serve_vllm_command(cfg: SuiteConfig) -> list[str] | Skip:
+    from benchmarks.peers import find_peer
+
+    peer, reason = find_peer("vllm", cfg.repo_root)
+    if peer is None:
+        return Skip(reason)
+    workloads = "random-384-128" if cfg.quick else "random-384-128,random-1024-64,random-128-256,chat,shared-prefix"
+    return _py("benchmarks.bench_serve", "--peer", "vllm", "--model", str(cfg.model_dir), "--dtype", cfg.dtype,
+               "--peer-workloads", workloads, "--json", _json(cfg, "serve-vllm"), *(["--quick"] if cfg.quick else []))
+
+
 def speculative_command(cfg: SuiteConfig) -> list[str]:
     # Batch 1 (speculation is a batch-1 latency tool), the n-gram proposer at k=4 and k=16 and the target's
     # own int4 copy as a draft model (not on the tiny quick-mode model); the plain decoding row doubles as
@@ -138,10 +149,11 @@ def http_relay_command(cfg: SuiteConfig) -> list[str]:
 
 
 def serve_command(workload: str, systems: str, rates: str, num_requests: int) -> Callable[[SuiteConfig], list[str]]:
-    """``rates``: bench serve's ``--rate`` (a list sweeps the load; --quick runs only the first rate)."""
+    """``rates``: bench serve's ``--rate`` (a list sweeps the load; --quick runs only the highest rate, which
+    sends its few requests soonest)."""
     def command(cfg: SuiteConfig) -> list[str]:
         return _py("benchmarks.bench_serve", "--model", str(cfg.model_dir), "--dtype", cfg.dtype,
-                   "--workload", workload, "--systems", systems, "--rate", rates.split(",")[0] if cfg.quick else rates,
+                   "--workload", workload, "--systems", systems, "--rate", rates.split(",")[-1] if cfg.quick else rates,
                    *(["--quick"] if cfg.quick else ["--num-requests", str(num_requests)]),
                    "--log-dir", str(cfg.out_dir / "logs" / workload), "--json", _json(cfg, f"serve-{workload}"))
 
@@ -178,6 +190,8 @@ SECTIONS: tuple[Section, ...] = (
                                                "disaggregated-nocache", "1.5,4", 32), (300, 80)),
     Section("serve-mixed", "Mixed workload (long prompts during decoding): disaggregated vs conditional vs "
             "colocated", serve_command("mixed", "disaggregated,conditional,colocated", "1,4,8,10", 48), (480, 100)),
+    Section("serve-vllm", "Serving against vLLM's own server, measured by vLLM's own client", serve_vllm_command,
+            (3600, 600)),
     Section("parallel", "Tensor / pipeline parallel layouts and the all-reduce (gloo vs shared memory)",
             parallel_command, (420, 150)),
     Section("quantization", "Quantized weights: none / int8 / int4 / w8a8 beside llama.cpp", quant_command,

@@ -101,7 +101,9 @@ def _bindings(functions: Sequence[str]) -> str:
     engine's, so a request that arrives during a step is received then, not only after it (and joins the
     next step instead of the one after)."""
     # torch's wrapper releases it inside its error handling: a failed TORCH_CHECK still raises RuntimeError
-    defs = "\n".join(f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");' for f in functions)
+    # A function may be named in its namespace (``tq::isa``): Python sees its own name (``isa``).
+    defs = "\n".join(f'  m.def("{f.rsplit("::", 1)[-1]}", torch::wrap_pybind_function_no_gil({f}), "{f}");'
+                      for f in functions)
     return f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}\n}}"
 
 
@@ -124,6 +126,7 @@ class OptionalModules:
         self._what, self._fallback = what, fallback
         self._lock = threading.Lock()
         self._modules: dict[str, ModuleType | None] = {}
+        self._errors: dict[str, str] = {}
 
     def get(self, isa: str, isa_flags: Sequence[str]) -> ModuleType | None:
         """The module for ``isa`` (compiled with ``isa_flags``: common.quant.cpu_kernels.ISA_FLAGS[isa]),
@@ -139,6 +142,10 @@ class OptionalModules:
             flags = ["-O3", "-fopenmp", "-fno-math-errno", *isa_flags]
             return load_kernel_module(f"{self._prefix}_{isa}", self._sources, self._functions, flags)
         except Exception as exc:  # no compiler or ninja: the caller's slower path serves
-            log.warning("%s unavailable (%s: %s); %s", self._what, type(exc).__name__,
-                        str(exc).splitlines()[0] if str(exc) else "", self._fallback)
+            self._errors[isa] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            log.warning("%s unavailable (%s); %s", self._what, self._errors[isa], self._fallback)
             return None
+
+    def error(self, isa: str) -> str:
+        """Why the module for ``isa`` could not be built ("" if it was, or was not tried)."""
+        return self._errors.get(isa, "")

@@ -13,10 +13,9 @@ import time
 from collections.abc import Callable
 
 from common.attention.cpu_kernels import paged_decode_kernel
+from common.cpu_kernel_module import cpu_kernels
 from common.kernel_build import build_root
-from common.model.decode_step import step_module
-from common.model.fused_ops import cpp_module
-from common.quant.cpu_kernels import best_isa, quant_kernels
+from common.quant.cpu_kernels import best_isa
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +34,8 @@ def build_all() -> list[tuple[str, bool, float]]:
             ok = False
         return ok, time.perf_counter() - start
 
-    builds: dict[str, Callable[[], object]] = {"quantized linears and GEMV": quant_kernels,
-                                               "fused layer ops": cpp_module,
-                                               "paged decode attention": paged_decode_kernel,
-                                               "one-call decode step": step_module}
+    builds: dict[str, Callable[[], object]] = {"linears, fused ops and the one-call step": cpu_kernels,
+                                               "paged decode attention": paged_decode_kernel}
     with ThreadPoolExecutor(max_workers=max(1, min(len(builds), os.cpu_count() or 1))) as pool:
         done = {what: pool.submit(timed, build) for what, build in builds.items()}
         return [(what, *future.result()) for what, future in done.items()]

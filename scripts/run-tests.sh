@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The test suite as `make test` and CI run it: ruff, then mypy (in the background) beside pytest (every
-# marker, the real model included) on three workers (pytest-xdist: the suite waits on processes often enough that a third keeps both cores busy;
-# TANDEM_TEST_WORKERS changes it, 0 runs in
-# this process). pytest's exit code 5 ("no tests collected") counts as failure only if nothing ran.
+# marker, the real model included) on two pytest-xdist workers, one per core of the CI machine (a third
+# gave no gain and pushed the longest test past its timeout; TANDEM_TEST_WORKERS changes the count, 0 runs
+# in this process).
+# pytest's exit code 5 ("no tests collected") counts as failure only if nothing ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-WORKERS=${TANDEM_TEST_WORKERS:-3}
+WORKERS=${TANDEM_TEST_WORKERS:-2}
 
 "$VENV/bin/ruff" check . || exit 1
 mypy_log=$(mktemp)

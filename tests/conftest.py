@@ -12,6 +12,9 @@ import pytest
 # One torch thread per test process: the CI machine has 2 cores and oversubscribed OpenMP threads
 # make small matrix products 10-100x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A small KV cache for every engine and node the tests start (LLM and nodes read it): the tests' prompts need
+# a few MB, and zeroing the defaults' 1-2 GB in each of hundreds of starts cost minutes of CPU.
+os.environ.setdefault("TANDEM_KV_CACHE_MEMORY_GB", "0.125")
 
 
 # Modules whose tests take the longest (pytest --durations on a 2-core machine), run first: under

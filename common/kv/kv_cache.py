@@ -62,14 +62,19 @@ class KVCache:
         self.num_blocks = num_blocks
         dtype = getattr(torch, spec.dtype_name)
         # data: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.data = torch.zeros(
-            (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim),
-            dtype=dtype,
-            device=device,
-        )
+        shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.segment: SharedSegment | None = None
+        if shared and torch.device(device).type == "cpu":
+            # Straight into the segment (zero-filled by the kernel): no private copy zeroed, then copied over.
+            from common.kv.shared_segment import SharedSegment
+
+            element_size = torch.empty((), dtype=dtype).element_size()
+            self.segment = SharedSegment.create(num_blocks * spec.bytes_per_block(element_size), num_slots=num_blocks)
+            self.data = self.segment.data().view(dtype).view(shape)
+            return
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
         if shared:
-            self.share_memory()
+            self.share_memory()  # raises ValueError: not on CPU
 
     @classmethod
     def mapped(cls, spec: KVCacheSpec, num_blocks: int, segment: SharedSegment) -> KVCache:

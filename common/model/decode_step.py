@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.kernel_build import OptionalModules, Source
+from common.cpu_kernel_module import cpu_kernels
 
 if TYPE_CHECKING:
     from common.attention.metadata import AttentionMetadata
@@ -45,19 +44,6 @@ MAX_ROWS = 256  # cpu_step.cpp's MAX_ROWS: a bound on its buffers
 MIN_ROWS = 16  # a model whose projections cannot take this many rows in the step keeps the op-by-op path
 _DTYPES = (torch.float32, torch.bfloat16)  # activations (and the KV cache) the step runs in
 STEP_MODES = ("auto", "on", "off")
-_MODEL = Path(__file__).parent
-_QUANT = _MODEL.parent / "quant"
-_ATTENTION = _MODEL.parent / "attention"
-# One translation unit: the headers, then each kernel file in its own namespace, then the step.
-_SOURCES: list[Source] = [
-    _MODEL / "cpu_step_includes.h",
-    *(("tq", _QUANT / name) for name in ("cpu_base.cpp", "cpu_quant.cpp", "cpu_quant_a8.cpp", "cpu_quant_panel.cpp",
-                                         "cpu_amx.cpp", "cpu_gemv.cpp")),
-    ("tf", _MODEL / "cpu_fused.cpp"),
-    ("tf", _ATTENTION / "cpu_kv_write.cpp"),
-    _MODEL / "cpu_step.cpp",
-]
-_FUNCTIONS = ["decode_step_plan", "decode_step_run", "decode_step_free", "decode_step_profile", "decode_step_times"]
 
 
 def step_mode() -> str:
@@ -67,15 +53,10 @@ def step_mode() -> str:
     return mode
 
 
-_BUILDS = OptionalModules("tandem_step", _SOURCES, _FUNCTIONS, "one-call decode step", "decoding op by op")
-
-
 def step_module(isa: str | None = None) -> ModuleType | None:
-    """The compiled step for ``isa`` (default: the widest this CPU runs), built once; None if unbuildable."""
-    from common.quant.cpu_kernels import ISA_FLAGS, best_isa
-
-    isa = best_isa() if isa is None else isa
-    return _BUILDS.get(isa, ISA_FLAGS[isa])
+    """The CPU kernel module for ``isa`` (common/cpu_kernel_module.py: the step is in it), built once; None
+    if unbuildable."""
+    return cpu_kernels(isa)
 
 
 def _linear_entry(linear: torch.nn.Module, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | None:

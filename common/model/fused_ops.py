@@ -13,10 +13,10 @@ and a temporary. ``FusedOps`` does each group in one pass:
 - ``argmax_rows(logits)``: each row's first maximum (greedy sampling), ``torch.max(dim=-1).indices``.
 
 ``EagerOps`` is the reference (the same torch ops ``layers.py`` runs) and every kernel is tested against
-it. ``CppOps`` is ``cpu_fused.cpp``, built per instruction set like the quantized kernels
-(``tandem_fused_avx512`` / ``_avx2`` / ``_generic``). ``torch.compile`` of the same functions was measured
-too and is slower at decode sizes on CPU (see the README): its per-call guard and launch overhead is as
-large as the ops it replaces.
+it. ``CppOps`` is ``cpu_fused.cpp``, built per instruction set into the CPU kernel module
+(``tandem_cpu_avx512`` / ``_avx2`` / ``_generic``, common/cpu_kernel_module.py). ``torch.compile`` of the
+same functions was measured too and is slower at decode sizes on CPU (see the README): its per-call guard
+and launch overhead is as large as the ops it replaces.
 
 ``TANDEM_FUSED_OPS=auto|on|off`` (auto: the C++ ops on CPU where they build, else eager; on: the C++
 ops or a start-up error; off: the unfused layer forward, exactly the reference path).
@@ -25,18 +25,13 @@ ops or a start-up error; off: the unfused layer forward, exactly the reference p
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from common.kernel_build import OptionalModules
+from common.cpu_kernel_module import cpu_kernels
 from common.kv.kv_cache import write_kv
 
-# cpu_fused.cpp, then the paged K/V write it calls (one definition, shared with the attention module)
-_SOURCES = [Path(__file__).with_name("cpu_fused.cpp"),
-            Path(__file__).parents[1] / "attention" / "cpu_kv_write.cpp"]
-_FUNCTIONS = ["add_rms_norm", "silu_mul", "rotary_", "rotary_write_kv_", "argmax_rows"]
 FUSED_MODES = ("auto", "on", "off")
 
 
@@ -136,12 +131,7 @@ def fused_ops_for(device: torch.device, mode: str | None = None) -> FusedOps | N
     return CppOps(module)
 
 
-_BUILDS = OptionalModules("tandem_fused", _SOURCES, _FUNCTIONS, "fused CPU ops", "using the unfused forward")
-
-
 def cpp_module(isa: str | None = None) -> ModuleType | None:
-    """The extension for ``isa`` (default: the widest this CPU runs), built once; None if unbuildable."""
-    from common.quant.cpu_kernels import ISA_FLAGS, best_isa
-
-    isa = best_isa() if isa is None else isa
-    return _BUILDS.get(isa, ISA_FLAGS[isa])
+    """The CPU kernel module for ``isa`` (common/cpu_kernel_module.py: the fused ops are in it), built once;
+    None if unbuildable."""
+    return cpu_kernels(isa)

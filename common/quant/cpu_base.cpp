@@ -1,4 +1,4 @@
-// The layer every compiled CPU kernel of ``tandem_quant_<isa>`` stands on: the instruction set's vector
+// The layer every compiled CPU kernel of ``tandem_cpu_<isa>`` stands on: the instruction set's vector
 // primitives, the row tiling shared by the GEMVs, x read as fp32 and the output written in x's dtype.
 // The module is this file followed by cpu_quant.cpp (weight-only int4/int8 with float activations, and
 // dequantization), cpu_quant_a8.cpp (int4/int8 on int8-rounded activations) and cpu_gemv.cpp (float

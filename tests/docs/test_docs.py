@@ -288,7 +288,7 @@ def test_every_attention_backend_and_kernel_module_is_documented() -> None:
     configuration = (ROOT / "docs" / "configuration.md").read_text()
     assert all(f"`{name}`" in configuration for name in backends), backends
     prebuild = (ROOT / "common" / "kernel_prebuild.py").read_text()
-    modules = re.findall(r"\"([\w -]+)\": \w+[,}]", prebuild)
+    modules = re.findall(r"\"([^\"]+)\": \w+[,}]", prebuild)
     kernels = (ROOT / "docs" / "cpu-kernels.md").read_text().lower()
     assert all(name.lower() in kernels for name in modules), modules
     count = ("none", "one", "two", "three", "four", "five", "six", "seven", "eight")[len(modules)]

@@ -1,0 +1,62 @@
+"""`tandem bench serve --peer vllm`'s parts that run without vLLM: the server's command line and
+environment (same cores, precision, KV budget), the client's workloads, the shipped chat lengths, the
+report, and a clear refusal when the peer is not installed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_serve import main as bench_serve_main
+from benchmarks.peers.vllm_server import VLLMServerConfig
+from benchmarks.serve_peer import CHAT_LENGTHS, Row, chat_lengths_rows, client_workloads, report
+
+
+def test_the_server_gets_the_same_cores_precision_and_kv_budget(tmp_path: Path) -> None:
+    config = VLLMServerConfig(tmp_path, "SmolLM2-135M-Instruct", "float32", (0, 1), kv_cache_gib=1,
+                              max_model_len=4096)
+    argv = config.argv(Path("/peer/bin/python"), 12345)
+    assert argv[:4] == ["taskset", "-c", "0,1", "/peer/bin/python"]
+    assert argv[4:6] == ["-m", "vllm.entrypoints.openai.api_server"]  # not the `vllm` script (SIGILL on AVX2)
+    flags = dict(zip(argv[6::2], argv[7::2], strict=False))
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "12345" and flags["--dtype"] == "float32"
+    env = config.env()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_workloads_and_the_shipped_chat_lengths(smollm2_dir: Path) -> None:
+    named = client_workloads(48)
+    assert list(named) == ["random-384-128", "random-1024-64", "random-128-256", "chat", "shared-prefix"]
+    assert all(w.num_prompts == 48 for w in named.values())
+    assert "--random-prefix-len" in named["shared-prefix"].dataset_args
+    rows = [json.loads(line) for line in CHAT_LENGTHS.read_text().splitlines()]
+    assert rows == chat_lengths_rows(smollm2_dir)  # the file is what the generator writes
+    outputs = [r["output_tokens"] for r in rows]
+    assert 100 <= statistics.median(outputs) <= 220 and max(outputs) <= 600
+    assert len({r["prompt"][:30] for r in rows}) == len(rows)  # no two prompts share an opening
+
+
+def test_report_puts_each_system_beside_vllm() -> None:
+    result = {"completed": 48, "num_prompts": 48, "output_throughput": 100.0, "p50_ttft_ms": 1000,
+              "p99_ttft_ms": 2000, "p50_tpot_ms": 300, "p99_tpot_ms": 400, "p50_itl_ms": 290, "p99_itl_ms": 500,
+              "request_goodput": 0.5}
+    rows = [Row("vllm", "random-384-128", math.inf, "vllm bench serve", result),
+            Row("colocated", "random-384-128", math.inf, "vllm bench serve", {**result, "output_throughput": 125.0})]
+    args = argparse.Namespace(cpus=(0, 1))
+    text = report(rows, {"vllm": 200.0, "colocated": 4.5}, args, "SmolLM2-135M-Instruct", "float32", "0.32.0")
+    assert "| colocated | 4.5 |" in text and "| vllm | 200.0 |" in text
+    assert "| colocated | vllm bench serve | inf | 48/48 | 125.0 | 1.25x |" in text
+
+
+def test_without_the_peer_it_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    tiny_served_model_dir: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TANDEM_PEER_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    status = bench_serve_main(["--peer", "vllm", "--model", str(tiny_served_model_dir), "--dtype", "float32"])
+    assert status == 2 and "setup-peer.sh vllm" in capsys.readouterr().err
+
