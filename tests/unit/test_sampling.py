@@ -126,3 +126,13 @@ def test_min_tokens_blocks_eos_and_penalties_apply() -> None:
     # repetition penalty divides a positive logit of a prompt token
     pen = _state(SamplingParams(temperature=0, repetition_penalty=4.0), prompt=[3])
     assert Sampler()(torch.tensor([[2.0, 0.0, -9.0, 5.0]]), [pen]).token_ids == [0]
+
+
+def test_inverse_cdf_picks_by_mass_never_a_zero_probability_token() -> None:
+    from common.sampling.sampler import sample_from
+
+    # Unnormalised rows with zero-probability entries at both ends and in the middle.
+    probs = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0], [0.0, 0.0, 5.0, 0.0, 0.0]])
+    edges = [0.0, 0.2499, 0.5, 0.7501, 1.0 - 2.0**-40]
+    picks = [sample_from(probs, torch.tensor([u, u], dtype=torch.float64)).tolist() for u in edges]
+    assert [p[0] for p in picks] == [1, 1, 3, 3, 3] and all(p[1] == 2 for p in picks)
