@@ -36,8 +36,11 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
     # Without this, two servers can silently share a port (Linux SO_REUSEPORT) and split the traffic.
     ("grpc.so_reuseport", 0),
-    # Accept the keepalive pings of common.serving.channel's clients, even during a long silent RPC.
-    ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+    # Accept the keepalive pings of common.serving.channel's clients (every 30 s), even while this server sends
+    # nothing (a long queued RPC): a ping sooner than this after the last is a "strike", and past 2 strikes
+    # gRPC closes the transport with GOAWAY (ENHANCE_YOUR_CALM), failing every call on it. The server-side
+    # default is 5 minutes; the ..._min_ping_interval_... option set here before is a sender's option.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
 )
 
 
