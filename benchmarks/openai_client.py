@@ -38,12 +38,15 @@ async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 async def send_openai(client: httpx.AsyncClient, base_url: str, model: str, req: TimedRequest,
-                      record: RequestRecord, timeout_s: float) -> None:
-    """Stream one completion into ``record`` (errors land in ``record.error``, never raised)."""
+                      record: RequestRecord, timeout_s: float, temperature: float | None = 0.0) -> None:
+    """Stream one completion into ``record`` (errors land in ``record.error``, never raised).
+    ``temperature`` None sends none: the server's default (1.0), as vLLM's benchmark client does."""
     import httpx
 
-    body = {"model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, object] = {"model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.output_len,
+                               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if temperature is not None:
+        body["temperature"] = temperature
     record.sent = time.perf_counter()
     try:
         async with client.stream("POST", f"{base_url}/v1/completions", json=body, timeout=timeout_s) as response:

@@ -63,10 +63,11 @@ Sender = Callable[[int, "TimedRequest", RequestRecord, float], Awaitable[None]] 
 
 
 async def drive(targets: Sequence[str], requests: Sequence[TimedRequest], concurrency: int | None,
-                timeout_s: float = 600.0, api: Api = Api.GRPC) -> tuple[list[RequestRecord], float]:
+                timeout_s: float = 600.0, api: Api = Api.GRPC,
+                temperature: float | None = 0.0) -> tuple[list[RequestRecord], float]:
     """Send ``requests`` at their ``arrival_s`` (open loop, ``concurrency`` None) or ``concurrency`` at a
     time in their order (closed loop); return the records and the run's duration (first send to last
-    answer)."""
+    answer). ``temperature``: the OpenAI API's only (None: the server's default); gRPC requests are greedy."""
     if api is Api.OPENAI:
         from benchmarks.openai_client import open_client, send_openai, served_model
 
@@ -75,7 +76,7 @@ async def drive(targets: Sequence[str], requests: Sequence[TimedRequest], concur
             models = [await served_model(client, t) for t in targets]
 
             async def send_http(k: int, req: TimedRequest, record: RequestRecord, timeout: float) -> None:
-                await send_openai(client, targets[k], models[k], req, record, timeout)
+                await send_openai(client, targets[k], models[k], req, record, timeout, temperature)
 
             return await _drive(targets, requests, concurrency, timeout_s, send_http)
         finally:

@@ -104,8 +104,8 @@ def system_server(name: str, model_dir: Path, dtype: str, cpus: tuple[int, ...],
 
 def tandem_client_run(base_url: str, workload: str, num_prompts: int, rate: float, vocab_size: int,
                       seed: int) -> dict[str, Any]:
-    """Tandem's client (token-id prompts over the same /v1/completions) with a random-IN-OUT workload's
-    shape, its figures under vLLM's result keys."""
+    """Tandem's client (token-id prompts over the same /v1/completions, the server's default temperature)
+    with a random-IN-OUT workload's shape, its figures under vLLM's result keys."""
     from benchmarks.serve_client import Api, drive
     from benchmarks.serve_stats import Distribution, summarize
     from benchmarks.workloads import TimedRequest
@@ -117,7 +117,8 @@ def tandem_client_run(base_url: str, workload: str, num_prompts: int, rate: floa
         t += 0.0 if math.isinf(rate) else rng.expovariate(rate)
         prompt = tuple(rng.randrange(1000, vocab_size) for _ in range(int(in_len)))
         requests.append(TimedRequest(k, prompt, int(out_len), t, "random"))
-    records, duration = asyncio.run(drive([base_url], requests, None, 3600.0, api=Api.OPENAI))
+    # No temperature, as vLLM's client sends none: both clients ask for the same (sampled) decoding.
+    records, duration = asyncio.run(drive([base_url], requests, None, 3600.0, api=Api.OPENAI, temperature=None))
     s = summarize("tandem-client", "", records, duration, None)
 
     def ms(d: Distribution | None, q: str) -> float:
