@@ -37,6 +37,11 @@ class SchedulerConfig:
     # A single prefill chunk takes at most this many tokens, so one long prompt cannot hold decodes back
     # for a whole step (Sarathi-Serve's stall-free batching). None: limited by the step budget only.
     max_prefill_chunk: int | None = 512
+    # Load-aware: (tokens per step, prefill chunk) for the steps that find more than that many prompt tokens
+    # still to prefill (queued or part-done). A backlog waits in the queue whatever the step size, and larger
+    # steps drain it faster (bigger matmuls); a light load keeps the small steps its streams' TPOT needs.
+    # None: the budget above, always.
+    backlog_budget: tuple[int, int] | None = None
     # Which prefill gets the step's budget first (common/engine/scheduler.py): "shortest" (fewest uncomputed
     # tokens; a prompt passed over max_prefill_skips steps in a row by later arrivals goes first) or "fcfs".
     prefill_order: str = "shortest"
@@ -56,6 +61,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.backlog_budget is not None and min(self.backlog_budget) < 1:
+            raise ValueError(f"backlog_budget must be two numbers >= 1, got {self.backlog_budget}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
         if self.prefill_order not in PREFILL_ORDERS:

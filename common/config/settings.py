@@ -93,7 +93,8 @@ class NodeSettings:
     block_size: int = 16
     max_num_seqs: int = 128
     # tokens per step (decodes + prefill chunks) and per prefill chunk; 0: by device (step_budget: CPU
-    # 512 / 256, so a step with prefill chunks stays near a TPOT SLO's 200 ms on one core; GPU 2048 / 512)
+    # 512 / 256, so a step with prefill chunks stays near a TPOT SLO's 200 ms on one core, and 2048 / 512
+    # while a backlog of prompt tokens waits; GPU 2048 / 512). Set: used as set, whatever the load.
     max_num_batched_tokens: int = 0
     max_prefill_chunk: int = 0
     # which prompt's prefill goes first: shortest (fewest uncomputed tokens; bounded delay for long ones) | fcfs

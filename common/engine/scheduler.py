@@ -55,6 +55,7 @@ class Scheduler:
         self.connector = connector or KVConnector()
         self.speculative = speculative if speculative is not None and speculative.enabled else None
         self._pending_copies: list[BlockCopy] = []
+        self._chunk_limit: int | None = config.max_prefill_chunk  # this step's (``_step_budget``)
         self.num_spec_steps = 0  # request-steps that verified at least one draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -128,8 +129,21 @@ class Scheduler:
 
     # ---- the step --------------------------------------------------------------------------------
 
+    def _step_budget(self) -> tuple[int, int | None]:
+        """(tokens, prefill chunk) for this step: the backlog budget while more prompt tokens wait to be
+        prefilled than it holds (``SchedulerConfig.backlog_budget``), else the configured one."""
+        config = self.config
+        if config.backlog_budget is not None:
+            tokens, chunk = config.backlog_budget
+            backlog = 0
+            for request in (*self.waiting, *self.running):
+                backlog += max(0, request.num_tokens - request.num_computed_tokens - 1)
+                if backlog > tokens:
+                    return tokens, chunk
+        return config.max_num_batched_tokens, config.max_prefill_chunk
+
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget, self._chunk_limit = self._step_budget()
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
 
@@ -329,8 +343,8 @@ class Scheduler:
 
     def _chunk_size(self, request: Request, budget: int) -> int:
         n = min(request.num_tokens - request.num_computed_tokens, budget)
-        if n > 1 and self.config.max_prefill_chunk is not None:
-            n = min(n, self.config.max_prefill_chunk)
+        if n > 1 and self._chunk_limit is not None:
+            n = min(n, self._chunk_limit)
         assert n >= 1
         return n
 

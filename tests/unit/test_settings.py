@@ -32,6 +32,9 @@ def test_a_serving_node_s_step_budget_defaults_by_device() -> None:
     scheduler = engine_configs(load_settings(NodeSettings, environ={"TANDEM_PREFILL_ORDER": "fcfs"}), "cpu")[1]
     assert (scheduler.max_num_batched_tokens, scheduler.max_prefill_chunk) == (512, 256)
     assert scheduler.prefill_order == "fcfs"
+    assert scheduler.backlog_budget == (2048, 512)  # by device: load-aware on CPU
+    assert engine_configs(NodeSettings(max_num_batched_tokens=1024), "cpu")[1].backlog_budget is None  # as set
+    assert engine_configs(NodeSettings(), "cuda:0")[1].backlog_budget is None
     with pytest.raises(ValueError, match="max_prefill_chunk must be >= 1, or 0"):
         NodeSettings(max_prefill_chunk=-1)
     with pytest.raises(ValueError, match="TANDEM_PREFILL_ORDER"):
