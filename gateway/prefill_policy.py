@@ -16,7 +16,7 @@ produced their first token yet), and weighs them with ``local_cost_factor`` (f):
   nodes fall behind, the decode node takes its share of the long prompts, as a colocated replica would.
   (Before the scheduler ordered prefills by length, a decode node took one long prompt at a time, so that a
   burst of them could not queue in front of its short ones; with the order by length that limit only cost
-  goodput: benchmarks/RESULTS.md, issue 16.)
+  goodput: benchmarks/results/2026-12-02-srpt/RESULTS.md, issue 16.)
 - a prefill node's side counts only the prompt's tokens it does not hold already (its prefix cache, as the
   router's affinity index knows it), and its share of the prompts bound for the prefill nodes that still
   wait for their decode reservation (the admission queue: no prefill node has seen them yet);
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 from gateway.router import NodeState
 
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256  # chosen from the mixed workload's measurements (benchmarks/RESULTS.md)
+# chosen from the mixed workload's measurements (benchmarks/results/2026-12-02-srpt/)
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)

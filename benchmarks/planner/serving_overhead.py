@@ -4,8 +4,9 @@ The cost model's steps are timed in one process with no server (benchmarks/plann
 serving node also streams every sampled token to its client from the same core: the engine's output
 hand-off, a protobuf message and a gRPC write per token. On the 2-core development machine that made
 served steps 8-18% slower than the model, and the planner's TPOT and TTFT predictions low by as much
-(benchmarks/RESULTS.md, session 13). Measured once with the cost model: one ``tandem serve colocated`` on
-the node's cores, ``STREAMS`` requests of ``PROMPT`` tokens decoding ``OUTPUT`` tokens together; the median
+(benchmarks/results/2026-12-02-srpt/RESULTS.md, session 13). Measured once with the cost model: one
+``tandem serve colocated`` on the node's cores, ``STREAMS`` requests of ``PROMPT`` tokens decoding
+``OUTPUT`` tokens together; the median
 TPOT minus the modelled decode step of that batch, per stream, is the cost per streamed token
 (``CostModel.per_streamed_token_s``), added to every simulated step for each sequence it samples.
 """

@@ -83,7 +83,8 @@ async def prepare_decode_attention(settings: ModelSettings, engine: AsyncEngine)
 # A serving node's step budget by device when not set (max_num_batched_tokens, max_prefill_chunk). On a CPU
 # core a step with 2,048 tokens of prefill takes over a second (SmolLM2, bf16), and every stream on the
 # node waits for it: 512 / 256 kept the mixed workload's TPOT p99 under its 200 ms SLO and cut short
-# chats' TTFT under issue 16's burst from 1.8 to 0.4 s, at the same throughput (benchmarks/RESULTS.md).
+# chats' TTFT under issue 16's burst from 1.8 to 0.4 s, at the same throughput
+# (benchmarks/results/2026-12-02-srpt/RESULTS.md).
 # GPUs keep vLLM's 2,048 (their step time is flat well past it).
 DEVICE_STEP_BUDGETS = {"cpu": (512, 256)}
 DEFAULT_STEP_BUDGET = (2048, 512)
