@@ -68,8 +68,7 @@ class KVCache:
             # Straight into the segment (zero-filled by the kernel): no private copy zeroed, then copied over.
             from common.kv.shared_segment import SharedSegment
 
-            element_size = torch.empty((), dtype=dtype).element_size()
-            self.segment = SharedSegment.create(num_blocks * spec.bytes_per_block(element_size), num_slots=num_blocks)
+            self.segment = SharedSegment.create(num_blocks * spec.bytes_per_block(dtype.itemsize), num_slots=num_blocks)
             self.data = self.segment.data().view(dtype).view(shape)
             return
         self.data = torch.zeros(shape, dtype=dtype, device=device)

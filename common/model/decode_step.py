@@ -83,12 +83,11 @@ def _linear_entry(linear: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tor
 def _row_limit(linear: torch.nn.Module, dtype: torch.dtype) -> int:
     """Rows up to which the projection's op-by-op forward runs the panel loop the step runs (beyond it, it
     unpacks tiles for a GEMM: other sums)."""
-    from common.model.gemv import PanelLinear, _panel_max_rows, gemv_kernels
+    from common.model.gemv import PanelLinear, panel_max_rows
     from common.quant.cpu_linear import _Panels
 
     if isinstance(linear, PanelLinear):
-        ops = gemv_kernels()
-        return 0 if ops is None else _panel_max_rows(ops)
+        return panel_max_rows()
     assert isinstance(linear, _Panels)  # _linear_entry took it
     if dtype == torch.bfloat16 and linear._amx is not None:
         return MAX_ROWS  # from its AMX threshold on, AMX tiles at every row count

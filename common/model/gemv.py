@@ -113,6 +113,13 @@ def amx_min_rows() -> int:
     return NO_AMX if ops is None else _amx_min_rows(ops)
 
 
+def panel_max_rows() -> int:
+    """Rows up to which ``PanelLinear`` multiplies its panels as they lie in this process (0: no kernels);
+    the one-call decode step (common/model/decode_step.py) follows the same limit."""
+    ops = gemv_kernels()
+    return 0 if ops is None else _panel_max_rows(ops)
+
+
 def _panel_max_rows(ops: ModuleType) -> int:
     """Rows up to which panels multiply as they lie: any count with AMX, else ``PANEL_MAX_ROWS``."""
     return NO_AMX if _amx_min_rows(ops) < NO_AMX else PANEL_MAX_ROWS
