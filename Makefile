@@ -6,9 +6,12 @@ PY := $(VENV)/bin/python
 .PHONY: venv demo test test-stress lint typecheck bench bench-quick bench-peers bench-attention clean
 
 venv:
-	@bash scripts/setup-venv.sh
+	@PREBUILD_ARGS="$(PREBUILD_ARGS)" bash scripts/setup-venv.sh
 	@bash scripts/gen-protos.sh
-	@$(PY) -m common.kernel_prebuild
+	@$(PY) -m common.kernel_prebuild $(PREBUILD_ARGS)
+
+# The test suite checks the next-widest instruction set's kernels too: built with the others, not in a test.
+test test-stress: PREBUILD_ARGS = --next-isa
 
 demo: venv
 	$(VENV)/bin/tandem up --demo
