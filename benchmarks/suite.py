@@ -148,12 +148,15 @@ def http_relay_command(cfg: SuiteConfig) -> list[str]:
                "--log-dir", str(cfg.out_dir / "logs" / "http-relay"), "--json", _json(cfg, "http-relay"))
 
 
-def serve_command(workload: str, systems: str, rates: str, num_requests: int) -> Callable[[SuiteConfig], list[str]]:
+def serve_command(workload: str, systems: str, rates: str, num_requests: int,
+                  quick_systems: str | None = None) -> Callable[[SuiteConfig], list[str]]:
     """``rates``: bench serve's ``--rate`` (a list sweeps the load; --quick runs only the highest rate, which
-    sends its few requests soonest)."""
+    sends its few requests soonest). ``quick_systems``: the systems a --quick run starts (default: all); each
+    start is most of a quick section's time."""
     def command(cfg: SuiteConfig) -> list[str]:
+        chosen = (quick_systems or systems) if cfg.quick else systems
         return _py("benchmarks.bench_serve", "--model", str(cfg.model_dir), "--dtype", cfg.dtype,
-                   "--workload", workload, "--systems", systems, "--rate", rates.split(",")[-1] if cfg.quick else rates,
+                   "--workload", workload, "--systems", chosen, "--rate", rates.split(",")[-1] if cfg.quick else rates,
                    *(["--quick"] if cfg.quick else ["--num-requests", str(num_requests)]),
                    "--log-dir", str(cfg.out_dir / "logs" / workload), "--json", _json(cfg, f"serve-{workload}"))
 
@@ -184,10 +187,13 @@ SECTIONS: tuple[Section, ...] = (
     # The serving and mixed workloads sweep the load: at 1 request/s every system meets its SLOs on a fast
     # machine, so goodput tells them apart only at the higher rates (mixed 8 and 10: past one prefill core).
     Section("serve-serving", "Serving workload: disaggregated vs conditional vs colocated",
-            serve_command("serving", "disaggregated,conditional,colocated", "1,2.5,5,8", 32), (400, 100)),
+            serve_command("serving", "disaggregated,conditional,colocated", "1,2.5,5,8", 32, "disaggregated"),
+            (400, 40)),
+    # --quick: the mixed section compares the three systems; these two start one or two (caching on vs off).
     Section("serve-shared-prefix", "Shared-prefix workload: disaggregated vs conditional vs colocated, prefix "
             "caching on vs off", serve_command("shared-prefix", "disaggregated,conditional,colocated,"
-                                               "disaggregated-nocache", "1.5,4", 32), (300, 80)),
+                                               "disaggregated-nocache", "1.5,4", 32,
+                                               "disaggregated,disaggregated-nocache"), (300, 40)),
     Section("serve-mixed", "Mixed workload (long prompts during decoding): disaggregated vs conditional vs "
             "colocated", serve_command("mixed", "disaggregated,conditional,colocated", "1,4,8,10", 48), (480, 100)),
     Section("serve-vllm", "Serving against vLLM's own server, measured by vLLM's own client", serve_vllm_command,
@@ -280,7 +286,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="[TANDEM_DTYPE; auto = the faster dtype here, measured once and cached]")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch threads of the offline sections and peers [every usable core]")
-    p.add_argument("--quick", action="store_true", help="small workloads everywhere (a smoke run, minutes)")
+    p.add_argument("--quick", action="store_true", help="small workloads everywhere, one or two systems in the "
+                   "serving and shared-prefix sections (a smoke run, minutes)")
     p.add_argument("--sections", default=",".join(SECTION_NAMES), help="comma-separated subset of: "
                    + ", ".join(SECTION_NAMES))
     p.add_argument("--out", help="the run's directory [bench-results/<date-time>]")
