@@ -270,12 +270,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline, seconds [600]")
     p.add_argument("--log-dir", help="each service's log goes here [a temporary directory, printed]")
     p.add_argument("--json", dest="json_path", help="also write the results here as JSON")
-    peer = p.add_argument_group("against vLLM's own server, measured by vLLM's own client (benchmarks/serve_peer.py)")
-    peer.add_argument("--peer", choices=["vllm"], help="run the peer comparison instead: every --peer-systems "
-                      "system, --peer-workloads workload and --rate rate, driven by `vllm bench serve`")
-    peer.add_argument("--peer-systems", help="from vllm, colocated, disaggregated, conditional [all four]")
-    peer.add_argument("--peer-workloads", default="random-384-128",
-                      help="from random-384-128, random-1024-64, random-128-256, chat, shared-prefix [random-384-128]")
+    peer = p.add_argument_group("against a peer's own server (vLLM's, llama.cpp's), measured by vLLM's own client "
+                                "(benchmarks/serve_peer.py)")
+    peer.add_argument("--peer", choices=["vllm", "llamacpp-server"], help="run the peer comparison instead: every "
+                      "--peer-systems system, --peer-workloads workload and --rate rate, driven by `vllm bench serve` "
+                      "(llamacpp-server: Tandem with --quantization int4, 8 requests in flight)")
+    peer.add_argument("--peer-systems", help="the peer, colocated, disaggregated, conditional [vllm: all four; "
+                      "llamacpp-server: llamacpp-server,colocated]")
+    peer.add_argument("--peer-workloads", help="from random-384-128, random-1024-64, random-128-256, chat, "
+                      "shared-prefix [vllm: random-384-128; llamacpp-server: random-384-128,random-128-256]")
+    peer.add_argument("--peer-gguf", help="the GGUF file llama-server runs [the bundled model's Q4_1 GGUF, when "
+                      "--model is the bundled model]")
     peer.add_argument("--no-tandem-client", action="store_true",
                       help="skip the cross-check run of Tandem's own client on each system")
 
@@ -284,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark for ``args`` (from ``add_arguments``); print a Markdown report on stdout."""
     from common.config.model_config import ModelConfig
     from common.config.settings import ModelSettings, load_settings
-    from common.model.model_store import resolve_model
+    from common.model.model_store import DEFAULT_MODEL_ALIASES, resolve_model
 
     if getattr(args, "peer", None):
         from benchmarks import serve_peer
@@ -293,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(ModelSettings, {"model": args.model, "dtype": args.dtype})
         model_dir = resolve_model(settings.model, settings.home, progress=True)
         vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
-        return serve_peer.run(args, model_dir, resolve_dtype_name(settings.dtype, settings.device), vocab_size)
+        return serve_peer.run(args, model_dir, resolve_dtype_name(settings.dtype, settings.device), vocab_size,
+                              bundled_model=settings.model in DEFAULT_MODEL_ALIASES)
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not names or set(names) - set(SYSTEMS):
         raise ValueError(f"--systems: choose from {', '.join(SYSTEMS)}, got {args.systems!r}")

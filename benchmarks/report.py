@@ -248,10 +248,12 @@ def write_report(run_dir: Path, output: Path | None = None) -> Path:
 
         lines += [f"## {by_name['quantization'].title}", "", f"`{by_name['quantization'].command}`", "",
                   *quantization_lines(quant), ""]
-    if data.get("serve-vllm"):  # the section's own Markdown, its headings one level down
-        own = (run_dir / "serve-vllm.md").read_text().splitlines()
-        lines += [f"## {by_name['serve-vllm'].title}", "", f"`{by_name['serve-vllm'].command}`", "",
-                  *(f"#{line}" if line.startswith("## ") else line for line in own if not line.startswith("# ")), ""]
+    for name in ("serve-vllm", "serve-llamacpp"):
+        if data.get(name):  # the section's own Markdown, its headings one level down
+            own = (run_dir / f"{name}.md").read_text().splitlines()
+            lines += [f"## {by_name[name].title}", "", f"`{by_name[name].command}`", "",
+                      *(f"#{line}" if line.startswith("## ") else line for line in own if not line.startswith("# ")),
+                      ""]
     for name in ("serve-serving", "serve-shared-prefix", "serve-mixed"):
         if serve := data.get(name):
             lines += [f"## {by_name[name].title}", "", f"`{by_name[name].command}`", "", *serving_lines(serve)]

@@ -1,13 +1,20 @@
-"""Serving against vLLM's own server, measured by vLLM's own client: ``tandem bench serve --peer vllm``.
+"""Serving against a peer's own server, measured by vLLM's own client: ``tandem bench serve --peer vllm``
+and ``--peer llamacpp-server``.
 
-Each system runs alone on the same cores, one after the other: ``vllm`` (vLLM's OpenAI server,
-benchmarks/peers/vllm_server.py), ``colocated`` (one ``tandem serve colocated`` on every core),
-``disaggregated`` and ``conditional`` (``tandem up``: one prefill and one decode node, each on its share of
-the cores, and the gateway). Same model directory, same precision, same KV cache budget. Each is started,
-timed to its first healthy answer (its time to ready), warmed up with a short run of the first workload
-(vLLM compiles on its first requests too), then driven by ``vllm bench serve`` (the module, from the peer's
-venv) over its OpenAI ``/v1/completions`` for every workload and rate; Tandem's own client
-(benchmarks/serve_client.py) drives the same systems with the first workload's shape as a cross-check.
+Each system runs alone on the same cores, one after the other: the peer, ``colocated`` (one
+``tandem serve colocated`` on every core), ``disaggregated`` and ``conditional`` (``tandem up``: one prefill
+and one decode node, each on its share of the cores, and the gateway). Each is started, timed to its first
+healthy answer (its time to ready), warmed up with a short run of the first workload (vLLM compiles on its
+first requests too), then driven by ``vllm bench serve`` (the module, from the vllm peer's venv) over its
+OpenAI ``/v1/completions`` for every workload and rate; Tandem's own client (benchmarks/serve_client.py)
+drives the same systems with the first workload's shape as a cross-check.
+
+The peers (``COMPARISONS``):
+- ``vllm``: vLLM's OpenAI server (benchmarks/peers/vllm_server.py) against every Tandem system, on the same
+  model directory, precision and KV cache budget, requests arriving at each rate with no cap in flight;
+- ``llamacpp-server``: llama.cpp's ``llama-server`` (benchmarks/peers/llamacpp_server.py) on the bundled
+  Q4_1 GGUF (or ``--peer-gguf``) with 8 slots, against ``colocated`` with ``--quantization int4``, 8 requests
+  in flight at a time (the client's ``--max-concurrency``: issue 32 compares output throughput there).
 
 Workloads (``--peer-workloads``): ``random-384-128`` (the issue's shape), ``random-1024-64`` (prefill
 heavy), ``random-128-256`` (decode heavy), ``chat`` (a chat-shaped length distribution shipped in
@@ -19,25 +26,67 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import functools
+import itertools
 import json
 import math
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import cpu_name, vector_flags
-from benchmarks.peers.registry import find_peer
+from benchmarks.peers.llamacpp_server import LlamaServerConfig, llama_server
+from benchmarks.peers.registry import PeerPython, bundled_gguf, find_peer, find_peer_program
 from benchmarks.peers.vllm_server import ClientWorkload, VLLMServerConfig, run_vllm_client, vllm_server
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT_LENGTHS = Path(__file__).resolve().parent / "data" / "chat_lengths.jsonl"
-PEER_SYSTEMS = ("vllm", "colocated", "disaggregated", "conditional")
+TANDEM_SYSTEMS = ("colocated", "disaggregated", "conditional")
 KV_CACHE_GIB = 1  # each system's KV budget: Tandem's node default (--kv-cache-memory-gb 1)
+# The chat workload's clips (chat_lengths_rows); its prompts open with a note of a few more tokens.
+CHAT_MAX_PROMPT, CHAT_MAX_OUTPUT, CHAT_OPENING = 2000, 600, 24
+# A prompt's tokens as a server counts them may exceed the client's count: a BOS token, and the client's
+# random text re-tokenized by the server.
+PROMPT_SLACK = 32
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What ``--peer NAME`` compares: the peer's server and Tandem's systems, Tandem at the peer's precision,
+    under the same load."""
+
+    peer: str  # --peer, and the peer's system name in the results
+    title: str  # the report's heading: "Serving against <title>"
+    label: str  # the ratio column's: "vs <label>"
+    systems: tuple[str, ...]  # the default --peer-systems, the peer first
+    quantization: str  # Tandem's --quantization
+    workloads: str  # the default --peer-workloads
+    rates: tuple[float, ...]  # the default --rate (--quick: inf)
+    max_concurrency: int | None  # requests in flight at most (the clients' cap; llama-server's slots); None: none
+    client_args: tuple[str, ...] = ()  # more arguments of vLLM's client, for every system alike
+    note: str = ""  # for the report: how to read the peer's figures
+
+
+COMPARISONS = {c.peer: c for c in (
+    Comparison("vllm", "vLLM's server", "vLLM", ("vllm", *TANDEM_SYSTEMS), "none", "random-384-128",
+               (2.0, math.inf), None),
+    # Issue 32: int4 weights beside llama.cpp's Q4_1 GGUF, 8 streams at a time, a prefill-heavy and a
+    # decode-heavy shape.
+    # llama-server (cpp-httplib) closes kept-alive connections that vLLM's client (aiohttp) reuses at once:
+    # about 1 request in 8 failed with "Server disconnected" at 8 in flight. A connection per request avoids it.
+    Comparison("llamacpp-server", "llama.cpp's server", "llama-server", ("llamacpp-server", "colocated"), "int4",
+               "random-384-128,random-128-256", (math.inf,), 8, ("--header", "Connection=close"),
+               "llama-server sends its usage in the stream's last text chunk, which vLLM's client does not read: "
+               "the client counts llama-server's output tokens by re-tokenizing the text (a few % fewer than it "
+               "generated: with ignore_eos every request runs to its max_tokens), so its output tok/s reads low."),
+)}
+PeerServer = Callable[[Path], contextlib.AbstractContextManager[tuple[str, float]]]  # log dir -> (URL, s to ready)
 
 
 def client_workloads(num_prompts: int) -> dict[str, ClientWorkload]:
@@ -45,16 +94,17 @@ def client_workloads(num_prompts: int) -> dict[str, ClientWorkload]:
     random_args = ("--dataset-name", "random", "--random-range-ratio", "0")
     return {w.name: w for w in (
         ClientWorkload("random-384-128", (*random_args, "--random-input-len", "384", "--random-output-len", "128"),
-                       num_prompts, ttft_slo_ms=5000, tpot_slo_ms=500),
+                       num_prompts, ttft_slo_ms=5000, tpot_slo_ms=500, max_request_tokens=384 + 128),
         ClientWorkload("random-1024-64", (*random_args, "--random-input-len", "1024", "--random-output-len", "64"),
-                       num_prompts, ttft_slo_ms=10000, tpot_slo_ms=500),
+                       num_prompts, ttft_slo_ms=10000, tpot_slo_ms=500, max_request_tokens=1024 + 64),
         ClientWorkload("random-128-256", (*random_args, "--random-input-len", "128", "--random-output-len", "256"),
-                       num_prompts, ttft_slo_ms=3000, tpot_slo_ms=300),
+                       num_prompts, ttft_slo_ms=3000, tpot_slo_ms=300, max_request_tokens=128 + 256),
         ClientWorkload("chat", ("--dataset-name", "custom", "--dataset-path", str(CHAT_LENGTHS),
-                                "--skip-chat-template"), num_prompts, ttft_slo_ms=4000, tpot_slo_ms=300),
+                                "--skip-chat-template"), num_prompts, ttft_slo_ms=4000, tpot_slo_ms=300,
+                       max_request_tokens=CHAT_OPENING + CHAT_MAX_PROMPT + CHAT_MAX_OUTPUT),
         ClientWorkload("shared-prefix", (*random_args, "--random-prefix-len", "512", "--random-input-len", "64",
                                          "--random-output-len", "64"), num_prompts, ttft_slo_ms=3000,
-                       tpot_slo_ms=300),
+                       tpot_slo_ms=300, max_request_tokens=512 + 64 + 64),
     )}
 
 
@@ -72,21 +122,50 @@ class Row:
         return float(self.result.get(key) or 0.0)
 
 
-@contextlib.contextmanager
-def system_server(name: str, model_dir: Path, dtype: str, cpus: tuple[int, ...], log_dir: Path,
-                  vllm_python: Path) -> Iterator[tuple[str, float]]:
-    """Start ``name``; yield (the base URL of its OpenAI API, seconds to ready)."""
-    if name == "vllm":
+@dataclass(frozen=True)
+class Peer:
+    """The peer's server of one comparison, ready to start."""
+
+    start: PeerServer
+    version: str
+    details: str  # what the report says after its version: what it runs with
+    gguf: Path | None = None  # the file it runs, when it runs a GGUF
+
+
+def peer_of(comparison: Comparison, client: PeerPython, model_dir: Path, dtype: str, cpus: tuple[int, ...],
+            workloads: Sequence[ClientWorkload], gguf: Path | None) -> Peer:
+    """The comparison's peer, as every Tandem system runs: on ``cpus``, vLLM on the model directory in
+    ``dtype`` with the same KV budget, llama-server on ``gguf`` with a slot per request in flight, each slot
+    holding the longest request of ``workloads``. Both are named as the model directory, so the client
+    sends every system the same model name. Raises ``ValueError`` when it cannot run."""
+    if comparison.peer == "vllm":
         # The longest workload fits in 4096 tokens; a model with fewer positions gets its own (vLLM refuses more).
         positions = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 4096)
         config = VLLMServerConfig(model_dir, model_dir.name, dtype, cpus, KV_CACHE_GIB,
                                   max_model_len=min(4096, int(positions)))
-        with vllm_server(vllm_python, config, log_dir / "vllm.log") as served:
-            yield served
-        return
+        return Peer(lambda log_dir: vllm_server(client.python, config, log_dir / "vllm.log"), client.version,
+                    f"; KV cache {KV_CACHE_GIB} GiB per system")
+    program, why = find_peer_program(comparison.peer, REPO)
+    if program is None:
+        raise ValueError(f"--peer {comparison.peer}: {why}")
+    if gguf is None or not gguf.is_file():
+        raise ValueError(f"--peer {comparison.peer}: llama-server runs a GGUF file: --peer-gguf FILE, or the "
+                         f"bundled model (its GGUF by default){'' if gguf is None else f'; {gguf} is no file'}")
+    assert comparison.max_concurrency is not None  # llama-server's slots
+    server = LlamaServerConfig(gguf, model_dir.name, cpus, comparison.max_concurrency,
+                               ctx_per_slot=max(w.max_request_tokens for w in workloads) + PROMPT_SLACK)
+    return Peer(lambda log_dir: llama_server(program.path, server, log_dir / "llamacpp-server.log"), program.version,
+                f" on {gguf.name}, {server.slots} slots, --ctx-size {server.ctx_size}; vLLM's client "
+                f"{client.version}; Tandem's KV cache {KV_CACHE_GIB} GiB", gguf)
+
+
+@contextlib.contextmanager
+def tandem_server(name: str, model_dir: Path, dtype: str, quantization: str, cpus: tuple[int, ...],
+                  log_dir: Path) -> Iterator[tuple[str, float]]:
+    """Start Tandem's system ``name``; yield (the base URL of its OpenAI API, seconds to ready)."""
     from tandem_cli.launcher import ColocatedTopology, Launcher, Topology
 
-    model_args = ("--model", str(model_dir), "--dtype", dtype)
+    model_args = ("--model", str(model_dir), "--dtype", dtype, "--quantization", quantization)
     node_args = ("--kv-cache-memory-gb", str(KV_CACHE_GIB))
     topology: Topology | ColocatedTopology
     if name == "colocated":
@@ -103,9 +182,10 @@ def system_server(name: str, model_dir: Path, dtype: str, cpus: tuple[int, ...],
 
 
 def tandem_client_run(base_url: str, workload: str, num_prompts: int, rate: float, vocab_size: int,
-                      seed: int) -> dict[str, Any]:
+                      seed: int, max_concurrency: int | None = None) -> dict[str, Any]:
     """Tandem's client (token-id prompts over the same /v1/completions, the server's default temperature)
-    with a random-IN-OUT workload's shape, its figures under vLLM's result keys."""
+    with a random-IN-OUT workload's shape, at most ``max_concurrency`` in flight (None: open loop at
+    ``rate``), its figures under vLLM's result keys."""
     from benchmarks.serve_client import Api, drive
     from benchmarks.serve_stats import Distribution, summarize
     from benchmarks.workloads import TimedRequest
@@ -118,7 +198,8 @@ def tandem_client_run(base_url: str, workload: str, num_prompts: int, rate: floa
         prompt = tuple(rng.randrange(1000, vocab_size) for _ in range(int(in_len)))
         requests.append(TimedRequest(k, prompt, int(out_len), t, "random"))
     # No temperature, as vLLM's client sends none: both clients ask for the same (sampled) decoding.
-    records, duration = asyncio.run(drive([base_url], requests, None, 3600.0, api=Api.OPENAI, temperature=None))
+    records, duration = asyncio.run(drive([base_url], requests, max_concurrency, 3600.0, api=Api.OPENAI,
+                                          temperature=None))
     s = summarize("tandem-client", "", records, duration, None)
 
     def ms(d: Distribution | None, q: str) -> float:
@@ -130,52 +211,71 @@ def tandem_client_run(base_url: str, workload: str, num_prompts: int, rate: floa
                for q in ("p50", "p99")}}
 
 
-def run(args: argparse.Namespace, model_dir: Path, dtype: str, vocab_size: int) -> int:
-    """``tandem bench serve --peer vllm``: every system, workload and rate; a Markdown report on stdout."""
-    peer, why = find_peer("vllm", REPO)
-    if peer is None:
-        raise ValueError(f"--peer vllm: {why}")
-    systems = [s.strip() for s in (args.peer_systems or ",".join(PEER_SYSTEMS)).split(",") if s.strip()]
-    if set(systems) - set(PEER_SYSTEMS):
-        raise ValueError(f"--peer-systems: choose from {', '.join(PEER_SYSTEMS)}, got {args.peer_systems!r}")
+def run(args: argparse.Namespace, model_dir: Path, dtype: str, vocab_size: int, bundled_model: bool = False) -> int:
+    """``tandem bench serve --peer NAME``: every system, workload and rate; a Markdown report on stdout.
+    ``bundled_model``: ``model_dir`` is the bundled GGUF converted, which llama-server then runs (without
+    ``--peer-gguf``)."""
+    comparison = COMPARISONS[args.peer]
+    client, why = find_peer("vllm", REPO)  # vLLM's client drives every system
+    if client is None:
+        raise ValueError(f"--peer {comparison.peer}: {why}"
+                         + ("" if comparison.peer == "vllm" else " (vLLM's benchmark client drives every system)"))
+    choices = (comparison.peer, *TANDEM_SYSTEMS)
+    systems = [s.strip() for s in (args.peer_systems or ",".join(comparison.systems)).split(",") if s.strip()]
+    if not systems or set(systems) - set(choices):
+        raise ValueError(f"--peer-systems: choose from {', '.join(choices)}, got {args.peer_systems!r}")
     num_prompts = args.num_requests or (8 if args.quick else 48)
     named = client_workloads(num_prompts)
-    workloads = [w.strip() for w in args.peer_workloads.split(",") if w.strip()]
+    given = args.peer_workloads or comparison.workloads
+    workloads = [w.strip() for w in given.split(",") if w.strip()]
     if not workloads or set(workloads) - set(named):
-        raise ValueError(f"--peer-workloads: choose from {', '.join(named)}, got {args.peer_workloads!r}")
-    rates: Sequence[float] = args.rate or ((math.inf,) if args.quick else (2.0, math.inf))
+        raise ValueError(f"--peer-workloads: choose from {', '.join(named)}, got {given!r}")
+    gguf = Path(args.peer_gguf) if args.peer_gguf else bundled_gguf() if bundled_model else None
+    peer = peer_of(comparison, client, model_dir, dtype, args.cpus, [named[w] for w in workloads], gguf)
+    rates: Sequence[float] = args.rate or ((math.inf,) if args.quick else comparison.rates)
+    concurrency = comparison.max_concurrency
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-bench-peer-"))
     rows: list[Row] = []
     ready: dict[str, float | str] = {}
+    client_run = functools.partial(run_vllm_client, client.python, max_concurrency=concurrency,
+                                   extra=comparison.client_args)
     for name in systems:
+        # Each client run gets its own seed: vLLM's random dataset gives request i of two runs with one seed
+        # the same first tokens (a 128-token prompt is the start of the 384-token one), which a prefix cache
+        # would serve from the run before.
+        seeds = itertools.count(args.seed)
         _progress(f"{name}: starting")
+        server = peer.start(log_dir) if name == comparison.peer else tandem_server(
+            name, model_dir, dtype, comparison.quantization, args.cpus, log_dir)
         try:
-            with system_server(name, model_dir, dtype, args.cpus, log_dir, peer.python) as (url, seconds):
+            with server as (url, seconds):
                 ready[name] = seconds
                 _progress(f"{name}: ready in {seconds:.1f} s at {url}; warming up")
-                warm = ClientWorkload("warm-up", named[workloads[0]].dataset_args, max(4, num_prompts // 4),
-                                      1e9, 1e9)
-                run_vllm_client(peer.python, url, model_dir.name, model_dir, warm, math.inf,
-                                log_dir / f"{name}-warm-up.json", seed=1)
+                warm = dataclasses.replace(named[workloads[0]], name="warm-up", num_prompts=max(4, num_prompts // 4),
+                                           ttft_slo_ms=1e9, tpot_slo_ms=1e9)
+                client_run(url, model_dir.name, model_dir, warm, math.inf, log_dir / f"{name}-warm-up.json",
+                           seed=next(seeds))
                 for workload in workloads:
-                    for k, rate in enumerate(rates):
+                    for rate in rates:
                         _progress(f"{name}: {workload} at {_rate(rate)} req/s (vllm bench serve)")
-                        result = run_vllm_client(peer.python, url, model_dir.name, model_dir, named[workload], rate,
-                                                 log_dir / f"{name}-{workload}-{_rate(rate)}.json", seed=args.seed + k)
+                        result = client_run(url, model_dir.name, model_dir, named[workload], rate,
+                                            log_dir / f"{name}-{workload}-{_rate(rate)}.json", seed=next(seeds))
                         rows.append(Row(name, workload, rate, "vllm bench serve", result))
                 if workloads[0].startswith("random-") and not args.no_tandem_client:
                     _progress(f"{name}: {workloads[0]} at {_rate(rates[-1])} req/s (Tandem's client)")
                     rows.append(Row(name, workloads[0], rates[-1], "tandem", tandem_client_run(
-                        url, workloads[0], num_prompts, rates[-1], vocab_size, args.seed)))
+                        url, workloads[0], num_prompts, rates[-1], vocab_size, args.seed, concurrency)))
         except RuntimeError as exc:
             _progress(f"{name}: failed: {exc}")
             ready.setdefault(name, f"failed: {str(exc).splitlines()[0]}")
-    print(report(rows, ready, args, model_dir.name, dtype, peer.version))
+    print(report(rows, ready, args, model_dir.name, dtype, peer.version, comparison, peer.details))
     _progress(f"logs: {log_dir}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({
             "model": model_dir.name, "dtype": dtype, "cpus": list(args.cpus), "cpu": cpu_name(),
-            "cpu_flags": vector_flags(), "vllm": peer.version, "kv_cache_gib": KV_CACHE_GIB,
+            "cpu_flags": vector_flags(), "peer": comparison.peer, "peer_version": peer.version,
+            "vllm": client.version, "quantization": comparison.quantization, "max_concurrency": concurrency,
+            "gguf": None if peer.gguf is None else str(peer.gguf), "kv_cache_gib": KV_CACHE_GIB,
             "time_to_ready_s": ready, "rows": [row.__dict__ | {"rate": _rate(row.rate)} for row in rows]}, indent=2))
     return 0 if rows and all(r.result.get("completed") == r.result.get("num_prompts", r.result.get("completed"))
                              for r in rows) else 1
@@ -201,8 +301,8 @@ def chat_lengths_rows(tokenizer_dir: Path, n: int = 200, seed: int = 0) -> list[
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        prompt_len = min(2000, max(8, round(rng.lognormvariate(math.log(250), 0.8))))
-        output_len = min(600, max(4, round(rng.lognormvariate(math.log(150), 0.7))))
+        prompt_len = min(CHAT_MAX_PROMPT, max(8, round(rng.lognormvariate(math.log(250), 0.8))))
+        output_len = min(CHAT_MAX_OUTPUT, max(4, round(rng.lognormvariate(math.log(150), 0.7))))
         # A distinct opening per prompt: chats share no prefix, so no prefix cache serves one from another.
         opening = f"Note {rng.randrange(10**9)}, page {rng.randrange(10**4)}. "
         rows.append({"prompt": opening + tokenizer.decode(ids[:prompt_len]), "output_tokens": output_len})
@@ -219,20 +319,25 @@ def _rate(rate: float) -> str:
 
 
 def report(rows: Sequence[Row], ready: dict[str, float | str], args: argparse.Namespace, model: str, dtype: str,
-           vllm_version: str) -> str:
-    lines = [f"# Serving against vLLM's server ({model}, {dtype}, cores {','.join(map(str, args.cpus))})", "",
-             f"Machine: {cpu_name()}; CPU flags: {' '.join(vector_flags())}. vLLM {vllm_version}. "
-             f"KV cache {KV_CACHE_GIB} GiB per system.", "",
+           peer_version: str, comparison: Comparison = COMPARISONS["vllm"], details: str = "") -> str:
+    """The Markdown report; ``details``: what else to say after the peer's version."""
+    weights = "" if comparison.quantization == "none" else f", Tandem --quantization {comparison.quantization}"
+    load = ("" if comparison.max_concurrency is None else
+            f" At most {comparison.max_concurrency} requests in flight (every client).")
+    lines = [f"# Serving against {comparison.title} ({model}, {dtype}{weights}, cores "
+             f"{','.join(map(str, args.cpus))})", "",
+             f"Machine: {cpu_name()}; CPU flags: {' '.join(vector_flags())}. {comparison.label} {peer_version}"
+             f"{details}.{load}", *(("", comparison.note) if comparison.note else ()), "",
              "| system | time to ready (s) |", "|---|---:|"]
     lines += [f"| {name} | {v:.1f} |" if isinstance(v, float) else f"| {name} | {v} |" for name, v in ready.items()]
     for workload in dict.fromkeys(r.workload for r in rows):
         lines += ["", f"## {workload}", "",
-                  "| system | client | rate | done | output tok/s | vs vLLM | TTFT p50 / p99 (ms) | "
-                  "TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | goodput (req/s) |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"| system | client | rate | done | output tok/s | vs {comparison.label} | TTFT p50 / p99 (ms) | "
+                  "TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | goodput (req/s) | output tokens |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row in (r for r in rows if r.workload == workload):
-            peer = next((r for r in rows if r.system == "vllm" and r.workload == workload and r.rate == row.rate
-                         and r.client == row.client), None)
+            peer = next((r for r in rows if r.system == comparison.peer and r.workload == workload
+                         and r.rate == row.rate and r.client == row.client), None)
             ratio = f"{row.get('output_throughput') / peer.get('output_throughput'):.2f}x" if (
                 peer is not None and peer.get("output_throughput")) else "-"
             goodput = row.result.get("request_goodput")
@@ -242,7 +347,8 @@ def report(rows: Sequence[Row], ready: dict[str, float | str], args: argparse.Na
                 f"{ratio} | {row.get('p50_ttft_ms'):,.0f} / {row.get('p99_ttft_ms'):,.0f} | "
                 f"{row.get('p50_tpot_ms'):,.0f} / {row.get('p99_tpot_ms'):,.0f} | "
                 f"{row.get('p50_itl_ms'):,.0f} / {row.get('p99_itl_ms'):,.0f} | "
-                f"{'-' if goodput is None else f'{float(goodput):.2f}'} |")
+                f"{'-' if goodput is None else f'{float(goodput):.2f}'} | "
+                f"{row.result.get('total_output_tokens', '-')} |")
     return "\n".join(lines)
 
 

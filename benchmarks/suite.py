@@ -15,8 +15,10 @@ peers vLLM-CPU and llama.cpp on the same prompts, speculative decoding (input-gr
 transfer bandwidth, the gateway's relay overhead (streamed tokens/s over HTTP SSE and gRPC from scripted
 nodes), and three serving workloads over gRPC with each service pinned to its own cores:
 the standard serving mix and the mixed workload (disaggregated vs conditional vs colocated), the shared-prefix workload
-(disaggregated with and without prefix caching), and quantized weights (none / int8 / int4 / w8a8 at
-batch 1 and offline, beside llama.cpp on the same GGUF, with perplexity and greedy agreement).
+(disaggregated with and without prefix caching), the installed peers' own servers driven by vLLM's client
+(vLLM's; llama.cpp's ``llama-server`` beside Tandem int4, 8 requests in flight), and quantized weights (none /
+int8 / int4 / w8a8 at batch 1 and offline, beside llama.cpp on the same GGUF, with perplexity and greedy
+agreement).
 """
 
 from __future__ import annotations
@@ -126,6 +128,23 @@ def serve_vllm_command(cfg: SuiteConfig) -> list[str] | Skip:
                "--peer-workloads", workloads, "--json", _json(cfg, "serve-vllm"), *(["--quick"] if cfg.quick else []))
 
 
+def serve_llamacpp_command(cfg: SuiteConfig) -> list[str] | Skip:
+    from benchmarks.peers import find_peer, find_peer_program
+
+    program, reason = find_peer_program("llamacpp-server", cfg.repo_root)
+    if program is None:
+        return Skip(reason)
+    client, reason = find_peer("vllm", cfg.repo_root)
+    if client is None:
+        return Skip(f"{reason} (vLLM's benchmark client drives llama-server)")
+    if cfg.gguf is None:
+        return Skip("llama-server runs the bundled GGUF; this run's model is not the bundled one")
+    workloads = "random-384-128" if cfg.quick else "random-384-128,random-128-256"
+    return _py("benchmarks.bench_serve", "--peer", "llamacpp-server", "--model", str(cfg.model_dir),
+               "--peer-gguf", str(cfg.gguf), "--dtype", cfg.dtype, "--peer-workloads", workloads,
+               "--json", _json(cfg, "serve-llamacpp"), *(["--quick"] if cfg.quick else []))
+
+
 def speculative_command(cfg: SuiteConfig) -> list[str]:
     # Batch 1 (speculation is a batch-1 latency tool), the n-gram proposer at k=4 and k=16 and the target's
     # own int4 copy as a draft model (not on the tiny quick-mode model); the plain decoding row doubles as
@@ -198,6 +217,8 @@ SECTIONS: tuple[Section, ...] = (
             "colocated", serve_command("mixed", "disaggregated,conditional,colocated", "1,4,8,10", 48), (480, 100)),
     Section("serve-vllm", "Serving against vLLM's own server, measured by vLLM's own client", serve_vllm_command,
             (3600, 600)),
+    Section("serve-llamacpp", "Serving against llama.cpp's own server (Tandem int4, 8 requests in flight), measured "
+            "by vLLM's client", serve_llamacpp_command, (1600, 200)),
     Section("parallel", "Tensor / pipeline parallel layouts and the all-reduce (gloo vs shared memory)",
             parallel_command, (420, 150)),
     Section("quantization", "Quantized weights: none / int8 / int4 / w8a8 beside llama.cpp", quant_command,

@@ -1,4 +1,5 @@
-"""Find the peer systems' Pythons and run their offline scripts in them, one subprocess per run.
+"""Find the peer systems' Pythons and run their offline scripts in them, one subprocess per run; find the
+peers that are programs of their own (llama.cpp's ``llama-server``).
 
 Peers live in their own venvs (``scripts/setup-peer.sh``), never in Tandem's: their pins conflict with
 ours. So Tandem never imports a peer; it writes the workload to a request file, runs
@@ -39,12 +40,30 @@ class PeerSpec:
 
     @property
     def setup_hint(self) -> str:
-        return f"run `bash scripts/setup-peer.sh {self.name}`"
+        return _setup_hint(self.name)
 
 
 PEERS = {spec.name: spec for spec in (
     PeerSpec("vllm", "vllm", "vllm_offline.py", "TANDEM_PEER_VLLM_PYTHON"),
     PeerSpec("llamacpp", "llama_cpp", "llamacpp_offline.py", "TANDEM_PEER_LLAMACPP_PYTHON"),
+)}
+
+
+@dataclass(frozen=True)
+class PeerProgramSpec:
+    """A peer that is a program, not a Python module: installed as ``.peers/<name>/bin/<program>``."""
+
+    name: str  # as given to scripts/setup-peer.sh
+    program: str
+    env_var: str  # overrides <repo>/.peers/<name>/bin/<program>
+
+    @property
+    def setup_hint(self) -> str:
+        return _setup_hint(self.name)
+
+
+PEER_PROGRAMS = {spec.name: spec for spec in (
+    PeerProgramSpec("llamacpp-server", "llama-server", "TANDEM_PEER_LLAMACPP_SERVER_BIN"),
 )}
 
 
@@ -57,11 +76,22 @@ class PeerPython:
     version: str  # the peer module's __version__
 
 
+@dataclass(frozen=True)
+class PeerProgram:
+    """A peer program that runs here."""
+
+    name: str
+    path: Path
+    version: str  # what its ``--version`` says after "version: "
+
+
 class PeerError(RuntimeError):
     """A peer run failed; the message ends with the tail of its log."""
 
 
 def peer_spec(name: str) -> PeerSpec:
+    if name in PEER_PROGRAMS:
+        raise ValueError(f"peer {name!r} is a program, not a Python module: find it with find_peer_program")
     if name not in PEERS:
         raise ValueError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
     return PEERS[name]
@@ -74,9 +104,7 @@ def find_peer(name: str, root: Path) -> tuple[PeerPython | None, str]:
     only place looked at, so a wrong value is reported rather than silently replaced.
     """
     spec = peer_spec(name)
-    override = os.environ.get(spec.env_var)
-    python = Path(override) if override else root / PEERS_DIR / spec.name / "bin" / "python"
-    where = f"{spec.env_var}={override}" if override else str(python)
+    python, where = _installed_path(spec.env_var, root / PEERS_DIR / spec.name / "bin" / "python")
     if not python.exists():
         return None, f"not installed ({where} does not exist): {spec.setup_hint}"
     probe = f"import {spec.module}; print(getattr({spec.module}, '__version__', '?'))"
@@ -91,6 +119,34 @@ def find_peer(name: str, root: Path) -> tuple[PeerPython | None, str]:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return None, f"not installed: {where} cannot import {spec.module} ({last}); {spec.setup_hint}"
     return PeerPython(spec.name, python, done.stdout.strip().splitlines()[-1]), ""
+
+
+def find_peer_program(name: str, root: Path) -> tuple[PeerProgram | None, str]:
+    """The peer program and "" when its ``--version`` answers, else None and why (for the report).
+
+    Its ``env_var`` (``TANDEM_PEER_LLAMACPP_SERVER_BIN``) wins over ``<root>/.peers/<name>/bin/<program>``,
+    as ``find_peer``'s does.
+    """
+    if name not in PEER_PROGRAMS:
+        raise ValueError(f"unknown peer program {name!r}; known: {', '.join(PEER_PROGRAMS)}")
+    spec = PEER_PROGRAMS[name]
+    program, where = _installed_path(spec.env_var, root / PEERS_DIR / spec.name / "bin" / spec.program)
+    if not program.exists():
+        return None, f"not installed ({where} does not exist): {spec.setup_hint}"
+    try:
+        done = subprocess.run([str(program), "--version"], capture_output=True, text=True, env=_peer_env(None),
+                              timeout=IMPORT_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return None, f"`{where} --version` took over {IMPORT_TIMEOUT_S:.0f} s"
+    except OSError as exc:
+        return None, f"{where} cannot run ({exc}): {spec.setup_hint}"
+    # llama.cpp prints its build info on stderr, after any backend messages.
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    version = next((line.removeprefix("version: ") for line in lines if line.startswith("version: ")), None)
+    if done.returncode != 0 or version is None:
+        return None, (f"not installed: `{where} --version` exited with {done.returncode} "
+                      f"({(lines or ['no output'])[-1]}); {spec.setup_hint}")
+    return PeerProgram(spec.name, program, version), ""
 
 
 def write_requests(path: Path, prompts: list[list[int]], output_len: int) -> None:
@@ -153,6 +209,16 @@ def missing_vllm_files(model_dir: Path) -> list[str]:
     if not any(model_dir.glob("*.safetensors")):
         missing.append("*.safetensors")
     return missing
+
+
+def _setup_hint(name: str) -> str:
+    return f"run `bash scripts/setup-peer.sh {name}`"
+
+
+def _installed_path(env_var: str, default: Path) -> tuple[Path, str]:
+    """``env_var``'s path when it is set, else ``default``; and how to name it in a message."""
+    override = os.environ.get(env_var)
+    return (Path(override), f"{env_var}={override}") if override else (default, str(default))
 
 
 def _peer_env(threads: int | None) -> dict[str, str]:

@@ -18,17 +18,13 @@ import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.serving.port_reservation import reserve_port
+from benchmarks.peers.server_process import server_process
 
 # vLLM compiles its CPU kernels and graphs on start (minutes on 2 cores) and on its first requests.
 READY_TIMEOUT_S = 900.0
@@ -67,50 +63,12 @@ class VLLMServerConfig:
                 "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
-def _healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as response:
-            return int(response.status) == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-@contextlib.contextmanager
 def vllm_server(python: Path, config: VLLMServerConfig, log_path: Path,
-                ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[tuple[str, float]]:
+                ready_timeout_s: float = READY_TIMEOUT_S) -> contextlib.AbstractContextManager[tuple[str, float]]:
     """Start vLLM's server; yield (its base URL, seconds from start to its first healthy answer). Raises
     ``RuntimeError`` naming the log when it exits or is not ready in time; stops its whole process group."""
-    port = reserve_port()
-    base_url = f"http://127.0.0.1:{port}"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(config.argv(python, port), env=config.env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        while not _healthy(base_url):
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited with code {proc.returncode} during start-up; "
-                                   f"see {log_path}")
-            if time.monotonic() - start > ready_timeout_s:
-                raise RuntimeError(f"vLLM's server was not ready within {ready_timeout_s:.0f} s; see {log_path}")
-            time.sleep(1.0)
-        yield base_url, time.monotonic() - start
-    finally:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    return server_process("vLLM's server", lambda port: config.argv(python, port), config.env(), log_path,
+                          ready_timeout_s, STOP_GRACE_S)
 
 
 @dataclass(frozen=True)
@@ -123,14 +81,16 @@ class ClientWorkload:
     num_prompts: int
     ttft_slo_ms: float
     tpot_slo_ms: float
+    max_request_tokens: int  # prompt + output of its longest request, as the model's tokenizer counts them
 
 
 def run_vllm_client(python: Path, base_url: str, model_name: str, tokenizer_dir: Path, workload: ClientWorkload,
                     rate: float, result_path: Path, seed: int = 0, timeout_s: float = 3600.0,
-                    extra: Sequence[str] = ()) -> dict[str, Any]:
+                    max_concurrency: int | None = None, extra: Sequence[str] = ()) -> dict[str, Any]:
     """One run of ``vllm bench serve`` (the module) against ``base_url``'s ``/v1/completions``: Poisson
-    arrivals at ``rate`` requests/s (inf: all at once), every request streamed to exactly its output length
-    (``--ignore-eos``). Returns vLLM's own result JSON; raises ``RuntimeError`` with the log's tail."""
+    arrivals at ``rate`` requests/s (inf: all at once), at most ``max_concurrency`` in flight (None: no
+    cap), every request streamed to exactly its output length (``--ignore-eos``). Returns vLLM's own result
+    JSON; raises ``RuntimeError`` with the log's tail."""
     result_path.parent.mkdir(parents=True, exist_ok=True)
     argv = [str(python), "-c", _CLIENT, "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
             "--model", model_name, "--served-model-name", model_name, "--tokenizer", str(tokenizer_dir),
@@ -139,7 +99,7 @@ def run_vllm_client(python: Path, base_url: str, model_name: str, tokenizer_dir:
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--goodput", f"ttft:{workload.ttft_slo_ms:g}", f"tpot:{workload.tpot_slo_ms:g}",
             "--save-result", "--result-dir", str(result_path.parent), "--result-filename", result_path.name,
-            "--disable-tqdm", *extra]
+            "--disable-tqdm", *(("--max-concurrency", str(max_concurrency)) if max_concurrency else ()), *extra]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     log_path = result_path.with_suffix(".log")
     with open(log_path, "wb") as log:
