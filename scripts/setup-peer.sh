@@ -76,13 +76,11 @@ case "$name" in
             || { tail -30 "$work/configure.log" >&2; exit 1; }
         cmake --build "$work/build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
         install -D -m 755 "$work/build/bin/llama-server" "$VENV/bin/llama-server"
+        echo ">> $name peer ready: $("$VENV/bin/llama-server" --version 2>&1 | grep -m1 '^version:')"
+        exit 0  # a program, not a venv: nothing for the import check below
         ;;
     *) echo "unknown peer '$name': vllm, llamacpp or llamacpp-server" >&2; exit 1 ;;
 esac
-if [[ "$name" == llamacpp-server ]]; then
-    echo ">> $name peer ready: $("$VENV/bin/llama-server" --version 2>&1 | grep -m1 '^version:')"
-    exit 0
-fi
 "$VENV/bin/python" - "$name" <<'PY'
 import importlib, sys
 module = {"vllm": "vllm", "llamacpp": "llama_cpp"}[sys.argv[1]]
