@@ -4,9 +4,12 @@ CPU flags alone mislead: on an AVX2 machine bf16 decodes faster than fp32 at bat
 to stream) while its large GEMMs run at ~1% of fp32 speed (no native bf16), so prefill would crawl.
 So at start-up each candidate dtype is timed on two shapes of the model's own sizes, a decode-shaped
 GEMV (one row through the gate/up projection, its weights larger than the cache so they stream from
-memory as in a real step) and a prefill-shaped GEMM (64 rows), in a few hundred ms all told; the
-faster decode wins unless its prefill is pathologically slow (more than ``MAX_PREFILL_SLOWDOWN`` x
-fp32's). The answer is cached per (CPU name, CPU flags, torch version, threads, shapes), so the next
+memory as in a real step) and a prefill-shaped GEMM (64 rows), in rounds that alternate the dtypes (so
+a neighbour's load falls on all of them; each keeps its best), in about a second all told. The faster
+decode wins unless its prefill GEMM is more than ``MAX_PREFILL_SLOWDOWN`` x fp32's: a server at
+saturation spends most of its time in prefill (a 384 -> 128 request has three prompt tokens for each
+output token), so a dtype that decodes a little faster but prefills much slower serves less. The answer
+is cached per (CPU name, CPU flags, torch version, threads, shapes, ``CHOICE_VERSION``), so the next
 start-up reads one small JSON file.
 """
 
@@ -25,7 +28,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_PREFILL_SLOWDOWN = 5.0  # never pick a dtype whose prefill GEMM is slower than this x fp32's
+# Never pick a dtype whose prefill GEMM is slower than this x fp32's. On a 2-core AVX2 EPYC (Zen 3, no native
+# bf16, session 16) bf16 GEMMs at prefill shapes ran 16-20 GFLOP/s against fp32's 77-88, and an int4 model
+# with bf16 activations prefilled 8 x 384 tokens at 64 tok/s against 412 in fp32, while its decode was only
+# somewhat faster; the old bound of 5x let a noisy probe choose bf16 there.
+MAX_PREFILL_SLOWDOWN = 1.25
+MEASURE_ROUNDS = 3  # the dtypes alternate; each keeps its best probe of all rounds
+CHOICE_VERSION = "2"  # part of the cache key: choices cached under an older rule are measured again
 CACHE_FILE = "dtype_choice.json"
 STREAM_BYTES = 48 << 20  # fp32 bytes of the GEMV's weight copies: beyond the cache, as a real step
 PREFILL_ROWS = 64
@@ -65,7 +74,8 @@ def candidate_dtypes(flags: set[str]) -> list[str]:
 
 
 def cache_key(cpu: str, flags: set[str], torch_version: str, threads: int, shape: tuple[int, int]) -> str:
-    text = "|".join([cpu, " ".join(sorted(flags)), torch_version, str(threads), f"{shape[0]}x{shape[1]}"])
+    text = "|".join([cpu, " ".join(sorted(flags)), torch_version, str(threads), f"{shape[0]}x{shape[1]}",
+                     CHOICE_VERSION])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -142,6 +152,19 @@ def measure(dtype_name: str, shape: tuple[int, int]) -> DtypeTiming:
     return DtypeTiming(dtype_name, decode_s, prefill_s)
 
 
+def measure_rounds(names: list[str], shape: tuple[int, int], rounds: int = MEASURE_ROUNDS) -> list[DtypeTiming]:
+    """Each dtype's best decode and prefill probe over ``rounds`` rounds that alternate the dtypes, so load
+    from a neighbour that comes and goes falls on every candidate rather than on one."""
+    best: dict[str, DtypeTiming] = {}
+    for _ in range(rounds):
+        for name in names:
+            t = measure(name, shape)
+            seen = best.get(name)
+            best[name] = t if seen is None else DtypeTiming(name, min(seen.decode_s, t.decode_s),
+                                                            min(seen.prefill_s, t.prefill_s))
+    return [best[name] for name in names]
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -170,7 +193,7 @@ def auto_cpu_dtype(home: Path, shape: tuple[int, int] = DEFAULT_SHAPE) -> str:
     if cached is not None:
         return cached
     start = time.perf_counter()
-    timings = [measure(name, shape) for name in candidate_dtypes(flags)]
+    timings = measure_rounds(candidate_dtypes(flags), shape)
     choice = choose_dtype(timings)
     log.info("--dtype auto: %s (measured in %.0f ms on %d threads: %s)", choice, 1e3 * (time.perf_counter() - start),
              threads, ", ".join(f"{t.dtype} decode {t.decode_s * 1e6:.0f} us prefill {t.prefill_s * 1e6:.0f} us"

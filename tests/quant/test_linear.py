@@ -10,12 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.quant import cpu_linear
 from common.quant.cpu_kernels import amx_enabled, quant_kernels
 from common.quant.cpu_linear import (
     AMX_QUANT_MIN_ROWS,
     GEMV_MAX_ROWS,
     PANEL_MAX_ROWS_NO_VNNI,
     Int4LinearA8,
+    Int4LinearCPU,
     Int8LinearA8,
 )
 from common.quant.formats import (
@@ -80,6 +82,29 @@ def test_the_default_cpu_linear_rounds_activations_where_its_kernel_does(fmt: st
     reference = reference_a8_matmul if rounded else reference_matmul
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(y.float(), reference(x.to(dtype), weight), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_batches_multiply_dequantized_tiles_in_fp32_without_native_bf16(
+        native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # oneDNN's bf16 GEMM without AVX512-BF16 / AMX ran at a fifth of fp32's rate: tiles go through fp32 there
+    w, x = _data(80, n=40)  # 40 rows: no panels, so 80 rows take the tiled GEMM on every CPU
+    linear = make_linear(quantize_int4(w, 64), None, CPU, torch.bfloat16, kernel="tandem_cpu")
+    monkeypatch.setattr(cpu_linear, "bf16_gemm_native", lambda: native)
+    seen: list[torch.dtype] = []
+    assert isinstance(linear, Int4LinearCPU)
+    dequantize = linear._dequantize
+
+    def recording(row0: int, row1: int, dtype: torch.dtype) -> torch.Tensor:
+        seen.append(dtype)
+        return dequantize(row0, row1, dtype)
+
+    monkeypatch.setattr(linear, "_dequantize", recording)
+    y = linear(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and set(seen) == {torch.bfloat16 if native else torch.float32}
+    rtol, atol = TOLERANCE[torch.bfloat16]
+    expected = reference_matmul(x.to(torch.bfloat16), quantize_int4(w, 64))
+    torch.testing.assert_close(y.float(), expected, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int8-grouped", "int4"])
