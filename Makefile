@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test test-stress lint typecheck bench bench-quick bench-peers bench-attention clean
+.PHONY: venv demo test test-stress lint typecheck bench bench-quick bench-peers bench-attention gpu-bundle clean
 
 venv:
 	@PREBUILD_ARGS="$(PREBUILD_ARGS)" bash scripts/setup-venv.sh
@@ -27,7 +27,8 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 typecheck: venv
-	$(VENV)/bin/mypy common kv_transfer prefill_service decode_service gateway tandem_cli benchmarks
+	$(VENV)/bin/mypy common kv_transfer prefill_service decode_service gateway tandem_cli benchmarks \
+		scripts/gpu_bundle.py scripts/gpu_lease.py scripts/gpu_lease_report.py scripts/gpu_lease_worker.py
 
 # The benchmark suite: every section, and the peers installed under .peers/, -> bench-results/<time>/report.md
 bench: venv
@@ -43,6 +44,11 @@ bench-peers:
 
 bench-attention: venv
 	$(PY) -m benchmarks.bench_attention
+
+# What a lent GPU machine lacks (wheels for its Python 3.12, stubs, model configs) -> gpu-bundle/, <= 40 MiB;
+# there, scripts/gpu-lease.sh OUT runs the GPU tests and measurements offline (docs/gpu.md)
+gpu-bundle: venv
+	$(PY) scripts/gpu_bundle.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -17,7 +17,8 @@ WORKERS=${TANDEM_TEST_WORKERS:-2}
 
 "$VENV/bin/ruff" check . || exit 1
 mypy_log=$(mktemp)
-"$VENV/bin/mypy" common kv_transfer prefill_service decode_service gateway tandem_cli benchmarks >"$mypy_log" 2>&1 &
+"$VENV/bin/mypy" common kv_transfer prefill_service decode_service gateway tandem_cli benchmarks scripts/gpu_*.py \
+    >"$mypy_log" 2>&1 &
 mypy_pid=$!
 xdist=()
 [[ $WORKERS != 0 ]] && xdist=(-n "$WORKERS" --dist worksteal)

@@ -52,6 +52,7 @@ OTHER_VARIABLES = {
     "TANDEM_PEER_LLAMACPP_PYTHON": "benchmarks/peers/registry.py",
     "TANDEM_PEERS_DIR": "scripts/setup-peer.sh",
     "TANDEM_TEST_WORKERS": "scripts/run-tests.sh",
+    "TANDEM_TEST_REQUIRE_GPU": "tests/conftest.py",
     "TANDEM_COMPOSE": "tests/deploy/test_compose_docker.py",
     "TANDEM_CONTAINER_ENGINE": "tests/deploy/test_compose_docker.py",
     "TANDEM_DOCKER_BASE_IMAGE": "tests/deploy/test_compose_docker.py",
@@ -65,9 +66,9 @@ OTHER_VARIABLES = {
 }
 
 # Flags of tools that are not Tandem's, shown in the pages' example commands: docker / compose (`--rm`,
-# `--name`, `--build`, `--profile`, `--build-arg`), Jaeger's image (`--set`), pip (`--no-deps`). They
+# `--name`, `--build`, `--profile`, `--build-arg`), Jaeger's image (`--set`), pip (`--no-deps`, `--no-index`). They
 # cannot be checked against Tandem's parsers; keep this list to other tools' flags only.
-PEER_TOOL_FLAGS = {"--rm", "--name", "--build", "--profile", "--build-arg", "--set", "--no-deps"}
+PEER_TOOL_FLAGS = {"--rm", "--name", "--build", "--profile", "--build-arg", "--set", "--no-deps", "--no-index"}
 
 TOP_LEVEL = ("common", "tandem_cli", "benchmarks", "scripts", "docs", "gateway", "kv_transfer", "prefill_service",
              "decode_service", "tests", "protos", "requirements", "docker")

@@ -28,7 +28,9 @@ class Harness:
         self.role = role
         self.config = config
         self.log_path = log_dir / f"{role}-{next(_names)}.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        # The checkout first, what the caller's PYTHONPATH holds after it (the GPU lease's installed wheels).
+        python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, str(HARNESS), json.dumps({"role": role, **config})],
