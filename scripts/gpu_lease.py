@@ -147,6 +147,7 @@ class Lease:
         self.facts: dict[str, Any] = {}
         self.rows: list[Row] = []
         self.finished = False
+        self.missing: dict[str, str] = {}  # what `make gpu-bundle` could not obtain (package or "models") -> why
         self.warmup: tuple[subprocess.Popen[bytes], float, float, Path] | None = None  # process, start, budget, log
         self.steps = [Step("install", "the bundle's wheels (pip --no-index) and stubs", needs_cuda=False),
                       Step("facts", "GPU, driver, versions, imports", needs_cuda=False),
@@ -272,6 +273,7 @@ class Lease:
         manifest_path = self.bundle / "manifest.json"
         manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
         step.detail["missing_from_bundle"] = manifest.get("missing", [])
+        self.missing = {m["item"].split("=")[0].split(">")[0]: m["reason"] for m in manifest.get("missing", [])}
         lacking = "; ".join(f"{m['item']}: {m['reason']}" for m in manifest.get("missing", []))
         if not wheels and not (self.bundle / "stubs").is_dir():
             return "skipped", f"no bundle at {self.bundle} (make gpu-bundle, then carry it): this Python's packages"
@@ -325,6 +327,8 @@ class Lease:
                       f"{versions.get('triton')}, flashinfer {versions.get('flashinfer-python')}")
 
     def start_warmup(self, step: Step, budget: float) -> tuple[str, str]:
+        if "flashinfer-python" in self.missing:
+            return "skipped", f"flashinfer-python not in the bundle: {self.missing['flashinfer-python']}"
         if self.facts.get("imports", {}).get("flashinfer") != "ok":
             return "skipped", f"flashinfer not importable: {self.facts.get('imports', {}).get('flashinfer')}"
         log = self.scratch / "logs" / "flashinfer-warmup.log"
@@ -389,7 +393,7 @@ class Lease:
         model, prompts, tokens = E2E[step.name]
         config = self.bundle / "models" / model / "config.json"
         if not config.is_file():
-            return "skipped", f"no {config.relative_to(self.bundle)} in the bundle"
+            return "skipped", f"no {config.relative_to(self.bundle)} in the bundle: {self.missing.get('models', '')}"
         argv = [str(WORKER), "e2e", "--section", step.name, "--config", str(config),
                 "--tokenizer", str(self.bundle / "models" / "tokenizer"), "--dir", str(self.scratch / "models" / model),
                 "--prompts", str(prompts), "--tokens", str(tokens)]

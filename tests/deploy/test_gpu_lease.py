@@ -171,3 +171,24 @@ def test_test_outcomes_are_counted_from_junit_or_from_a_killed_runs_lines(tmp_pa
     summary = junit_summary(tmp_path / "junit.xml")
     assert (summary["passed"], summary["failed"], summary["skipped"]) == (1, 1, 2)
     assert summary["failed_tests"] == ["a::bad"] and summary["skip_reasons"] == {"NCCL pairs need two GPUs": 2}
+
+
+def test_a_piece_the_bundle_lacks_is_skipped_with_the_bundles_reason(tmp_path: Path,
+                                                                     scripts: dict[str, ModuleType]) -> None:
+    bundle = _fake_bundle(tmp_path / "b")
+    (bundle / "models" / "llama3-8b" / "config.json").unlink()
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["missing"].append({"item": "models", "reason": "the bundled SmolLM2 is not here"})
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "out").mkdir()
+    lease = scripts["lease"].Lease(tmp_path / "out", 100, bundle, tmp_path / "scratch")
+    (tmp_path / "scratch" / "logs").mkdir(parents=True)
+    steps = {s.name: s for s in lease.steps}
+    lease.run_step(steps["install"])
+    lease.facts = {"cuda_available": True}  # as if on the GPU: the bundle, not the machine, decides these two
+    for name in ("flashinfer-warmup", "e2e-8b"):
+        lease.run_step(steps[name])
+    assert steps["flashinfer-warmup"].status == "skipped"
+    assert steps["flashinfer-warmup"].reason == "flashinfer-python not in the bundle: left out of this test's bundle"
+    assert steps["e2e-8b"].status == "skipped"
+    assert steps["e2e-8b"].reason == "no models/llama3-8b/config.json in the bundle: the bundled SmolLM2 is not here"
