@@ -131,10 +131,13 @@ class Scheduler:
 
     def _step_budget(self) -> tuple[int, int | None]:
         """(tokens, prefill chunk) for this step: the backlog budget while more prompt tokens wait to be
-        prefilled than it holds (``SchedulerConfig.backlog_budget``), else the configured one."""
+        prefilled than it holds, or while no running request decodes (no stream's TPOT to keep short:
+        the larger step is the faster one) (``SchedulerConfig.backlog_budget``); else the configured one."""
         config = self.config
         if config.backlog_budget is not None:
             tokens, chunk = config.backlog_budget
+            if not any(r.num_tokens - r.num_computed_tokens <= 1 for r in self.running):
+                return tokens, chunk
             backlog = 0
             for request in (*self.waiting, *self.running):
                 backlog += max(0, request.num_tokens - request.num_computed_tokens - 1)

@@ -58,7 +58,7 @@ def test_max_prefill_chunk_caps_a_long_prompt() -> None:
         [("a", 0, 4)], [("a", 4, 4)], [("a", 8, 2)], [("a", 10, 1)]]
 
 
-def test_a_prefill_backlog_gets_the_backlog_budget_and_a_light_load_the_small_one() -> None:
+def test_a_prefill_backlog_or_an_idle_decode_gets_the_backlog_budget_and_a_light_load_the_small_one() -> None:
     # Small steps of 8 tokens (chunks of 4); while more than 12 prompt tokens wait, 12 tokens (chunks of 6).
     s = make(max_num_batched_tokens=8, max_prefill_chunk=4, backlog_budget=(12, 6), num_blocks=32)
     s.add_request(req("a", 10))
@@ -67,8 +67,11 @@ def test_a_prefill_backlog_gets_the_backlog_budget_and_a_light_load_the_small_on
     assert step(s) == [("b", 6, 3), ("a", 6, 4)]  # backlog 2 + 3 = 5: the small budget, chunks of 4
     assert step(s) == [("b", 9, 1), ("a", 10, 1)]  # both decode
     s = make(max_num_batched_tokens=8, max_prefill_chunk=4, backlog_budget=(12, 6), num_blocks=32)
-    s.add_request(req("c", 12))  # backlog 11: no more than the backlog budget holds
-    assert step(s) == [("c", 0, 4)]
+    s.add_request(req("c", 12))  # backlog 11, but nothing decodes: no TPOT to protect, the larger step
+    assert step(s) == [("c", 0, 6)]
+    assert step(s) == [("c", 6, 6)]
+    s.add_request(req("d", 12, first=50))  # backlog 11 beside c's decode: the small budget
+    assert step(s) == [("c", 12, 1), ("d", 0, 4)]
 
 
 def test_fcfs_max_num_seqs_and_finishing_frees_blocks() -> None:
