@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 
 from common.config.settings import SecuritySettings
 from common.serving.security import TokenAuthInterceptor, channel_credentials, server_credentials, token_interceptors
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
-from common.telemetry.metrics import GatewayMetrics, serve_metrics
+from common.telemetry.metrics import EngineSnapshot, GatewayMetrics, serve_metrics
 from common.telemetry.propagation import client_interceptors
 from gateway.backend import GenerateBackend
 from gateway.coordinator import Coordinator
@@ -68,9 +69,11 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
 async def serve_fronts(model: ServedModel, backend: GenerateBackend, settings: GatewaySettings,
                        router: Router | None = None, loads: LoadsSource | None = None,
                        readiness: Readiness | None = None, security: SecuritySettings | None = None,
-                       kv_events: KvEventsSource | None = None) -> RunningServer:
+                       kv_events: KvEventsSource | None = None,
+                       engine_snapshot: Callable[[], EngineSnapshot] | None = None) -> RunningServer:
     """Serve the public fronts over ``backend``: gRPC on ``settings.port``, HTTP on ``settings.http_port``
-    (when set), /metrics on ``settings.metrics_port`` (when set). The gateway and the colocated server
+    (when set), /metrics on ``settings.metrics_port`` (when set; with ``engine_snapshot``, the engine's
+    series too). The gateway and the colocated server
     both start here; stopping the returned server stops all three.
 
     Both fronts take TLS from ``security`` (``tls_cert``/``tls_key``; no client certificates: the public
@@ -82,6 +85,8 @@ async def serve_fronts(model: ServedModel, backend: GenerateBackend, settings: G
     # The API key guards the Tandem service only: health checking and reflection stay open.
     auth = [TokenAuthInterceptor(settings.api_key, [SERVICE_NAME], "API key")] if settings.api_key else []
     metrics = GatewayMetrics()
+    if engine_snapshot is not None:  # the colocated server: its engine's series beside the gateway's
+        metrics.add_engine(engine_snapshot, skip=frozenset({"num_requests_running"}))  # the gateway's own
     runner = RequestRunner(model, backend, settings, metrics, status.status_for)
     servicer = TandemServicer(runner, router, loads, kv_events)
     metrics_server = http = None

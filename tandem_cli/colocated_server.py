@@ -23,6 +23,7 @@ from common.engine.kv_event_publisher import KVEventPublisher
 from common.engine.request import RequestCounters, RequestOutput
 from common.protocol import finish_reason_to_proto, logprob_to_proto
 from common.serving.server import RunningServer, serve_until_signal
+from common.telemetry.metrics import snapshot_of
 from gateway.model import ServedModel
 from gateway.output import Delta, OutputChunk, OutputProcessor, Timings, Usage, coalesced_chunks
 from gateway.server import serve_fronts
@@ -147,7 +148,8 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
         # The gateway's public fronts (gRPC, HTTP, /metrics) over this process's engine.
         running = await serve_fronts(model, ColocatedCoordinator(model, engine, node_id), settings, loads=loads,
                                      security=security,
-                                     kv_events=KVEventPublisher(engine, node_id, "colocated").subscribe)
+                                     kv_events=KVEventPublisher(engine, node_id, "colocated").subscribe,
+                                     engine_snapshot=lambda: snapshot_of(core.stats(), core.scheduler))
     except BaseException:
         engine.shutdown()
         raise

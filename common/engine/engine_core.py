@@ -34,6 +34,7 @@ from common.kv.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
     from common.engine.commands import KVEventSink
+    from common.engine.scheduler_output import SchedulerOutput
     from common.model.llama import LlamaForCausalLM
     from common.parallel.executor import ParallelLaunch
     from common.sampling.params import SamplingParams
@@ -64,6 +65,8 @@ class EngineCore:
         self.max_model_len = min(scheduler.max_model_len or model.config.max_position_embeddings,
                                  num_blocks * cache.block_size)
         self.connector = connector or KVConnector()
+        self.num_steps = self.step_prefill_tokens = self.step_decode_tokens = 0
+        self.step_seconds = 0.0
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, self.connector, speculative)
         if parallel is not None:
@@ -170,7 +173,11 @@ class EngineCore:
         """One iteration: schedule -> run the model and sample -> append tokens and stop."""
         start_ns = time.time_ns()
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled) if not scheduled.is_empty else None
+        sampled = None
+        if not scheduled.is_empty:
+            started = time.perf_counter()
+            sampled = self.runner.execute(scheduled)
+            self._count_step(scheduled, time.perf_counter() - started)
         self.connector.save_kv(scheduled, start_ns)
         outputs = self.scheduler.update(scheduled, sampled)
         for out in outputs:
@@ -178,6 +185,16 @@ class EngineCore:
                 self.runner.forget(out.request_id)
         self._publish_kv_events()
         return outputs
+
+    def _count_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """The step counters (``tandem:engine_*``): forwards, their seconds, and the tokens they computed
+        (prefill: prompt tokens; decode: the tokens past the prompt, draft slots included)."""
+        self.num_steps += 1
+        self.step_seconds += seconds
+        for chunk in scheduled.chunks:
+            prompt = max(0, min(chunk.start + chunk.num_tokens, chunk.request.num_prompt_tokens) - chunk.start)
+            self.step_prefill_tokens += prompt
+            self.step_decode_tokens += chunk.num_tokens - prompt + chunk.num_draft_slots
 
     def _publish_kv_events(self) -> None:
         # One attribute test per step when nobody subscribes.
@@ -217,6 +234,8 @@ class EngineCore:
             num_waiting=self.scheduler.num_waiting,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps, step_seconds=self.step_seconds,
+            step_prefill_tokens=self.step_prefill_tokens, step_decode_tokens=self.step_decode_tokens,
         )
 
 
@@ -231,6 +250,10 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_steps: int = 0  # forwards run (steps with scheduled work)
+    step_seconds: float = 0.0  # their time: model, sampling and the runner's inputs
+    step_prefill_tokens: int = 0  # prompt tokens they computed
+    step_decode_tokens: int = 0  # decode tokens (draft slots included) they computed
 
 
 class ColocatedEngine(EngineCore):

@@ -63,6 +63,10 @@ class EngineSnapshot:
     spec_num_drafts: int = 0  # request-steps that verified at least one draft
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    num_steps: int = 0  # engine forwards
+    step_seconds: float = 0.0  # their time
+    step_prefill_tokens: int = 0  # prompt tokens they computed
+    step_decode_tokens: int = 0  # decode tokens (draft slots included) they computed
 
 
 class EngineCounters(Protocol):
@@ -89,6 +93,18 @@ class EngineCounters(Protocol):
     @property
     def num_preemptions(self) -> int: ...
 
+    @property
+    def num_steps(self) -> int: ...
+
+    @property
+    def step_seconds(self) -> float: ...
+
+    @property
+    def step_prefill_tokens(self) -> int: ...
+
+    @property
+    def step_decode_tokens(self) -> int: ...
+
 
 class SpecCounters(Protocol):
     """The scheduler's speculative-decoding counters."""
@@ -109,6 +125,8 @@ def snapshot_of(stats: EngineCounters, spec: SpecCounters | None = None) -> Engi
         kv_cache_usage=stats.used_blocks / stats.num_blocks if stats.num_blocks else 0.0,
         prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
         num_preemptions=stats.num_preemptions,
+        num_steps=stats.num_steps, step_seconds=stats.step_seconds,
+        step_prefill_tokens=stats.step_prefill_tokens, step_decode_tokens=stats.step_decode_tokens,
         spec_num_drafts=spec.num_spec_steps if spec else 0,
         spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
@@ -118,10 +136,13 @@ def snapshot_of(stats: EngineCounters, spec: SpecCounters | None = None) -> Engi
 class EngineCollector(Collector):
     """Reads an ``EngineSnapshot`` when scraped, so the engine thread does no metrics work at all."""
 
-    def __init__(self, node: str, snapshot: Callable[[], EngineSnapshot], speculative: bool) -> None:
+    def __init__(self, node: str, snapshot: Callable[[], EngineSnapshot], speculative: bool,
+                 skip: frozenset[str] = frozenset()) -> None:
+        """``skip``: series (names without the prefix) that the registry has from elsewhere already."""
         self._node = node
         self._snapshot = snapshot
         self._speculative = speculative
+        self._skip = skip
 
     def describe(self) -> Iterator[Metric]:
         return self._families(None)
@@ -149,6 +170,16 @@ class EngineCollector(Collector):
              s.prefix_cache_hits if s else 0),
             (CounterMetricFamily, "num_preemptions", "Requests preempted (recomputed) because blocks ran out.",
              s.num_preemptions if s else 0),
+            # Mean step time and size between two scrapes: d(seconds) / d(steps), d(tokens) / d(steps).
+            (CounterMetricFamily, "engine_steps", "Engine steps that ran the model (forward and sampling).",
+             s.num_steps if s else 0),
+            (CounterMetricFamily, "engine_step_seconds", "Time in those steps' forward and sampling.",
+             s.step_seconds if s else 0),
+            (CounterMetricFamily, "engine_step_prefill_tokens", "Prompt tokens computed by those steps.",
+             s.step_prefill_tokens if s else 0),
+            (CounterMetricFamily, "engine_step_decode_tokens",
+             "Decode tokens (speculative draft slots included) computed by those steps.",
+             s.step_decode_tokens if s else 0),
         ]
         if self._speculative:
             rows += [
@@ -160,6 +191,8 @@ class EngineCollector(Collector):
                  s.spec_num_accepted_tokens if s else 0),
             ]
         for family_cls, name, doc, value in rows:
+            if name in self._skip:
+                continue
             family = family_cls(PREFIX + name, doc, labels=["node"])
             if s is not None:
                 family.add_metric(labels, value)
@@ -175,8 +208,9 @@ class ServiceMetrics:
         prometheus_client.ProcessCollector(registry=self.registry)
         prometheus_client.GCCollector(registry=self.registry)
 
-    def add_engine(self, snapshot: Callable[[], EngineSnapshot], speculative: bool = False) -> None:
-        self.registry.register(EngineCollector(self.node, snapshot, speculative))
+    def add_engine(self, snapshot: Callable[[], EngineSnapshot], speculative: bool = False,
+                   skip: frozenset[str] = frozenset()) -> None:
+        self.registry.register(EngineCollector(self.node, snapshot, speculative, skip))
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(PREFIX + name, doc, ["node"], buckets=buckets, registry=self.registry).labels(self.node)

@@ -7,12 +7,14 @@ import asyncio
 import os
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serve_client import Api, drive
 from benchmarks.serve_stats import summarize
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.e2e
 
 
 HTTP_PORT = reserve_port()
+METRICS_PORT = reserve_port()
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def server(tiny_served_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     topology = ColocatedTopology(replicas=1, free_ports=True,
                                  model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
                                  node_args=("--num-blocks", "256", "--shutdown-grace-s", "1",
-                                            "--http-port", str(HTTP_PORT)))
+                                            "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT)))
     env = {"TANDEM_HOME": os.environ["TANDEM_HOME"]} if os.environ.get("TANDEM_HOME") else None
     with Launcher(topology, log_dir=tmp_path_factory.mktemp("logs"), env=env) as launcher:
         yield launcher
@@ -55,6 +58,19 @@ def test_streams_equal_the_colocated_engine_and_report_usage(server: Launcher, t
         assert last.usage.prompt_tokens == len(p) and last.usage.completion_tokens == 9
         assert last.timings.prefill_node == last.timings.decode_node == "colocated-0"
         assert last.timings.kv_transfer_bytes == 0  # nothing moves between processes
+
+
+def test_metrics_carry_the_engine_series_beside_the_gateway_ones(server: Launcher) -> None:
+    p = prompts(1, seed=12)[0]
+    generate(target(server), request(p, 5))
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as response:
+        samples = {s.name: s.value for f in text_string_to_metric_families(response.read().decode())
+                   for s in f.samples}
+    assert samples["tandem:request_success_total"] >= 1  # the gateway's
+    assert samples["tandem:engine_step_prefill_tokens_total"] >= len(p)  # the engine's
+    assert samples["tandem:engine_step_decode_tokens_total"] >= 4
+    assert samples["tandem:engine_steps_total"] >= 5 and samples["tandem:engine_step_seconds_total"] > 0
+    assert samples["tandem:num_requests_waiting"] == 0
 
 
 def test_model_info_tokenize_and_stop_strings(server: Launcher) -> None:

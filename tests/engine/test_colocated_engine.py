@@ -69,6 +69,12 @@ def test_batched_equals_alone_with_staggered_arrivals(tiny: LlamaForCausalLM) ->
     got = run_staggered(engine, work, arrivals=[0, 0, 1, 3, 3, 4, 9, 15])
     for i, (p, params) in enumerate(work):
         assert got[f"r{i}"] == contiguous_greedy(tiny, p, params.max_tokens), i
+    # The step counters (tandem:engine_*): every prompt token prefilled once, every token after a request's
+    # first computed once as a decode token (no prefix shared, no preemption, no speculation here).
+    stats = engine.stats()
+    assert stats.step_prefill_tokens == sum(len(p) for p, _ in work)
+    assert stats.step_decode_tokens == sum(params.max_tokens - 1 for _, params in work)
+    assert 0 < stats.num_steps < 10_000 and stats.step_seconds > 0
 
 
 def test_preemption_under_tiny_block_budget_changes_nothing(tiny: LlamaForCausalLM) -> None:

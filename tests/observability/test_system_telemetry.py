@@ -249,6 +249,15 @@ def test_node_metrics(observed: Observed) -> None:
         assert 0 <= _value(families, "tandem:kv_cache_usage_perc", node=node) <= 1
         assert _value(families, "tandem:num_preemptions", "tandem:num_preemptions_total", node=node) == 0
         assert _value(families, "tandem:kv_transfer_failures", "tandem:kv_transfer_failures_total", node=node) == 0
+    # The engines' step counters: the prefill node computes prompt tokens only, the decode node the rest.
+    step_tokens = {(node, kind): _value(families, f"tandem:engine_step_{kind}_tokens",
+                                        f"tandem:engine_step_{kind}_tokens_total", node=node)
+                   for families, node in ((p, "prefill-0"), (d, "decode-0")) for kind in ("prefill", "decode")}
+    assert step_tokens["prefill-0", "decode"] == 0 < step_tokens["prefill-0", "prefill"]
+    assert step_tokens["decode-0", "decode"] >= N_OK * (MAX_TOKENS - 1)
+    for families, node in ((p, "prefill-0"), (d, "decode-0")):
+        assert _value(families, "tandem:engine_steps", "tandem:engine_steps_total", node=node) > 0
+        assert _value(families, "tandem:engine_step_seconds", "tandem:engine_step_seconds_total", node=node) > 0
     drafts = _value(d, "tandem:spec_decode_num_draft_tokens", "tandem:spec_decode_num_draft_tokens_total",
                     node="decode-0")
     accepted = _value(d, "tandem:spec_decode_num_accepted_tokens", "tandem:spec_decode_num_accepted_tokens_total",

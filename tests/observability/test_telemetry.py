@@ -202,13 +202,17 @@ def test_metric_names_follow_vllm_with_a_node_label() -> None:
     d = DecodeMetrics("decode-0")
     snap = EngineSnapshot(num_running=2, num_waiting=1, kv_cache_usage=0.25, prefix_cache_queries=100,
                           prefix_cache_hits=40, num_preemptions=3, spec_num_drafts=4, spec_num_draft_tokens=12,
-                          spec_num_accepted_tokens=7)
+                          spec_num_accepted_tokens=7, num_steps=9, step_seconds=1.5, step_prefill_tokens=300,
+                          step_decode_tokens=20)
     d.add_engine(lambda: snap, speculative=True)
     fam = _families(d)
     values = {s.name: s.value for f in fam.values() for s in f.samples if s.labels.get("node") == "decode-0"}
     assert values["tandem:kv_cache_usage_perc"] == 0.25 and values["tandem:num_requests_waiting"] == 1
     assert values["tandem:prefix_cache_hits_total"] == 40 and values["tandem:num_preemptions_total"] == 3
     assert values["tandem:spec_decode_num_accepted_tokens_total"] == 7
+    assert values["tandem:engine_steps_total"] == 9 and values["tandem:engine_step_seconds_total"] == 1.5
+    assert values["tandem:engine_step_prefill_tokens_total"] == 300
+    assert values["tandem:engine_step_decode_tokens_total"] == 20
     assert {"tandem:inter_token_latency_seconds", "tandem:kv_transfer_bytes",
             "tandem:kv_transfer_seconds"} <= fam.keys()
 
