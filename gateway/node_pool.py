@@ -21,6 +21,11 @@ def load_from_proto(stats: common_pb2.NodeStats) -> NodeLoad:
                     num_running=stats.num_running, num_waiting=stats.num_waiting, block_size=stats.block_size)
 
 
+# Stats polls in a row that a node with a live connection may leave unanswered (each within
+# min(stats_interval_s, 2 s)) before it is taken out of routing as hung.
+SLOW_POLLS_UNTIL_DOWN = 3
+
+
 class NodePool:
     """One channel per node (gRPC multiplexes every request over it) and the stats poller."""
 
@@ -38,6 +43,7 @@ class NodePool:
         self._decode = {t: decode_pb2_grpc.DecodeStub(self._channels[t]) for t in router.decode}
         self._poller: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
+        self._slow_polls: dict[str, int] = {}  # polls in a row a connected node left unanswered
 
     def prefill(self, target: str) -> prefill_pb2_grpc.PrefillStub:
         return self._prefill[target]
@@ -71,10 +77,20 @@ class NodePool:
         try:
             stats = await stats_rpc(common_pb2.StatsRequest(), timeout=min(self._interval, 2.0))
         except grpc.aio.AioRpcError as exc:
+            # A node whose connection is up but whose answer came late is busy (its CPUs taken by its own
+            # steps, or by a neighbour), not down: routing it nothing would refuse load it can serve. Only
+            # SLOW_POLLS_UNTIL_DOWN unanswered polls in a row on a live connection (a hung process) count.
+            slow = self._slow_polls[target] = self._slow_polls.get(target, 0) + 1
+            if (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.is_connected(target)
+                    and slow < SLOW_POLLS_UNTIL_DOWN):
+                log.info("node %s answered no Stats within %.3g s (%d in a row): busy, still routed", target,
+                         min(self._interval, 2.0), slow)
+                return
             if self._router.node(target).reachable:
                 log.warning("node %s unreachable: %s %s", target, exc.code().name, exc.details())
             self._router.mark_unreachable(target)
             return
+        self._slow_polls.pop(target, None)
         if stats.block_size and stats.block_size != self._block_size and target not in self._warned:
             # Prefix affinity hashes blocks of block_size tokens; a mismatch only weakens affinity.
             self._warned.add(target)

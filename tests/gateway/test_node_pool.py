@@ -1,0 +1,44 @@
+"""The gateway's Stats poller: a node that answers late is busy, not down; one that never answers is."""
+
+from __future__ import annotations
+
+import functools
+
+from common.serving.server import start_server
+from gateway.node_pool import SLOW_POLLS_UNTIL_DOWN, NodePool
+from gateway.router import Router
+from tandem.v1 import decode_pb2_grpc
+from tests.gateway.scripted_nodes import DECODE_SERVICE, KVBoard, Script, ScriptedDecode, free_port, run_async
+
+
+def test_a_late_stats_answer_keeps_a_connected_node_routed_until_it_looks_hung() -> None:
+    async def scenario() -> None:
+        node = ScriptedDecode("decode-0", KVBoard(), Script([1]))
+        server = await start_server([functools.partial(decode_pb2_grpc.add_DecodeServicer_to_server, node)],
+                                    [DECODE_SERVICE], "127.0.0.1", 0)
+        dead = f"127.0.0.1:{free_port()}"
+        router = Router((), (server.address, dead))
+        pool = NodePool(router, stats_interval_s=0.2, block_size=16)  # each poll waits at most 0.2 s
+        try:
+            await pool.poll_once()  # answered: the connection is up
+            assert router.node(server.address).reachable and not router.node(dead).reachable
+            node.stats_delay_s = 1.0  # busy: every poll times out on a live connection
+            for _ in range(SLOW_POLLS_UNTIL_DOWN - 1):
+                await pool.poll_once()
+                assert router.node(server.address).reachable  # still routed: busy, not down
+            node.stats_delay_s = 0.0
+            await pool.poll_once()  # an answer resets the count
+            node.stats_delay_s = 1.0
+            for _ in range(SLOW_POLLS_UNTIL_DOWN - 1):
+                await pool.poll_once()
+                assert router.node(server.address).reachable
+            await pool.poll_once()  # the SLOW_POLLS_UNTIL_DOWN-th in a row: hung, taken out of routing
+            assert not router.node(server.address).reachable
+            node.stats_delay_s = 0.0
+            await pool.poll_once()
+            assert router.node(server.address).reachable  # answers again: routed again
+        finally:
+            await pool.close()
+            await server.stop(0)
+
+    run_async(scenario())
