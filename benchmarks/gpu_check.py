@@ -1,4 +1,5 @@
-"""The GPU check's measurements (scripts/gpu-check.sh runs this on a CUDA machine): one table, JSON + Markdown.
+"""The GPU check's measurements (scripts/gpu-lease.sh runs it on a lent CUDA machine, a section per step):
+one table, JSON + Markdown.
 
     python -m benchmarks.gpu_check --out DIR [--sections copy,decode,extend,prefill,e2e,e2e-8b,graphs,kv-ipc]
 
