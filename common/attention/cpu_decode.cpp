@@ -200,14 +200,13 @@ inline int64_t lane_of(int64_t d) {
   return base + (j & 1) * W + (j >> 1);
 }
 
-// acc[g] += sum_t p[g][t] * v_t over n <= W tokens, for GN query heads of one KV head at once: the
-// accumulators are loaded and stored once per W tokens (they live in L1 between token groups).
+// out[g] = sum_t p[g][t] * v_t for GN query heads of one KV head at once.
 template <typename scalar_t, int ND, int GN>
-void weighted_values(const scalar_t* const* vrows, int64_t n, const float* const* p, float* const* accs) {
+void weighted_values(const scalar_t* const* vrows, int64_t len, const float* const* p, float* const* outs) {
   vec acc[GN][ND];
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < ND; ++j) acc[g][j] = vload(accs[g] + W * j);
-  for (int64_t t = 0; t < n; ++t) {
+    for (int j = 0; j < ND; ++j) acc[g][j] = vzero();
+  for (int64_t t = 0; t < len; ++t) {
     vec vv[ND];
     row_to_vectors(vrows[t], vv, ND);
     for (int g = 0; g < GN; ++g) {
@@ -216,7 +215,7 @@ void weighted_values(const scalar_t* const* vrows, int64_t n, const float* const
     }
   }
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < ND; ++j) vstore(accs[g] + W * j, acc[g][j]);
+    for (int j = 0; j < ND; ++j) vstore(outs[g] + W * j, acc[g][j]);
 }
 
 // Query heads whose accumulators fit in registers beside one V row: 1 to 4.
@@ -226,37 +225,28 @@ constexpr int max_heads() {
 }
 
 template <typename scalar_t, int ND>
-void weighted_values_n(int gn, const scalar_t* const* vrows, int64_t n, const float* const* p, float* const* accs) {
+void weighted_values_n(int gn, const scalar_t* const* vrows, int64_t len, const float* const* p, float* const* outs) {
   constexpr int M = max_heads<ND>();
   if constexpr (M >= 4) {
-    if (gn >= 4) return weighted_values<scalar_t, ND, 4>(vrows, n, p, accs);
+    if (gn >= 4) return weighted_values<scalar_t, ND, 4>(vrows, len, p, outs);
   }
   if constexpr (M >= 3) {
-    if (gn == 3) return weighted_values<scalar_t, ND, 3>(vrows, n, p, accs);
+    if (gn == 3) return weighted_values<scalar_t, ND, 3>(vrows, len, p, outs);
   }
   if constexpr (M >= 2) {
-    if (gn >= 2) return weighted_values<scalar_t, ND, 2>(vrows, n, p, accs);
+    if (gn >= 2) return weighted_values<scalar_t, ND, 2>(vrows, len, p, outs);
   }
-  weighted_values<scalar_t, ND, 1>(vrows, n, p, accs);
+  weighted_values<scalar_t, ND, 1>(vrows, len, p, outs);
 }
 
-// Tokens ahead of each sweep whose K (pass 1) or V (pass 2) rows are prefetched (two 16-token blocks).
+// Tokens ahead of the first K sweep whose block is prefetched (two 16-token blocks).
 constexpr int64_t kPrefetchTokens = 32;
 
 inline void prefetch_rows(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
-// One sequence's KV is read from memory once: pass 1 sweeps its tokens W at a time and computes every
-// query head's scores from the group's K rows (each row read from DRAM once, then from L1 for the other
-// heads); pass 2 sweeps V the same way, adding each group's weighted rows to every head's accumulator
-// (kept in L1 between groups). Each sweep prefetches the rows kPrefetchTokens ahead, in the head range
-// it reads: the blocks of a serving workload's sequences lie anywhere in the cache, where the hardware
-// prefetcher loses the stream. Measured for 48 sequences x 450 tokens x 30 layers of SmolLM2's heads,
-// fp32, 2 threads, AVX2 Zen 3, shuffled block tables: 102-113 ms -> 81-91 ms (the earlier head-by-head
-// sweeps re-read a sequence's 691 KB of K/V, more than L2 holds, once per query head). With every sequence
-// reading the same blocks (all in cache) the same call takes 28 ms: the rest is waiting on DRAM.
 template <typename scalar_t, int ND>
 void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t kstride[3],
                            const int64_t vstride[3], const int32_t* tables, int64_t table_stride,
@@ -269,52 +259,56 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
   constexpr int64_t D = W * ND;
   constexpr int kMaxHeads = max_heads<ND>();
   const int64_t G = H / Hkv;
-  const int64_t nq = (h_end - h_begin) * G;  // the query heads this call computes
-  // The bytes of a token's rows in the head range (prefetched): from head h_begin's row to h_end - 1's end.
-  const int64_t kspan = ((h_end - h_begin - 1) * kstride[2] + D) * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t vspan = ((h_end - h_begin - 1) * vstride[2] + D) * static_cast<int64_t>(sizeof(scalar_t));
-  std::vector<float> qf(nq * D), scores, acc(nq * D);
-  std::vector<const scalar_t*> krows, vrows;  // each token's row at head h_begin (no division per token)
+  std::vector<float> qf(D), scores, of(G * D);
+  std::vector<const scalar_t*> krows, vrows;  // a KV head's rows, token by token (no division per token)
   for (int64_t s = begin; s < end; ++s) {
     const int64_t len = lens[s];
     const int32_t* table = tables + s * table_stride;
     const int64_t stride = len + W;  // a head's scores (padded for the last W-token store)
-    scores.resize(nq * stride);
+    scores.resize(G * stride);
     krows.resize(len);
     vrows.resize(len);
-    for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
-      const scalar_t* kp = kc + table[b] * kstride[0] + h_begin * kstride[2];
-      const scalar_t* vp = vc + table[b] * vstride[0] + h_begin * vstride[2];
-      for (int64_t t = start, stop = std::min(start + block_size, len); t < stop; ++t) {
-        krows[t] = kp + (t - start) * kstride[1];
-        vrows[t] = vp + (t - start) * vstride[1];
+    if (s + 1 < end) {  // the next sequence's first blocks, which the sweep's prefetch does not reach
+      const int32_t* next = tables + (s + 1) * table_stride;
+      for (int64_t b = 0; b * block_size < std::min(lens[s + 1], kPrefetchTokens); ++b) {
+        prefetch_rows(kc + next[b] * kstride[0], block_size * kstride[1] * sizeof(scalar_t));
+        prefetch_rows(vc + next[b] * vstride[0], block_size * vstride[1] * sizeof(scalar_t));
       }
     }
-    for (int64_t t = 0; t < std::min(len, kPrefetchTokens); ++t) {
-      prefetch_rows(krows[t], kspan);
-      prefetch_rows(vrows[t], vspan);
-    }
-    for (int64_t i = 0; i < nq; ++i) {
-      const scalar_t* qh = q + (s * H + h_begin * G + i) * D;
-      for (int64_t d = 0; d < D; ++d) qf[i * D + lane_of<scalar_t>(d)] = static_cast<float>(qh[d]) * scale;
-    }
-    // Pass 1: every query head's scores, W tokens at a time; then each head's softmax.
-    for (int64_t t0 = 0; t0 < len; t0 += W) {
-      const int64_t n = std::min<int64_t>(W, len - t0);
-      for (int64_t t = t0 + kPrefetchTokens; t < std::min(len, t0 + kPrefetchTokens + W); ++t) prefetch_rows(krows[t], kspan);
-      for (int64_t h = 0; h < h_end - h_begin; ++h) {
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t i_q = h * G + g;
-          vec qv[ND];
-          row_to_vectors(qf.data() + i_q * D, qv, ND);
-          vec part[W];
+    for (int64_t h = h_begin; h < h_end; ++h) {
+      for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+        const scalar_t* kp = kc + table[b] * kstride[0] + h * kstride[2];
+        const scalar_t* vp = vc + table[b] * vstride[0] + h * vstride[2];
+        for (int64_t t = start, stop = std::min(start + block_size, len); t < stop; ++t) {
+          krows[t] = kp + (t - start) * kstride[1];
+          vrows[t] = vp + (t - start) * vstride[1];
+        }
+      }
+      // Pass 1: each query head's scores, W tokens at a time; softmax.
+      for (int64_t g = 0; g < G; ++g) {
+        const scalar_t* qh = q + (s * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[lane_of<scalar_t>(d)] = static_cast<float>(qh[d]) * scale;
+        vec qv[ND];
+        row_to_vectors(qf.data(), qv, ND);
+        float* sc = scores.data() + g * stride;
+        vec part[W];
+        const bool first_sweep = h == h_begin && g == 0;
+        for (int64_t t0 = 0; t0 < len; t0 += W) {
+          const int64_t n = std::min<int64_t>(W, len - t0);
+          if (first_sweep && t0 % block_size == 0 && t0 + kPrefetchTokens < len) {
+            // The sequence's blocks lie anywhere in the cache: fetch a block's K and V rows (every KV head)
+            // ahead of the first sweep, so this and the later sweeps (other heads, pass 2) find them in L2.
+            const int64_t b = (t0 + kPrefetchTokens) / block_size;
+            prefetch_rows(kc + table[b] * kstride[0], block_size * kstride[1] * sizeof(scalar_t));
+            prefetch_rows(vc + table[b] * vstride[0], block_size * vstride[1] * sizeof(scalar_t));
+          }
           for (int64_t i = 0; i < W; ++i) {
             if (i >= n) {
               part[i] = vzero();
               continue;
             }
             vec kv[ND];
-            row_to_vectors(krows[t0 + i] + h * kstride[2], kv, ND);
+            row_to_vectors(krows[t0 + i], kv, ND);
             vec a = vmul(kv[0], qv[0]), c = vmul(kv[1], qv[1]);
             for (int j = 2; j < ND; j += 2) {
               a = vfma(kv[j], qv[j], a);
@@ -322,39 +316,25 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
             }
             part[i] = vadd(a, c);
           }
-          vstore(scores.data() + i_q * stride + t0, reduce_lanes(part));
+          vstore(sc + t0, reduce_lanes(part));
         }
+        softmax_row(sc, len);
       }
-    }
-    for (int64_t i = 0; i < nq; ++i) softmax_row(scores.data() + i * stride, len);
-    if (s + 1 < end) {  // the next sequence's first K rows, while this one's V is read
-      const int32_t* next = tables + (s + 1) * table_stride;
-      for (int64_t b = 0; b * block_size < std::min(lens[s + 1], kPrefetchTokens); ++b)
-        prefetch_rows(kc + next[b] * kstride[0], block_size * kstride[1] * static_cast<int64_t>(sizeof(scalar_t)));
-    }
-    // Pass 2: out[head] = sum_t p[head, t] * v_t, W tokens at a time, up to kMaxHeads heads per V row load.
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t t0 = 0; t0 < len; t0 += W) {
-      const int64_t n = std::min<int64_t>(W, len - t0);
-      for (int64_t t = t0 + kPrefetchTokens; t < std::min(len, t0 + kPrefetchTokens + W); ++t) prefetch_rows(vrows[t], vspan);
-      for (int64_t h = 0; h < h_end - h_begin; ++h) {
-        const scalar_t* rows[W];
-        for (int64_t i = 0; i < n; ++i) rows[i] = vrows[t0 + i] + h * vstride[2];
-        for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads) {
-          const int gn = static_cast<int>(std::min<int64_t>(kMaxHeads, G - g0));
-          const float* p[kMaxHeads];
-          float* accs[kMaxHeads];
-          for (int g = 0; g < gn; ++g) {
-            p[g] = scores.data() + (h * G + g0 + g) * stride + t0;
-            accs[g] = acc.data() + (h * G + g0 + g) * D;
-          }
-          weighted_values_n<scalar_t, ND>(gn, rows, n, p, accs);
+      // Pass 2: the group's outputs, up to kMaxHeads heads per sweep over V.
+      for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads) {
+        const int gn = static_cast<int>(std::min<int64_t>(kMaxHeads, G - g0));
+        const float* p[kMaxHeads];
+        float* outs[kMaxHeads];
+        for (int g = 0; g < gn; ++g) {
+          p[g] = scores.data() + (g0 + g) * stride;
+          outs[g] = of.data() + (g0 + g) * D;
         }
+        weighted_values_n<scalar_t, ND>(gn, vrows.data(), len, p, outs);
       }
-    }
-    for (int64_t i = 0; i < nq; ++i) {
-      scalar_t* o = out + (s * H + h_begin * G + i) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[i * D + lane_of<scalar_t>(d)]);
+      for (int64_t g = 0; g < G; ++g) {
+        scalar_t* o = out + (s * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(of[g * D + lane_of<scalar_t>(d)]);
+      }
     }
   }
 }
