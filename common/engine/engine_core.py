@@ -191,10 +191,10 @@ class EngineCore:
         (prefill: prompt tokens; decode: the tokens past the prompt, draft slots included)."""
         self.num_steps += 1
         self.step_seconds += seconds
-        for chunk in scheduled.chunks:
-            prompt = max(0, min(chunk.start + chunk.num_tokens, chunk.request.num_prompt_tokens) - chunk.start)
-            self.step_prefill_tokens += prompt
-            self.step_decode_tokens += chunk.num_tokens - prompt + chunk.num_draft_slots
+        prefill = sum(max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
+                      for c in scheduled.chunks)
+        self.step_prefill_tokens += prefill
+        self.step_decode_tokens += scheduled.num_tokens - prefill  # num_tokens counts the draft slots
 
     def _publish_kv_events(self) -> None:
         # One attribute test per step when nobody subscribes.
