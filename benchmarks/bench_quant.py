@@ -42,10 +42,10 @@ from benchmarks.machine import machine_description
 from benchmarks.quant_quality import PROMPTS, TEXT_PATH, agreement, decode_perplexity, greedy_tokens, perplexity
 from common.config.engine_config import CacheConfig, SchedulerConfig
 from common.engine.engine_core import ColocatedEngine
+from common.model.linear import Linear
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.quant.cpu_kernels import best_isa, cpu_flags
-from common.quant.linear import QuantizedLinear
 from common.sampling.params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,19 +77,14 @@ class ModeResult:
 
 
 def streamed_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes of every weight one decode step reads: all modules but the embedding lookup table."""
-    from common.model.gemv import PanelLinear
-
+    """Bytes of every weight one decode step reads: all modules but the embedding lookup table (a tied
+    LM head reads the whole matrix: the head counts it)."""
     total = 0
     for name, module in model.named_modules():
-        if isinstance(module, QuantizedLinear):
-            total += module.weight_bytes + (module.bias.nbytes if module.bias is not None else 0)
-        elif isinstance(module, PanelLinear):  # float weights held as panels (buffers)
-            total += module.panels.nbytes + (module.bias.nbytes if module.bias is not None else 0)
+        if isinstance(module, Linear):
+            total += module.weight_bytes  # float or packed, bias included
         elif name != "embed_tokens":
             total += sum(p.nbytes for p in module.parameters(recurse=False))
-    if model.lm_head is None and isinstance(model.embed_tokens, torch.nn.Embedding):  # tied, unquantized:
-        total += model.embed_tokens.weight.nbytes  # the LM head reads the whole table
     return total
 
 

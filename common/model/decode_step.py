@@ -8,9 +8,9 @@ the op-by-op path calls (``common/quant``'s panels, ``cpu_decode.cpp``'s attenti
 norms, rotary and SiLU), each wrapped in its own namespace, so its hidden states and K/V are bit-identical
 to that path's (tests/model/test_decode_step.py).
 
-It runs when every projection is a panel layer it knows (``tandem_a8`` int8 / int4 panels, or a
-``PanelLinear`` of the activations' dtype: fp32 or bf16), each multiplied as its op-by-op kernel does on
-this CPU (bf16: AMX tiles from the kernel's row threshold, ``vdpbf16ps`` or the int8-rounded rows below
+It runs when every projection's method gives it a plan (``LinearMethod.step_weights``: ``tandem_a8`` int8 /
+int4 panels, or float panels of the activations' dtype: fp32 or bf16), each multiplied as its op-by-op kernel
+does on this CPU (bf16: AMX tiles from the kernel's row threshold, ``vdpbf16ps`` or the int8-rounded rows below
 it), the KV cache has the activations' dtype, attention is the compiled CPU decode kernel, and the batch
 is up to ``max_rows`` tokens (the fewest rows up to which every projection's op-by-op kernel is the panel
 loop the step runs; at most ``MAX_ROWS``) that attention reads as decode rows: a decode step, or short
@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from common.cpu_kernel_module import cpu_kernels
+from common.quant.cpu_kernels import NO_AMX
 
 if TYPE_CHECKING:
     from common.attention.metadata import AttentionMetadata
+    from common.model.linear import Linear, StepWeights
 
 # The model is common.model.llama's LlamaForCausalLM and the cache a KVCache (``layer(i)`` -> (K, V) views,
 # ``data``): typed loosely here, as llama.py imports this module.
@@ -59,48 +61,16 @@ def step_module(isa: str | None = None) -> ModuleType | None:
     return cpu_kernels(isa)
 
 
-def _linear_entry(linear: torch.nn.Module, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int]] | None:
-    """(weights, scales, zeros) and (kind, group) of a projection the step runs with ``dtype`` activations,
-    or None."""
-    from common.model.gemv import PanelLinear
-    from common.quant.cpu_linear import _Panels
-
-    empty = torch.empty(0)
-    if getattr(linear, "bias", None) is not None:
+def _step_weights(linear: Linear, dtype: torch.dtype) -> StepWeights | None:
+    """A projection's part of the plan, from its method's public ``step_weights`` (None: not here)."""
+    if linear.bias is not None:
         return None
-    if isinstance(linear, PanelLinear) and linear.panels.dtype == dtype:
-        return [linear.panels, empty, empty], [16 if dtype == torch.bfloat16 else 32, linear.in_features]
-    if isinstance(linear, _Panels) and linear.panels and linear._panel_rows >= MIN_ROWS:
-        if linear.format == "int4":
-            q, scales, zeros = linear._args
-            return [q, scales, zeros], [4, linear.group_size]
-        if linear.format == "int8":
-            q, scales = linear._args
-            return [q, scales, empty], [8, linear.group_size]
-    return None
+    return linear.method.step_weights(linear, dtype)
 
 
-def _row_limit(linear: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Rows up to which the projection's op-by-op forward runs the panel loop the step runs (beyond it, it
-    unpacks tiles for a GEMM: other sums)."""
-    from common.model.gemv import PanelLinear, panel_max_rows
-    from common.quant.cpu_linear import _Panels
-
-    if isinstance(linear, PanelLinear):
-        return panel_max_rows()
-    assert isinstance(linear, _Panels)  # _linear_entry took it
-    if dtype == torch.bfloat16 and linear._amx is not None:
-        return MAX_ROWS  # from its AMX threshold on, AMX tiles at every row count
-    return linear._panel_rows
-
-
-def _amx_quant_min_rows(model: Model) -> int:
-    """Rows from which the model's int8 / int4 panels multiply bf16 rows in AMX tiles (``NO_AMX``: never)."""
-    from common.quant.cpu_kernels import NO_AMX
-
-    rows = [getattr(lin, "_amx_rows", NO_AMX) for layer in model.layers
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    return int(min(rows, default=NO_AMX))
+def _projections(layer: Any) -> tuple[Linear, Linear, Linear, Linear]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 class DecodeStep:
@@ -137,11 +107,11 @@ class DecodeStep:
         shapes = ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter))  # whole, not sharded
         max_rows = MAX_ROWS
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for lin, shape in zip((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), shapes, strict=True):
-                if _linear_entry(lin, model.dtype) is None or (lin.out_features, lin.in_features) != shape:
+            for lin, shape in zip(_projections(layer), shapes, strict=True):
+                weights = _step_weights(lin, model.dtype)
+                if weights is None or (lin.out_features, lin.in_features) != shape:
                     return None
-                max_rows = min(max_rows, _row_limit(lin, model.dtype))
+                max_rows = min(max_rows, weights.max_rows)
         if max_rows < MIN_ROWS:
             return None
         module = step_module()
@@ -192,14 +162,16 @@ class DecodeStep:
         tensors: list[torch.Tensor] = []
         kinds: list[int] = []
         caches: list[torch.Tensor] = []
+        amx_quant_rows = NO_AMX  # rows from which the int8 / int4 panels multiply bf16 rows in AMX tiles
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
             tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                entry = _linear_entry(lin, model.dtype)
-                assert entry is not None  # checked by for_model
-                tensors += entry[0]
-                kinds += entry[1]
+            for lin in _projections(layer):
+                weights = _step_weights(lin, model.dtype)
+                assert weights is not None  # checked by for_model
+                tensors += weights.tensors
+                kinds += [weights.kind, weights.group]
+                if weights.kind in (4, 8):
+                    amx_quant_rows = min(amx_quant_rows, weights.amx_min_rows)
             caches += list(kv_cache.layer(i))
         from common.attention.cpu_kernels import paged_decode_kernel
         from common.model.gemv import amx_min_rows
@@ -210,7 +182,7 @@ class DecodeStep:
         self._handle = int(self._m.decode_step_plan(
             tensors, kinds, caches, model.norm.weight.detach(), float(model.norm.eps), config.head_dim**-0.5,
             config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size, dtype,
-            amx_min_rows(), _amx_quant_min_rows(model), attention.decode_rows_address(dtype),
+            amx_min_rows(), amx_quant_rows, attention.decode_rows_address(dtype),
             attention.decode_splits_heads(config.head_dim)))
         self._cache_data = data
         if self._profile:

@@ -137,14 +137,17 @@ def measure(dtype_name: str, shape: tuple[int, int]) -> DtypeTiming:
     rows = torch.randn(PREFILL_ROWS, hidden, generator=gen).to(dtype)
     cols = weights[0][: min(out_features, PREFILL_MAX_COLS)]
 
-    from common.model import gemv
+    from common.model.linear import Linear
+    from common.quant.registry import float_method
 
-    # the decode probe runs the matmul decode steps run: Tandem's GEMV where the loader uses it
-    linear = gemv.linear if gemv.wanted(torch.device("cpu")) else F.linear
+    # the decode probe runs the matmul decode steps run: the method the registry gives a float layer here
+    layers = [Linear.of(w) for w in weights]
+    for layer in layers:
+        layer.set_method(float_method(layer, torch.device("cpu"), dtype))
 
     def decode() -> None:
-        for w in weights:
-            linear(row, w)
+        for layer in layers:
+            layer(row)
 
     with torch.inference_mode():
         decode_s = _best(decode, MEASURE_BUDGET_S) / copies

@@ -8,13 +8,13 @@ chosen ``AttentionBackend``, the only place that knows about the paged KV cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
 
 from common.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from common.model.linear import Linear
 
 if TYPE_CHECKING:
     from common.attention.backend import AttentionBackend
@@ -42,8 +42,8 @@ class LlamaAttention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.backend = backend
         # q, k and v fused into one matmul: one pass over the activations instead of three.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
         )
@@ -114,26 +114,24 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        # [n] -> [n, hidden]; a quantized model may replace it with a lookup into the packed LM head's rows
+        # [n] -> [n, hidden]; a tied model may replace it with a lookup of the LM head's rows (TiedEmbedding).
         # Its weight given, not initialised: loaders build on the meta device, where nn.Embedding's random
         # init runs through torch._refs and imports torch._dynamo (~3 s of every node's start-up).
-        self.embed_tokens: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size,
-                                                    _weight=torch.empty(config.vocab_size, config.hidden_size))
+        embed = nn.Embedding(config.vocab_size, config.hidden_size,
+                             _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.embed_tokens: nn.Module = embed
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # None: tied to the embedding. Any module mapping [n, hidden] -> [n, vocab] (a quantized linear
-        # layer replaces it, or takes the place of the tied embedding, when weights are packed).
-        self.lm_head: nn.Module | None = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        # None: the reference forward. The loader sets the fused ops (common/model/fused_ops.py) on CPU.
+        # [n, hidden] -> [n, vocab]; tied: one Parameter with the embedding (its method may re-lay it out,
+        # and the lookup then reads the head's rows).
+        self.lm_head = (Linear.of(embed.weight) if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, bias=False))
+        # None: the reference forward. The after-load pass sets the fused ops (common/model/fused_ops.py).
         self.fused_ops: FusedOps | None = None
-        # None: op by op. The loader sets the one-call decode step (common/model/decode_step.py) on CPU.
+        # None: op by op. The after-load pass sets the one-call decode step (common/model/decode_step.py) on CPU.
         self.decode_step: DecodeStep | None = None
-        # The tied LM head's matmul: F.linear, or the CPU GEMV at decode sizes (common/model/gemv.py).
-        self.head_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.linear
 
     @property
     def dtype(self) -> torch.dtype:
@@ -175,7 +173,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, hidden] -> logits: [n, vocab] in fp32 (sampling wants full precision)
-        if self.lm_head is None:
-            assert isinstance(self.embed_tokens, nn.Embedding)
-            return self.head_matmul(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from common.quant.config import QuantConfig
+    from common.quant.gguf_blocks import GGUFBlocks
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -85,12 +86,15 @@ def load_model(
     quantization_group_size: int = 32,
     quantization_kernel: str = "auto",
     cpu_panels: bool = True,
+    prepare: bool = True,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model ready for inference (eval mode, no grad needed).
 
-    ``quantization`` (``common.quant.config``) swaps the linear layers for packed ones after loading;
-    what this device or model cannot run is refused before any weight is read. ``cpu_panels``: float
-    layers in 16-row panels on CPU (common/model/gemv.py; off where the caller slices the weights next).
+    ``quantization`` (``common.quant.config``): the layers the after-load pass (common/model/prepare.py)
+    gives packed methods; what this device or model cannot run is refused before any weight is read.
+    ``cpu_panels``: float layers may take 16-row panels on CPU (common/model/gemv.py). ``prepare=False``:
+    the float model as loaded, for a caller that slices it first and then runs ``prepare_model`` itself
+    (a parallel rank, common/parallel/worker.py).
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
@@ -108,26 +112,13 @@ def load_model(
         model = LlamaForCausalLM(config, backend)
     model = _allocate(model, torch.device(device)).to(torch_dtype)
     load_weights(model, iter_weights(model_dir))
-    if quant is not None and quant.enabled:
-        _quantize(model, model_dir, quant, quantization_kernel)
     model.eval()
     model.requires_grad_(False)
-    from common.model.row_buckets import bucket_linears, wanted
+    if prepare:
+        from common.model.prepare import prepare_model
 
-    bucketed = wanted(torch.device(device), torch_dtype)
-    if bucketed:  # bounded oneDNN shapes: no per-shape memory growth
-        bucket_linears(model)
-    from common.model import gemv
-
-    if gemv.wanted(torch.device(device)):  # TANDEM_CPU_GEMV=auto|on|off
-        gemv.gemv_linears(model, bucketed, panels=cpu_panels)
-    from common.model.fused_ops import fused_ops_for
-
-    model.fused_ops = fused_ops_for(torch.device(device))  # TANDEM_FUSED_OPS=auto|on|off
-    if torch.device(device).type == "cpu":
-        from common.model.decode_step import DecodeStep
-
-        model.decode_step = DecodeStep.for_model(model)  # TANDEM_DECODE_STEP=auto|on|off
+        gguf = _gguf_blocks(model, model_dir) if quant is not None and quant.enabled else None
+        prepare_model(model, device, quant, gguf, quantization_kernel, panels=cpu_panels)
     return model
 
 
@@ -135,10 +126,13 @@ def _allocate(model: LlamaForCausalLM, device: torch.device) -> LlamaForCausalLM
     """``model.to_empty(device)`` without its meta-tensor ``empty_like``, which runs through torch._refs and
     imports sympy and torch.fx's symbolic shapes (~1 s of every node's start-up): uninitialised tensors of
     each parameter's and buffer's shape and dtype, filled by the loader next."""
+    made: dict[int, nn.Parameter] = {}  # one tensor for a Parameter two modules share (a tied LM head)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
-                                               requires_grad=param.requires_grad))
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                               requires_grad=param.requires_grad)
+            setattr(module, name, made[id(param)])
         for name, buffer in list(module.named_buffers(recurse=False)):
             setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
     return model
@@ -154,15 +148,14 @@ def load_skeleton(model_dir: str | Path, dtype: str | torch.dtype = "auto") -> L
     return model.to(torch_dtype).eval().requires_grad_(False)
 
 
-def _quantize(model: LlamaForCausalLM, model_dir: Path, quant: QuantConfig, kernel: str) -> None:
+def _gguf_blocks(model: LlamaForCausalLM, model_dir: Path) -> GGUFBlocks | None:
+    """The GGUF file the directory was converted from, as packed blocks (None: not from GGUF)."""
     from common.model.model_store import gguf_source
     from common.quant.gguf_blocks import GGUFBlocks
-    from common.quant.quantizer import quantize_model
 
     source = gguf_source(model_dir)
     c = model.config
-    blocks = None if source is None else GGUFBlocks(source, c.num_layers, c.num_heads, c.num_kv_heads)
-    quantize_model(model, quant, blocks, kernel)
+    return None if source is None else GGUFBlocks(source, c.num_layers, c.num_heads, c.num_kv_heads)
 
 
 def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -183,7 +176,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config
         target, offset = _map_name(hf_name, fused)
-        if target == "lm_head.weight" and model.lm_head is None:
+        if target == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some tied checkpoints still store a copy of the embedding
         if target not in params:
             raise ValueError(f"weight {hf_name!r} has no place in a {config.model_type} model")

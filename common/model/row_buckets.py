@@ -8,10 +8,8 @@ process by ~530 MB (~320 MB with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0), and a 6-min
 buckets per octave (M rounded up to a multiple of 2^(bits(M)-4)): 56 shapes up to 512, at most 1/8 of the
 rows wasted (under 6% on average); the same 400 shapes then grew ~80 MB, once.
 
-``bucket_linears(model)`` swaps every plain ``nn.Linear`` of a model for ``BucketedLinear`` (same
-parameters, a subclass: code that checks ``isinstance(m, nn.Linear)`` or reads ``.weight`` is unaffected).
-The loader applies it on CPU for 16-bit activations; ``TANDEM_ROW_BUCKETS=off`` turns it off, ``on``
-forces it.
+The float linear methods (``TorchMethod``, ``GemvMethod``, ``PanelMethod``'s tiles) pad their rows so on CPU
+for 16-bit activations (``wanted``); ``TANDEM_ROW_BUCKETS=off`` turns it off, ``on`` forces it.
 """
 
 from __future__ import annotations
@@ -44,13 +42,6 @@ def linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return nn.functional.linear(xp, weight, bias)[:m]
 
 
-class BucketedLinear(nn.Linear):
-    """``nn.Linear`` whose matmul sees only bucketed row counts."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_bucketed(x, self.weight, self.bias)
-
-
 def wanted(device: torch.device, dtype: torch.dtype) -> bool:
     """auto: on for 16-bit activations on CPU (oneDNN's per-shape kernels); TANDEM_ROW_BUCKETS=on|off."""
     choice = os.environ.get("TANDEM_ROW_BUCKETS", "auto").lower()
@@ -59,13 +50,3 @@ def wanted(device: torch.device, dtype: torch.dtype) -> bool:
     if choice != "auto":
         return choice == "on"
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-
-
-def bucket_linears(model: nn.Module) -> int:
-    """Turn every plain ``nn.Linear`` of ``model`` into a ``BucketedLinear`` in place; how many."""
-    count = 0
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = BucketedLinear
-            count += 1
-    return count

@@ -1,15 +1,16 @@
 """The tensor-parallel pieces of a Llama layer (Megatron-LM's split, as vLLM and gpt-fast's ``tp.py`` do it).
 
-- Column-parallel (qkv_proj, gate_up_proj): a plain ``nn.Linear`` holding this rank's output rows, so the
+- Column-parallel (qkv_proj, gate_up_proj): a ``Linear`` holding this rank's output rows, so the
   attention and ``silu_mul`` run locally on this rank's heads and MLP columns: ``column_parallel``.
 - Row-parallel (o_proj, down_proj): this rank's input columns; every rank's output is a partial sum, so
   ``RowParallelLinear`` all-reduces it right after the matmul and adds the bias once, after the reduce.
 - ``VocabParallelEmbedding``: this rank's vocabulary rows; other ids give zeros, and the all-reduce
-  assembles the full embedding. The LM head is a plain ``nn.Linear`` over the same rows (its logits are
-  this rank's slice; the caller gathers them).
+  assembles the full embedding. The LM head is a ``Linear`` over the same rows (its logits are this rank's
+  slice; the caller gathers them).
 
-The matmul inside ``RowParallelLinear`` is an ordinary child module (``linear``), so a quantizer can swap it
-for a packed one without knowing about the reduce (``common/parallel/tp_model.py``: ``quantize_shard``).
+Sharding slices the float weights as loaded; the after-load pass (common/model/prepare.py) then gives every
+``Linear`` its method, the matmul inside ``RowParallelLinear`` included, so float and packed layers shard
+alike and the reduce knows nothing of either.
 """
 
 from __future__ import annotations
@@ -19,47 +20,33 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from common.model.linear import Linear
+
 if TYPE_CHECKING:
     from common.parallel.comm import Communicator
 
 
-def new_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    """An ``nn.Linear`` over ``weight`` [out, in] and ``bias`` [out], no random init and no copy (a Parameter
-    passed in is shared, e.g. a tied embedding's)."""
-    # Built at a placeholder shape (a 0-row module's init would warn), then given the real tensors and shape.
-    linear = nn.Linear(1, 1, bias=bias is not None, device="meta")
-    linear.out_features, linear.in_features = weight.shape
-    linear.weight = _parameter(weight)
-    if bias is not None:
-        linear.bias = _parameter(bias)
-    return linear
-
-
-def _parameter(tensor: torch.Tensor) -> nn.Parameter:
-    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
-
-
-def column_parallel(linear: nn.Linear, rows: list[tuple[int, int]]) -> nn.Linear:
+def column_parallel(linear: Linear, rows: list[tuple[int, int]]) -> Linear:
     """The output rows ``rows`` (half-open ranges, concatenated in order) of ``linear``, as a new layer."""
     weight = torch.cat([linear.weight.detach()[a:b] for a, b in rows])  # a copy: the full matrix can be freed
     bias = None if linear.bias is None else torch.cat([linear.bias.detach()[a:b] for a, b in rows])
-    return new_linear(weight, bias)
+    return Linear.of(weight, bias)
 
 
 class RowParallelLinear(nn.Module):
     """``y = all_reduce(x @ W[:, c0:c1].T) + b``: x holds this rank's input columns ``[n, c1 - c0]``."""
 
-    def __init__(self, linear: nn.Module, bias: torch.Tensor | None, comm: Communicator) -> None:
+    def __init__(self, linear: Linear, bias: torch.Tensor | None, comm: Communicator) -> None:
         super().__init__()
-        self.linear = linear  # [n, c1 - c0] -> [n, out] partial sums, no bias: nn.Linear or a packed one
+        self.linear = linear  # [n, c1 - c0] -> [n, out] partial sums, no bias; any method (float or packed)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.comm = comm
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, columns: tuple[int, int], comm: Communicator) -> RowParallelLinear:
+    def from_linear(cls, linear: Linear, columns: tuple[int, int], comm: Communicator) -> RowParallelLinear:
         c0, c1 = columns
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(new_linear(linear.weight.detach()[:, c0:c1].contiguous(), None), bias, comm)
+        return cls(Linear.of(linear.weight.detach()[:, c0:c1].contiguous(), None), bias, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.comm.all_reduce_(self.linear(x))  # a fresh output tensor, so reducing in place is safe

@@ -17,10 +17,11 @@
 full vocabulary. Vocabulary padding: rank r holds real ids ``placement.vocab``; the padded columns exist only
 inside ``gather_logits`` (filled with -inf, and cut off before it returns), so no padded id can be sampled.
 
-``quantize_shard`` quantizes a shard with the existing ``quantize_model`` (from the shard's float weights:
-per-output-channel int8 of a column-parallel slice is exactly the slice of the unsharded quantization; a
-row-parallel layer's scales are computed over this rank's columns only, so its rounding differs slightly).
-Call it instead of ``quantize_model``: the row-parallel reduce wraps the matmul that gets packed.
+``shard_model`` takes the float model as loaded (``load_model(..., prepare=False)``); ``prepare_shard`` then
+runs the after-load pass on the shard: every layer's method, packed ones quantized from the shard's float
+weights (per-output-channel int8 of a column-parallel slice is exactly the slice of the unsharded
+quantization; a row-parallel layer's scales are computed over this rank's columns only, so its rounding
+differs slightly), the fused ops.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from common.parallel.tp_layers import RowParallelLinear, VocabParallelEmbedding, column_parallel, new_linear
+from common.model.linear import Linear
+from common.parallel.tp_layers import RowParallelLinear, VocabParallelEmbedding, column_parallel
 
 if TYPE_CHECKING:
     from common.attention.metadata import AttentionMetadata
@@ -96,9 +98,10 @@ def _shard_layer(layer: nn.Module, config: ModelConfig, placement: RankPlacement
     d, q, kv, inter = config.head_dim, config.q_size, config.kv_size, config.intermediate_size
     (q0, q1), (k0, k1), (i0, i1) = placement.q_heads, placement.kv_heads, placement.intermediate
     for name in ("self_attn.qkv_proj", *ROW_PARALLEL, "mlp.gate_up_proj"):
-        if not isinstance(layer.get_submodule(name), nn.Linear):
-            raise TypeError(f"shard_model needs float weights ({name} is packed): quantize the shard after "
-                            f"sharding (quantize_shard)")
+        linear = layer.get_submodule(name)
+        if not isinstance(linear, Linear) or linear.prepared:
+            raise TypeError(f"shard_model needs float weights as loaded ({name} is prepared): load with "
+                            f"prepare=False and prepare the shard after sharding (prepare_shard)")
     attn = cast("LlamaAttention", layer.get_submodule("self_attn"))
     mlp = cast("SwiGLUMLP", layer.get_submodule("mlp"))
     # qkv rows: this rank's q heads, then its k heads, then its v heads (the fused matrix's order).
@@ -116,18 +119,17 @@ def _shard_layer(layer: nn.Module, config: ModelConfig, placement: RankPlacement
 def _shard_vocab(model: LlamaForCausalLM, placement: RankPlacement, comm: Communicator) -> None:
     hidden = model.config.hidden_size
     like = model.norm.weight
-    embed, head = model.embed_tokens, model.lm_head  # head None: tied to the embedding
+    embed, head = model.embed_tokens, model.lm_head  # tied: the head holds the embedding's Parameter
+    tied = model.config.tie_word_embeddings
+    if not isinstance(embed, nn.Embedding) or head.prepared:
+        raise TypeError("shard_model needs a float embedding and LM head as loaded: prepare the shard after "
+                        "sharding (prepare_shard)")
     if placement.tp_size == 1:
-        if placement.is_last_stage and head is None and not placement.is_first_stage:
-            assert isinstance(embed, nn.Embedding)
-            model.lm_head = new_linear(embed.weight, None)  # the tied matrix, held by the head alone
-        elif not placement.is_last_stage:
-            model.lm_head = new_linear(like.new_empty(0, hidden), None)
+        if not placement.is_last_stage:
+            model.lm_head = Linear.of(like.new_empty(0, hidden))
         if not placement.is_first_stage:
-            model.embed_tokens = _no_embedding(like, hidden)
+            model.embed_tokens = _no_embedding(like, hidden)  # a tied head keeps the matrix alone
         return
-    if not isinstance(embed, nn.Embedding) or not isinstance(head, nn.Linear | None):
-        raise TypeError("shard_model needs a float embedding and LM head: quantize the shard after sharding")
     v0, v1 = placement.vocab
     rows = embed.weight.detach()[v0:v1].clone()
     if placement.is_first_stage:
@@ -135,11 +137,11 @@ def _shard_vocab(model: LlamaForCausalLM, placement: RankPlacement, comm: Commun
     else:
         model.embed_tokens = _no_embedding(like, hidden)
     if not placement.is_last_stage:
-        model.lm_head = new_linear(like.new_empty(0, hidden), None)
-    elif head is None:  # tied: one stage holding both shares one parameter
-        model.lm_head = new_linear(model.embed_tokens.weight if placement.is_first_stage else rows, None)
+        model.lm_head = Linear.of(like.new_empty(0, hidden))
+    elif tied:  # one stage holding both shares one parameter
+        model.lm_head = Linear.of(model.embed_tokens.weight if placement.is_first_stage else rows)
     else:
-        model.lm_head = new_linear(head.weight.detach()[v0:v1].clone(), None)
+        model.lm_head = Linear.of(head.weight.detach()[v0:v1].clone())
 
 
 def _no_embedding(like: torch.Tensor, hidden: int) -> nn.Embedding:
@@ -204,33 +206,25 @@ def gather_logits(model: LlamaForCausalLM, hidden: torch.Tensor, tp_comm: Commun
     return tp_comm.all_gather(part.contiguous(), dim=-1)[:, :vocab]
 
 
-def quantize_shard(model: LlamaForCausalLM, quant: QuantConfig, kernel: str = "auto") -> None:
-    """``quantize_model`` for a shard (from its float weights; GGUF blocks as published do not apply).
+def prepare_shard(model: LlamaForCausalLM, quant: QuantConfig | None = None, kernel: str = "auto") -> None:
+    """The after-load pass (``common.model.prepare.prepare_model``) for a shard: each layer's method from its
+    sliced float weights (GGUF blocks as published do not apply), row-major float layers (no panels).
 
     Raises ``QuantizationError`` when a rank's slice does not fit the packed format (e.g. o_proj's
     ``num_heads * head_dim / T`` input columns not a multiple of 32).
     """
+    from common.model.prepare import prepare_model
     from common.quant.config import QuantizationError
-    from common.quant.quantizer import check_quantization, quantize_model
+    from common.quant.quantizer import check_quantization
 
-    if not quant.enabled:
-        return
-    first = cast("LlamaDecoderLayer", model.layers[0])
-    attn, mlp = first.self_attn, first.mlp
-    per_rank = dataclasses.replace(model.config, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-                                   intermediate_size=mlp.intermediate_size)
-    try:
-        check_quantization(quant, per_rank, model.norm.weight.device)
-    except QuantizationError as exc:
-        raise QuantizationError(f"{exc} (one tensor-parallel rank's slice)") from exc
-    # The quantizer swaps ``nn.Linear`` modules: show it the row-parallel matmuls, then wrap the packed ones.
-    rows = [(layer, name, layer.get_submodule(name)) for layer in model.layers for name in ROW_PARALLEL]
-    wrapped = [(layer, name, row) for layer, name, row in rows if isinstance(row, RowParallelLinear)]
-    for layer, name, row in wrapped:
-        layer.set_submodule(name, row.linear)
-    try:
-        quantize_model(model, quant, None, kernel)
-    finally:
-        for layer, name, row in wrapped:
-            row.linear = layer.get_submodule(name)
-            layer.set_submodule(name, row)
+    device = model.norm.weight.device
+    if quant is not None and quant.enabled:
+        first = cast("LlamaDecoderLayer", model.layers[0])
+        attn, mlp = first.self_attn, first.mlp
+        per_rank = dataclasses.replace(model.config, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                                       intermediate_size=mlp.intermediate_size)
+        try:
+            check_quantization(quant, per_rank, device)
+        except QuantizationError as exc:
+            raise QuantizationError(f"{exc} (one tensor-parallel rank's slice)") from exc
+    prepare_model(model, device, quant, None, kernel, panels=False)

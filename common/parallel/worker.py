@@ -96,7 +96,7 @@ class Rank:
         from common.model.loader import load_model
         from common.parallel.comm import GlooComm
         from common.parallel.layout import ParallelLayout
-        from common.parallel.tp_model import KVCacheShard, shard_model
+        from common.parallel.tp_model import KVCacheShard, prepare_shard, shard_model
 
         self.init = init
         if init.cpus:
@@ -117,16 +117,14 @@ class Rank:
             self.tp_comm: Communicator = ShmComm.attach(init.shm_comm_name, self.placement.tp_rank, t)
         else:
             self.tp_comm = GlooComm(tp_groups[stage], list(range(stage * t, (stage + 1) * t)))
-        # row-major float layers (no panels): shard_model slices their rows and columns
-        self.model = load_model(init.model_dir, init.dtype, "cpu", init.attention_backend, cpu_panels=False)
+        # the float model as loaded: shard_model slices its rows and columns, then the after-load pass runs
+        self.model = load_model(init.model_dir, init.dtype, "cpu", init.attention_backend, prepare=False)
         self.collective_seconds = 0.0
         shard_model(self.model, self.placement, TimedComm(self.tp_comm, self))
-        if init.quantization not in ("", "none"):
-            from common.parallel.tp_model import quantize_shard
-            from common.quant.config import QuantConfig
+        from common.quant.config import QuantConfig
 
-            quantize_shard(self.model, QuantConfig.parse(init.quantization, init.quantization_group_size),
-                           init.quantization_kernel)
+        quant = QuantConfig.parse(init.quantization or "none", init.quantization_group_size or 32)
+        prepare_shard(self.model, quant, init.quantization_kernel)
         self.dtype = self.model.dtype
         spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, init.block_size,
                            str(self.dtype).removeprefix("torch."))

@@ -1,2 +1,3 @@
 """Quantized weights beside the model (docs/quantization.md): formats and their reference math, GGUF blocks,
-``QuantizedLinear`` implementations per device, the kernel registry, and the loader's module swap."""
+the packed ``LinearMethod`` implementations per device, the method registry, and which weights a
+quantization packs (``quantizer``)."""

@@ -1,100 +1,105 @@
-"""``QuantizedLinear``: what replaces ``nn.Linear`` when the weights are packed, one interface for all.
+"""The base of the packed linear methods, and ``ReferenceMethod``: any packed format on any device.
 
-``forward(x [..., in_features]) -> [..., out_features]`` in x's dtype, like ``nn.Linear``, so the model
-code is the same with float and packed weights. Each implementation keeps its packed tensors as
-(non-persistent) buffers, in the layout its kernel wants, so ``model.buffers()`` counts the real weight
-bytes and ``model.to(device)`` would move them. ``ReferenceLinear`` multiplies through the dequantized
-weight: correct on every device, the oracle of the tests, and the fallback where no kernel exists.
+A packed method takes the layer's ``QuantizedWeight`` (``common/quant/formats.py``) at processing time,
+keeps its tensors as the layer's (non-persistent) buffers in the layout its kernel wants, so
+``model.buffers()`` counts the real weight bytes and ``model.to(device)`` moves them, and drops the float
+weight. ``ReferenceMethod`` multiplies through the dequantized weight: correct everywhere, the oracle of the
+tests, and the fallback where no kernel exists.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from common.model.linear import LinearMethod
 from common.quant.formats import FP8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
+if TYPE_CHECKING:
+    from common.model.linear import Linear
 
-class QuantizedLinear(nn.Module):
-    """Base: shapes, optional float bias, and the reshape around a 2-D matmul."""
 
-    kernel_name: ClassVar[str]
+def weight_format(weight: QuantizedWeight) -> str:
+    if isinstance(weight, Int4Weight):
+        return "int4"
+    return "int8" if isinstance(weight, Int8Weight) else "fp8"
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.format = type(weight).__name__.removesuffix("Weight").lower()  # int8 | int4 | fp8
-        self.group_size = getattr(weight, "group_size", self.in_features)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in_features] -> [..., out_features]
-        if x.dim() == 2 and self.bias is None:  # the model's flat batches: no reshapes
-            return self.matmul(x)
-        lead = x.shape[:-1]
-        y = self.matmul(x.reshape(-1, self.in_features))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*lead, self.out_features)
+class PackedMethod(LinearMethod):
+    """Shapes, format and group of the packed weight; the bias added after the kernel's matmul."""
+
+    _group_size: int
+
+    def process_weights_after_loading(self, layer: Linear, packed: QuantizedWeight | None) -> None:
+        if packed is None:
+            raise ValueError(f"the {self.name} linear method needs a packed weight")
+        if tuple(packed.shape) != (layer.out_features, layer.in_features):
+            raise ValueError(f"packed weight {tuple(packed.shape)} for a {layer.out_features} x "
+                             f"{layer.in_features} layer")
+        self.format = weight_format(packed)
+        self._group_size = getattr(packed, "group_size", layer.in_features)
+        layer.drop_weight()
+        self.pack(layer, packed)
+        self.refresh(layer)
 
     @abstractmethod
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [M, in_features] -> [M, out_features], both in x's dtype."""
+    def pack(self, layer: Linear, weight: QuantizedWeight) -> None:
+        """Register the kernel's buffers on ``layer`` from ``weight`` (on the layer's device)."""
 
-    def int8_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Dequantized fp32 rows ``[n, in_features]`` of an int8 weight (a tied embedding's lookup)."""
+    @abstractmethod
+    def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x: [M, in_features] -> [M, out_features], both in x's dtype, no bias."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(layer, x)
+        return y if layer.bias is None else y + layer.bias
+
+    def rows(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor | None:
+        """Dequantized fp32 rows of an int8 weight (the values GGUF's Q8_0 rows hold)."""
         if self.format != "int8":
-            raise ValueError(f"int8_rows of a {self.format} weight")
-        q = self._int8_q()
-        scales = self.get_buffer("scales").float().reshape(self.out_features, -1)
+            return None
+        q = self.int8_q(layer)
+        if q is None:
+            return None
+        scales = layer.get_buffer("scales").float().reshape(layer.out_features, -1)
         n = ids.shape[0]
         rows = q[ids].float().view(n, scales.shape[1], -1) * scales[ids].unsqueeze(-1)
-        return rows.view(n, self.in_features)
+        return rows.view(n, layer.in_features)
 
-    def _int8_q(self) -> torch.Tensor:
-        return self.get_buffer("q")  # [N, K]
+    def int8_q(self, layer: Linear) -> torch.Tensor | None:
+        """An int8 weight's codes, row-major ``[N, K]`` (None: not held that way)."""
+        return layer.get_buffer("q")
 
     @property
-    def weight_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers(recurse=False))
+    def group_size(self) -> int | None:
+        return self._group_size
 
-    def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.group_size != self.in_features else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
-                f"{group}, kernel={self.kernel_name}")
+    def describe(self) -> str:
+        return f"{self.format} (group {self._group_size}), {self.name}"
 
 
-class ReferenceLinear(QuantizedLinear):
+class ReferenceMethod(PackedMethod):
     """Any format, any device: dequantize, then ``F.linear`` in x's dtype."""
 
-    kernel_name = "reference"
-    q: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
+    name = "reference"
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
-        super().__init__(weight, bias)
-        self._weight = weight
-        for name, tensor in _tensors(weight).items():
-            self.register_buffer(name, tensor, persistent=False)
+    def pack(self, layer: Linear, weight: QuantizedWeight) -> None:
+        self._kind = type(weight)
+        layer.register_buffer("q", weight.q, persistent=False)
+        layer.register_buffer("scales", weight.scales, persistent=False)
+        if isinstance(weight, Int4Weight):
+            layer.register_buffer("zeros", weight.zeros, persistent=False)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.dequantize().to(x.dtype))
+    def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.dequantize(layer).to(x.dtype))
 
-    def dequantize(self) -> torch.Tensor:
-        w = self._weight
-        if isinstance(w, Int8Weight):
-            return Int8Weight(self.q, self.scales, w.group_size).dequantize()
-        if isinstance(w, Int4Weight):
-            return Int4Weight(self.q, self.scales, self.zeros, w.group_size).dequantize()
-        return FP8Weight(self.q, self.scales).dequantize()
-
-
-def _tensors(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
-    out = {"q": weight.q, "scales": weight.scales}
-    if isinstance(weight, Int4Weight):
-        out["zeros"] = weight.zeros
-    return out
+    def dequantize(self, layer: Linear) -> torch.Tensor:
+        q, scales = layer.get_buffer("q"), layer.get_buffer("scales")
+        if self._kind is Int8Weight:
+            return Int8Weight(q, scales, self._group_size).dequantize()
+        if self._kind is Int4Weight:
+            return Int4Weight(q, scales, layer.get_buffer("zeros"), self._group_size).dequantize()
+        return FP8Weight(q, scales).dequantize()

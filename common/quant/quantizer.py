@@ -1,13 +1,13 @@
-"""Swap a loaded model's ``nn.Linear`` modules for ``QuantizedLinear`` ones (gpt-fast's ``quantize.py``).
+"""Which weights a quantization packs, and from what (gpt-fast's ``quantize.py``, as weights, not modules).
 
 ``check_quantization`` runs before any weight is read and refuses, naming the flag and the reason, what
-the hardware or the model cannot run. ``quantize_model`` then replaces each projection (fused q/k/v,
-o, fused gate/up, down) and the LM head. Where the checkpoint came from a GGUF file whose blocks map onto
-a packed format (``gguf_blocks``), those bytes are used as published; otherwise the float weight is
-quantized here. The token embedding stays a float lookup table (only the rows of the step's tokens
-are read; it is no part of the weight stream), unless the model ties it to a GGUF Q8_0 head loaded as
-published: then the lookup reads the head's packed rows (``QuantizedEmbedding``, the same values) and the
-float table is freed.
+the hardware or the model cannot run. ``packed_weights`` then gives each projection (fused q/k/v, o, fused
+gate/up, down) and the LM head its packed weight: where the checkpoint came from a GGUF file whose blocks
+map onto a packed format (``gguf_blocks``), those bytes as published; otherwise the float weight quantized
+here. The after-load pass (common/model/prepare.py) hands each to the method the registry picks. The token
+embedding stays a float lookup table (only the rows of the step's tokens are read; it is no part of the
+weight stream), unless the model ties it to a GGUF Q8_0 head loaded as published: then the lookup reads
+the head's packed rows (``TiedEmbedding``, the same values) and the float table is freed.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from common.model.gemv import PanelEmbedding
+from common.model.linear import Linear
 from common.quant.config import FLAG, GROUP_FLAG, QuantConfig, QuantizationError, QuantMethod
-from common.quant.embedding import QuantizedEmbedding
 from common.quant.formats import (
     INT4_GROUP_SIZES,
     SUB_BLOCK,
@@ -32,7 +30,6 @@ from common.quant.formats import (
     quantize_int4,
     quantize_int8,
 )
-from common.quant.registry import make_linear
 
 if TYPE_CHECKING:
     from common.config.model_config import ModelConfig
@@ -96,44 +93,38 @@ def check_quantization(config: QuantConfig, model: ModelConfig, device: torch.de
                                 f"(or choose --quantization-kernel reference)")
 
 
-def quantize_model(model: LlamaForCausalLM, config: QuantConfig, gguf: GGUFBlocks | None = None,
-                   kernel: str = "auto") -> None:
-    """Replace the model's linear layers in place; ``gguf``: the checkpoint's source blocks, if any."""
+def packed_weights(model: LlamaForCausalLM, config: QuantConfig, gguf: GGUFBlocks | None = None
+                   ) -> dict[str, tuple[QuantizedWeight, bool]]:
+    """The packed weight of each matrix ``config`` quantizes, by module name (``layers.3.mlp.down_proj``,
+    ``lm_head``), with whether it is the GGUF file's own bytes; matrices left out stay in floats.
+    ``gguf``: the checkpoint's source blocks, if any. Reads the layers' float weights as loaded."""
+    out: dict[str, tuple[QuantizedWeight, bool]] = {}
     if not config.enabled:
-        return
-    device, dtype = model.norm.weight.device, model.dtype
-    direct = requantized = 0
+        return out
     for i, layer in enumerate(model.layers):
         for ours, theirs in FUSED.items():
-            linear = layer.get_submodule(ours)
-            assert isinstance(linear, nn.Linear)
+            path, linear = f"layers.{i}.{ours}", layer.get_submodule(ours)
+            if not isinstance(linear, Linear):  # a row-parallel layer (common/parallel): its matmul is packed
+                path, linear = f"{path}.linear", linear.get_submodule("linear")
+            assert isinstance(linear, Linear)
             sources = [f"model.layers.{i}.{name}.weight" for name in theirs]
             weight, from_gguf = _weight_for(config, linear.weight, sources, gguf, head=False)
-            if weight is None:
-                continue
-            direct, requantized = direct + from_gguf, requantized + (not from_gguf)
-            layer.set_submodule(ours, make_linear(weight, linear.bias, device, dtype, _kernel(config, kernel)))
-    # tied: no LM head, or (a model loaded with float panels) an embedding that reads the head's panels
-    tied = model.lm_head is None or isinstance(model.embed_tokens, PanelEmbedding)
-    head = model.embed_tokens if model.lm_head is None else model.lm_head
-    assert isinstance(head, nn.Embedding | nn.Linear), "the LM head is already quantized"
-    head_weight = head.weight
-    source = "model.embed_tokens.weight" if tied else "lm_head.weight"
-    weight, from_gguf = _weight_for(config, head_weight, [source], gguf, head=True)
-    if weight is not None:
-        direct, requantized = direct + from_gguf, requantized + (not from_gguf)
-        model.lm_head = make_linear(weight, None, device, dtype, _kernel(config, kernel))
-        if tied and from_gguf and isinstance(weight, Int8Weight):
-            # The published Q8_0 rows are the checkpoint's own values: one copy serves both ends. A head
-            # quantized here keeps the float table (the lookup would otherwise inherit the rounding).
-            model.embed_tokens = QuantizedEmbedding(model.lm_head, dtype)
-        elif isinstance(model.embed_tokens, PanelEmbedding):  # the float table, row-major as unpaneled
-            model.embed_tokens = nn.Embedding.from_pretrained(model.embed_tokens.weight, freeze=True)
+            if weight is not None:
+                out[path] = (weight, from_gguf)
+    head = model.lm_head
+    if head.out_features:
+        source = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+        weight, from_gguf = _weight_for(config, head.weight, [source], gguf, head=True)
+        if weight is not None:
+            out["lm_head"] = (weight, from_gguf)
+    direct = sum(from_gguf for _, from_gguf in out.values())
     log.info("quantization %s: %d matrices from GGUF blocks as published, %d quantized at load",
-             config.describe(), direct, requantized)
+             config.describe(), direct, len(out) - direct)
+    return out
 
 
-def _kernel(config: QuantConfig, kernel: str) -> str:
+def kernel_for(config: QuantConfig, kernel: str) -> str:
+    """The ``--quantization-kernel`` a packed layer asks the registry for (W8A8 runs the integer GEMM)."""
     return "int_mm" if config.method is QuantMethod.W8A8 and kernel == "auto" else kernel
 
 

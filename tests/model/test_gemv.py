@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from common.model import gemv
+from common.model.linear import Linear, TiedEmbedding, TorchMethod
 from common.quant import cpu_kernels
 from common.quant.cpu_kernels import cpu_flags, quant_kernels, runnable_isas
+from common.quant.registry import float_method
 
 ISAS = runnable_isas()[:2]
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
@@ -44,24 +49,31 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(ops: object) -> None:
         assert torch.equal(ops.dense_matmul(x[i : i + 1].contiguous(), w)[0], together[i])  # type: ignore[attr-defined]
 
 
-def test_gemv_layers_replace_linear_and_keep_its_results(monkeypatch: pytest.MonkeyPatch) -> None:
+def _float_layer(weight: torch.Tensor, bias: torch.Tensor | None = None, panels: bool = True) -> Linear:
+    layer = Linear.of(weight.clone(), None if bias is None else bias.clone())
+    layer.set_method(float_method(layer, torch.device("cpu"), weight.dtype, panels))
+    return layer
+
+
+def test_the_registry_gives_float_layers_the_gemv_methods_and_they_keep_the_results(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_CPU_GEMV", "auto")
     assert gemv.wanted(torch.device("cpu"))
     assert not gemv.wanted(torch.device("meta"))
     # 48 rows: panels; 17 rows (no multiple of 16): the row-major GEMV
-    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 17, bias=False))
-    w0, b0, w1 = model[0].weight.detach().clone(), model[0].bias.detach().clone(), model[1].weight.detach().clone()
-    assert gemv.gemv_linears(model, bucketed=False) == 2
-    assert type(model[0]) is gemv.PanelLinear and type(model[1]) is gemv.GemvLinear
-    assert torch.equal(model[0].weight, w0)
+    w0, b0, w1 = torch.randn(48, 64), torch.randn(48), torch.randn(17, 48)
+    first, second = _float_layer(w0, b0), _float_layer(w1)
+    assert type(first.method) is gemv.PanelMethod and type(second.method) is gemv.GemvMethod
+    assert "weight" not in dict(first.named_parameters()) and first.get_buffer("panels").numel() == w0.numel()
     x = torch.randn(3, 64)
-    torch.testing.assert_close(model(x), nn.functional.linear(nn.functional.linear(x, w0, b0), w1))
+    torch.testing.assert_close(second(first(x)), nn.functional.linear(nn.functional.linear(x, w0, b0), w1))
     big = torch.randn(300, 64)  # above PANEL_MAX_ROWS: panels with AMX, else unpacked tiles through torch's GEMM
-    torch.testing.assert_close(model[0](big), nn.functional.linear(big, w0, b0))
+    torch.testing.assert_close(first(big), nn.functional.linear(big, w0, b0))
+    assert type(_float_layer(w0, panels=False).method) is gemv.GemvMethod  # a caller that slices it next
     monkeypatch.setenv("TANDEM_CPU_PANELS", "off")
-    plain = nn.Sequential(nn.Linear(64, 48))
-    gemv.gemv_linears(plain, bucketed=False)
-    assert type(plain[0]) is gemv.GemvLinear
+    assert type(_float_layer(w0).method) is gemv.GemvMethod
+    monkeypatch.setenv("TANDEM_CPU_GEMV", "off")
+    assert type(_float_layer(w0).method) is TorchMethod
 
 
 NO_AMX = 1 << 62  # dense_matmul_panel's amx_min_rows: never
@@ -106,14 +118,16 @@ def test_float_out_is_the_bf16_output_before_its_rounding(ops: object, m: int, a
 
 
 def test_a_tied_panel_head_returns_fp32_logits() -> None:
-    head = nn.Linear(64, 48, bias=False).bfloat16()
-    layer = gemv.PanelLinear(head, bucketed=False)
+    weight = torch.randn(48, 64).bfloat16()
+    layer = Linear.of(weight.clone())
     layer.float_out = True
+    layer.set_method(float_method(layer, torch.device("cpu"), torch.bfloat16))
+    assert type(layer.method) is gemv.PanelMethod
     x = torch.randn(3, 64).bfloat16()
     for rows in (x, torch.cat([x] * 100)):  # the panel kernel, and the unpacked tiles above PANEL_MAX_ROWS
         y = layer(rows)
         assert y.dtype == torch.float32
-        torch.testing.assert_close(y, nn.functional.linear(rows.float(), head.weight.float()), rtol=2e-2, atol=5e-2)
+        torch.testing.assert_close(y, nn.functional.linear(rows.float(), weight.float()), rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("amx_min_rows", [1, NO_AMX])
@@ -175,9 +189,10 @@ def test_the_loaded_model_uses_them_for_the_tied_head_too(tiny_model_dir: object
 
     model = load_model(tiny_model_dir, dtype="float32")
     monkeypatch.setenv("TANDEM_CPU_GEMV", "off")
-    reference = load_model(tiny_model_dir, dtype="float32")  # the plain modules
-    assert any(type(m) is gemv.PanelLinear for m in model.modules())
-    assert type(model.lm_head) is gemv.PanelLinear
+    reference = load_model(tiny_model_dir, dtype="float32")  # F.linear everywhere
+    assert any(isinstance(m, Linear) and type(m.method) is gemv.PanelMethod for m in model.modules())
+    assert type(model.lm_head.method) is gemv.PanelMethod and model.lm_head.float_out
+    assert type(reference.lm_head.method) is TorchMethod
     assert model.weight_bytes == reference.weight_bytes
     for n in (1, 12):  # decode size and a prefill
         ids = torch.arange(1, n + 1)
@@ -188,19 +203,18 @@ def test_the_loaded_model_uses_them_for_the_tied_head_too(tiny_model_dir: object
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_a_tied_head_becomes_panels_read_by_the_lookup_too() -> None:
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed_tokens = nn.Embedding(64, 32)
-            self.lm_head: nn.Module | None = None
+def test_a_tied_head_as_panels_is_read_by_the_lookup_too(tiny_model_factory: Callable[..., Path]) -> None:
+    from common.model.loader import load_model
 
-    model = Tied()
-    table = model.embed_tokens.weight.detach().clone()
-    gemv.gemv_linears(model, bucketed=False)
-    assert type(model.lm_head) is gemv.PanelLinear and type(model.embed_tokens) is gemv.PanelEmbedding
+    model_dir = tiny_model_factory(tie_word_embeddings=True)
+    loaded = load_model(model_dir, dtype="float32", prepare=False)  # one Parameter at both ends
+    table = loaded.embed_tokens.weight.detach()
+    model = load_model(model_dir, dtype="float32")
+    assert type(model.lm_head.method) is gemv.PanelMethod and isinstance(model.embed_tokens, TiedEmbedding)
     ids = torch.tensor([0, 17, 63, 16])
     assert torch.equal(model.embed_tokens(ids), table[ids])
-    x = torch.randn(2, 32)
+    x = torch.randn(2, table.shape[1])
     torch.testing.assert_close(model.lm_head(x), x @ table.T)
-    assert sum(b.numel() for b in model.buffers()) == table.numel() and not list(model.parameters())
+    # one copy of the matrix: the head's panels, no float table
+    assert not any(p.shape == table.shape for p in model.parameters())
+    assert model.weight_bytes == loaded.weight_bytes

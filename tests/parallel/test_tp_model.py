@@ -28,7 +28,7 @@ from common.model.loader import load_model
 from common.parallel.comm import GlooComm, SingleRank
 from common.parallel.layout import ParallelLayout
 from common.parallel.spawn import run_ranks
-from common.parallel.tp_model import KVCacheShard, gather_logits, quantize_shard, shard_model, stage_forward
+from common.parallel.tp_model import KVCacheShard, gather_logits, prepare_shard, shard_model, stage_forward
 from common.quant.config import QuantConfig, QuantizationError
 from common.serving.port_reservation import reserve_port
 
@@ -111,11 +111,10 @@ def _run_case(case: Case, rank: int) -> dict[str, Any]:
     placement = ParallelLayout(case.tp, case.pp).placement(rank, config)
     groups = [dist.new_group(list(range(s * case.tp, (s + 1) * case.tp))) for s in range(case.pp)]
     comm = GlooComm(groups[placement.pp_rank], list(placement.tp_group))
-    model = load_model(case.model_dir, "float32")
-    model.fused_ops = _fused_ops(case.fused)
+    model = load_model(case.model_dir, "float32", prepare=False)
     shard_model(model, placement, comm)
-    if case.quantization != "none":
-        quantize_shard(model, QuantConfig.parse(case.quantization))
+    prepare_shard(model, QuantConfig.parse(case.quantization))
+    model.fused_ops = _fused_ops(case.fused)
     cache = KVCache(_spec(config), NUM_BLOCKS)
     segment = None
     if case.shared_kv is None:
@@ -288,7 +287,7 @@ def test_int8_shards_stay_close_to_int8_unsharded(world2: World) -> None:
 
 
 def test_single_rank_shard_is_the_model(tiny_model_dir: Path) -> None:
-    model = load_model(tiny_model_dir, "float32")
+    model = load_model(tiny_model_dir, "float32", prepare=False)
     before = dict(model.named_parameters())
     placement = ParallelLayout().placement(0, model.config)
     assert shard_model(model, placement, SingleRank()) is model
@@ -302,11 +301,11 @@ class _PairStub:
     rank, world_size = 0, 2
 
 
-def test_quantize_shard_names_the_slice_that_does_not_fit(tiny_model_factory: Callable[..., Path]) -> None:
-    model = load_model(tiny_model_factory("llama", seed=5, intermediate_size=96), "float32")
+def test_prepare_shard_names_the_slice_that_does_not_fit(tiny_model_factory: Callable[..., Path]) -> None:
+    model = load_model(tiny_model_factory("llama", seed=5, intermediate_size=96), "float32", prepare=False)
     shard_model(model, ParallelLayout(2).placement(0, model.config), _PairStub())  # type: ignore[arg-type]
     with pytest.raises(QuantizationError, match=r"mlp.down_proj has 48 input features.*tensor-parallel"):
-        quantize_shard(model, QuantConfig.parse("int8"))
+        prepare_shard(model, QuantConfig.parse("int8"))
 
 
 def test_pipeline_stages_quantized_in_one_process_match_int8_unsharded(tiny_model_factory: Callable[..., Path]
@@ -318,10 +317,10 @@ def test_pipeline_stages_quantized_in_one_process_match_int8_unsharded(tiny_mode
     layout = ParallelLayout(1, 2)
     stages = []
     for rank in range(2):
-        model = load_model(model_dir, "float32")
-        model.fused_ops = _fused_ops(True)
+        model = load_model(model_dir, "float32", prepare=False)
         shard_model(model, layout.placement(rank, model.config), SingleRank())
-        quantize_shard(model, QuantConfig.parse("int8"))
+        prepare_shard(model, QuantConfig.parse("int8"))
+        model.fused_ops = _fused_ops(True)
         stages.append(model)
     assert stages[0].lm_head is not None and stages[0].lm_head.out_features == 0
     cache = KVCache(_spec(stages[0].config), NUM_BLOCKS)
@@ -334,9 +333,10 @@ def test_pipeline_stages_quantized_in_one_process_match_int8_unsharded(tiny_mode
             torch.testing.assert_close(gather_logits(stages[1], x, SingleRank()), ref.logits[step], atol=1e-5, rtol=0)
 
 
-def test_shard_model_refuses_packed_weights(tiny_model_factory: Callable[..., Path]) -> None:
-    model = load_model(tiny_model_factory("llama", seed=5, **MODEL_A), "float32", quantization="int8")
-    with pytest.raises(TypeError, match="needs float weights"):
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_shard_model_refuses_prepared_weights(tiny_model_factory: Callable[..., Path], quantization: str) -> None:
+    model = load_model(tiny_model_factory("llama", seed=5, **MODEL_A), "float32", quantization=quantization)
+    with pytest.raises(TypeError, match="needs float weights as loaded"):
         shard_model(model, ParallelLayout(2).placement(0, model.config), _PairStub())  # type: ignore[arg-type]
 
 

@@ -19,9 +19,9 @@ from benchmarks.quant_quality import PROMPTS, TEXT_PATH, agreement, decode_perpl
 from common.config.engine_config import CacheConfig
 from common.engine.engine_core import ColocatedEngine
 from common.engine.llm import LLM
+from common.model.linear import Linear
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
-from common.quant.linear import QuantizedLinear
 from common.sampling.params import SamplingParams
 from common.tokenizer import Tokenizer
 
@@ -40,14 +40,14 @@ def test_the_capital_of_france_is_still_paris(mode: str) -> None:
     llm = LLM(quantization=mode)
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))[0]
     assert out.text.strip().startswith("Paris"), out.text
-    assert any(isinstance(m, QuantizedLinear) for m in llm.model.modules())
+    assert any(isinstance(m, Linear) and m.format != "float" for m in llm.model.modules())
 
 
 def test_int4_runs_the_published_q4_1_blocks(smollm2_dir: Path, fp32_models: dict[str, LlamaForCausalLM]) -> None:
     # the float-activation kernels, so the only difference from the converter's floats is summation order
     # (the default ``tandem_a8`` rounds activations to int8 blocks: the perplexity test measures that)
     int4 = load_model(smollm2_dir, dtype="float32", quantization="int4", quantization_kernel="tandem_cpu")
-    linears = {name: m for name, m in int4.named_modules() if isinstance(m, QuantizedLinear)}
+    linears = {name: m for name, m in int4.named_modules() if isinstance(m, Linear) and m.format != "float"}
     assert {(m.format, m.group_size) for n, m in linears.items() if n != "lm_head"} == {("int4", 32)}
     assert (linears["lm_head"].format, linears["lm_head"].group_size) == ("int8", 32)  # Q8_0 token_embd
     assert int4.weight_bytes < 0.6 * fp32_models["none"].weight_bytes

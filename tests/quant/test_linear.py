@@ -1,4 +1,4 @@
-"""Every ``QuantizedLinear`` the registry can build, against the reference math of its format.
+"""Every packed ``LinearMethod`` the registry can pick, against the reference math of its format.
 
 CPU: Tandem's kernels (the GEMV path and the tiled dequantize-and-GEMM path), PyTorch's ops, W8A8.
 Triton's kernel runs under the interpreter here and compiled on a GPU. The CUDA-only modules (tinygemm
@@ -10,16 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.model.linear import Linear
 from common.quant import cpu_linear
 from common.quant.cpu_kernels import amx_enabled, quant_kernels
-from common.quant.cpu_linear import (
-    AMX_QUANT_MIN_ROWS,
-    GEMV_MAX_ROWS,
-    PANEL_MAX_ROWS_NO_VNNI,
-    Int4LinearA8,
-    Int4LinearCPU,
-    Int8LinearA8,
-)
+from common.quant.cpu_linear import AMX_QUANT_MIN_ROWS, GEMV_MAX_ROWS, PANEL_MAX_ROWS_NO_VNNI, A8Method, PackedCPUMethod
 from common.quant.formats import (
     QuantizedWeight,
     quantize_fp8,
@@ -30,12 +24,24 @@ from common.quant.formats import (
     reference_matmul,
     reference_w8a8_matmul,
 )
-from common.quant.registry import kernel_names, make_linear
+from common.quant.registry import kernel_names, packed_method, to_device
 
 CPU = torch.device("cpu")
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 5e-2)}  # rtol, atol
+
+
+def make_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                kernel: str = "auto") -> Linear:
+    """A ``Linear`` of ``weight``'s shape given the registry's method for it (as the after-load pass does)."""
+    n, k = weight.shape
+    layer = Linear(k, n, bias=bias is not None, device=device, dtype=dtype)
+    if bias is not None:
+        layer.bias = torch.nn.Parameter(bias.to(device, dtype), requires_grad=False)
+    weight = to_device(weight, device)
+    layer.set_method(packed_method(weight, device, dtype, kernel), weight)
+    return layer
 
 
 def _data(m: int, k: int = 128, n: int = 48, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +57,7 @@ def test_tandem_cpu_linear_matches_reference(fmt: str, m: int, dtype: torch.dtyp
     weight = quantize_int4(w, 64) if fmt == "int4" else quantize_int8(w, 32 if fmt == "int8-grouped" else None)
     bias = torch.randn(48)
     linear = make_linear(weight, bias, CPU, dtype, kernel="tandem_cpu")
-    assert linear.kernel_name == "tandem_cpu"
+    assert linear.method.name == "tandem_cpu"
     y = linear(x.to(dtype).view(1, m, 128))  # leading dims are kept, like nn.Linear
     assert y.shape == (1, m, 48) and y.dtype == dtype
     expected = reference_matmul(x.to(dtype), weight) + bias
@@ -69,9 +75,9 @@ def test_the_default_cpu_linear_rounds_activations_where_its_kernel_does(fmt: st
     w, x = _data(m, n=40 if fmt.endswith("unpaneled") else 48)
     weight = quantize_int4(w, 64) if fmt.startswith("int4") else quantize_int8(w, 32 if fmt == "int8-grouped" else None)
     linear = make_linear(weight, None, CPU, dtype)
-    assert linear.kernel_name == "tandem_a8"
+    assert linear.method.name == "tandem_a8"
     paneled = not fmt.endswith("unpaneled")
-    assert getattr(linear, "panels", False) == paneled
+    assert isinstance(linear.method, A8Method) and linear.method.panels == paneled
     y = linear(x.to(dtype))
     assert y.dtype == dtype
     if paneled:
@@ -92,14 +98,14 @@ def test_bf16_batches_multiply_dequantized_tiles_in_fp32_without_native_bf16(
     linear = make_linear(quantize_int4(w, 64), None, CPU, torch.bfloat16, kernel="tandem_cpu")
     monkeypatch.setattr(cpu_linear, "bf16_gemm_native", lambda: native)
     seen: list[torch.dtype] = []
-    assert isinstance(linear, Int4LinearCPU)
-    dequantize = linear._dequantize
+    assert type(linear.method) is PackedCPUMethod
+    dequantize = linear.method._dequantize
 
     def recording(row0: int, row1: int, dtype: torch.dtype) -> torch.Tensor:
         seen.append(dtype)
         return dequantize(row0, row1, dtype)
 
-    monkeypatch.setattr(linear, "_dequantize", recording)
+    monkeypatch.setattr(linear.method, "_dequantize", recording)
     y = linear(x.to(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and set(seen) == {torch.bfloat16 if native else torch.float32}
     rtol, atol = TOLERANCE[torch.bfloat16]
@@ -112,14 +118,20 @@ def test_paneled_rows_and_dequantized_tiles_are_the_weight(fmt: str) -> None:
     w, _ = _data(1, n=64)
     weight = quantize_int4(w, 32) if fmt == "int4" else quantize_int8(w, 32 if fmt == "int8-grouped" else None)
     linear = make_linear(weight, None, CPU, torch.float32)
-    assert isinstance(linear, Int4LinearA8 | Int8LinearA8) and linear.panels
+    method = linear.method
+    assert isinstance(method, A8Method) and method.panels
     full = weight.dequantize()
-    torch.testing.assert_close(linear._dequantize(5, 37, torch.float32), full[5:37], rtol=0, atol=0)
+    torch.testing.assert_close(method._dequantize(5, 37, torch.float32), full[5:37], rtol=0, atol=0)
     assert linear.weight_bytes == weight.nbytes  # the same bytes, interleaved
-    if isinstance(linear, Int8LinearA8):
-        ids = torch.tensor([0, 17, 63, 16, 5])
-        torch.testing.assert_close(linear.int8_rows(ids), full[ids], rtol=0, atol=0)
-        assert torch.equal(linear._int8_q(), weight.q)
+    ids = torch.tensor([0, 17, 63, 16, 5])
+    if fmt.startswith("int8"):
+        rows = method.rows(linear, ids)
+        assert rows is not None
+        torch.testing.assert_close(rows, full[ids], rtol=0, atol=0)
+        q = method.int8_q(linear)
+        assert q is not None and torch.equal(q, weight.q)
+    else:
+        assert method.rows(linear, ids) is None  # 4-bit rows are no lookup table
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
@@ -127,7 +139,7 @@ def test_torch_cpu_ops_match_reference(fmt: str) -> None:
     w, x = _data(5)
     weight = quantize_int4(w, 32) if fmt == "int4" else quantize_int8(w)
     linear = make_linear(weight, None, CPU, torch.bfloat16, kernel="torch")
-    assert linear.kernel_name == "torch"
+    assert linear.method.name == "torch"
     expected = reference_matmul(x.bfloat16(), weight)
     torch.testing.assert_close(linear(x.bfloat16()).float(), expected, rtol=2e-2, atol=5e-2)
 

@@ -1,4 +1,5 @@
-"""Swapping a model's linear layers: each mode, the GGUF path, and the start-up errors that name the flag."""
+"""Packed methods for a model's linear layers: each mode, the GGUF path, the tied lookup, and the start-up
+errors that name the flag."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from common.attention.metadata import AttentionMetadata
 from common.config.model_config import ModelConfig
 from common.config.settings import ModelSettings, load_settings
 from common.model.gguf_convert import convert_gguf_to_hf
+from common.model.linear import Linear, TiedEmbedding
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
+from common.model.prepare import prepare_model
 from common.quant.config import QuantConfig, QuantizationError, QuantMethod
 from common.quant.gguf_blocks import GGUFBlocks
-from common.quant.linear import QuantizedLinear
-from common.quant.quantizer import check_quantization, quantize_model
+from common.quant.quantizer import check_quantization
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 64, 96, 4, 2, 64
 
@@ -32,14 +34,22 @@ def _logits(model: LlamaForCausalLM, n: int = 12) -> torch.Tensor:
         return model.compute_logits(model(ids, torch.arange(n), meta))
 
 
-def _linears(model: LlamaForCausalLM) -> dict[str, QuantizedLinear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+def _linears(model: LlamaForCausalLM) -> dict[str, Linear]:
+    """The model's packed layers, by name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear) and m.format != "float"}
+
+
+def _prepared(model_dir: Path, mode: str, blocks: GGUFBlocks | None, kernel: str = "auto") -> LlamaForCausalLM:
+    """The after-load pass with a GGUF file's blocks given directly (the loader finds them from the directory)."""
+    model = load_model(model_dir, dtype="float32", prepare=False)
+    prepare_model(model, "cpu", QuantConfig.parse(mode), blocks, kernel)
+    return model
 
 
 @pytest.mark.parametrize(("mode", "formats"), [
     ("int8", {"int8"}), ("int4", {"int4", "int8"}), ("w8a8", {"int8"}),
 ])
-def test_every_linear_is_swapped_and_logits_stay_close(tiny_model_dir: Path, mode: str, formats: set[str]) -> None:
+def test_every_linear_is_packed_and_logits_stay_close(tiny_model_dir: Path, mode: str, formats: set[str]) -> None:
     reference = load_model(tiny_model_dir, dtype="float32")
     model = load_model(tiny_model_dir, dtype="float32", quantization=mode)
     linears = _linears(model)
@@ -152,10 +162,9 @@ def q4_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_gguf_q4_1_blocks_run_as_published(q4_gguf: tuple[Path, Path], mode: str) -> None:
     gguf_path, hf_dir = q4_gguf
     reference = load_model(hf_dir, dtype="float32")  # the converter's exact dequantization
-    model = load_model(hf_dir, dtype="float32")
     blocks = GGUFBlocks(gguf_path, 1, HEADS, KV_HEADS)
     # float-activation kernels: the default tandem_a8 also rounds x to int8 blocks (tested in test_linear)
-    quantize_model(model, QuantConfig.parse(mode), blocks, kernel="tandem_cpu")
+    model = _prepared(hf_dir, mode, blocks, kernel="tandem_cpu")
     linears = _linears(model)
     assert linears["layers.0.mlp.down_proj"].format == "int4"
     assert linears["lm_head"].format == "int8" and linears["lm_head"].group_size == 32  # Q8_0 as published
@@ -167,8 +176,7 @@ def test_gguf_q4_1_blocks_run_as_published(q4_gguf: tuple[Path, Path], mode: str
 
 def test_gguf_int8_requantizes_4_bit_layers_and_keeps_q8_0(q4_gguf: tuple[Path, Path]) -> None:
     gguf_path, hf_dir = q4_gguf
-    model = load_model(hf_dir, dtype="float32")
-    quantize_model(model, QuantConfig.parse("int8"), GGUFBlocks(gguf_path, 1, HEADS, KV_HEADS))
+    model = _prepared(hf_dir, "int8", GGUFBlocks(gguf_path, 1, HEADS, KV_HEADS))
     linears = _linears(model)
     assert linears["layers.0.self_attn.qkv_proj"].format == "int8"
     assert linears["layers.0.self_attn.qkv_proj"].group_size == HIDDEN  # per channel
@@ -176,36 +184,20 @@ def test_gguf_int8_requantizes_4_bit_layers_and_keeps_q8_0(q4_gguf: tuple[Path, 
 
 
 def test_a_tied_head_quantized_at_load_keeps_the_float_table(tiny_model_factory: Callable[..., Path]) -> None:
-    model = load_model(tiny_model_factory(tie_word_embeddings=True), dtype="float32", quantization="int8")
-    assert isinstance(model.embed_tokens, torch.nn.Embedding)  # the lookup does not inherit the rounding
-    assert isinstance(model.lm_head, QuantizedLinear)
-    assert next(model.parameters()).dtype == model.dtype == torch.float32  # what the engine sizes KV from
-
-
-def test_quantizing_a_model_loaded_with_float_panels_keeps_one_float_table(
-        tiny_model_factory: Callable[..., Path]) -> None:
-    from common.model.gemv import PanelEmbedding, gemv_kernels
-
-    if gemv_kernels() is None:
-        pytest.skip("the CPU kernels could not be built")
     model_dir = tiny_model_factory(tie_word_embeddings=True)
-    model = load_model(model_dir, dtype="float32")  # tied head as panels, the lookup reading them
-    assert isinstance(model.embed_tokens, PanelEmbedding)
-    table = model.embed_tokens.weight.clone()
-    quantize_model(model, QuantConfig.parse("int8"))
-    assert type(model.embed_tokens) is torch.nn.Embedding  # float rows, row-major, registered in the model
-    assert torch.equal(model.embed_tokens.weight, table)
-    assert isinstance(model.lm_head, QuantizedLinear)
+    reference = load_model(model_dir, dtype="float32", prepare=False)  # the float table as loaded
+    model = load_model(model_dir, dtype="float32", quantization="int8")
+    assert type(model.embed_tokens) is torch.nn.Embedding  # the lookup does not inherit the rounding
+    assert torch.equal(model.embed_tokens.weight, reference.embed_tokens.weight)
+    assert model.lm_head.format == "int8"
+    assert next(model.parameters()).dtype == model.dtype == torch.float32  # what the engine sizes KV from
 
 
 def test_gguf_q8_0_embedding_rows_are_the_published_values(q4_gguf: tuple[Path, Path]) -> None:
     gguf_path, hf_dir = q4_gguf
     reference = load_model(hf_dir, dtype="float32")
-    model = load_model(hf_dir, dtype="float32")
-    quantize_model(model, QuantConfig.parse("int4"), GGUFBlocks(gguf_path, 1, HEADS, KV_HEADS))
-    from common.quant.embedding import QuantizedEmbedding
-
-    assert isinstance(model.embed_tokens, QuantizedEmbedding)  # one packed copy serves both ends
+    model = _prepared(hf_dir, "int4", GGUFBlocks(gguf_path, 1, HEADS, KV_HEADS))
+    assert isinstance(model.embed_tokens, TiedEmbedding)  # one packed copy serves both ends
     ids = torch.arange(VOCAB)
     assert torch.equal(model.embed_tokens(ids), reference.embed_tokens(ids))
     assert model.weight_bytes < reference.weight_bytes - VOCAB * HIDDEN * 3
@@ -213,12 +205,12 @@ def test_gguf_q8_0_embedding_rows_are_the_published_values(q4_gguf: tuple[Path, 
 
 @pytest.mark.parametrize("kernel", ["tandem_cpu", "torch", "int_mm", "reference"])
 def test_shared_lookup_reads_rows_whatever_the_head_kernel(kernel: str) -> None:
-    from common.quant.embedding import QuantizedEmbedding
     from common.quant.formats import quantize_int8
-    from common.quant.registry import make_linear
+    from common.quant.registry import packed_method
 
     weight = quantize_int8(torch.randn(40, HIDDEN))
-    head = make_linear(weight, None, torch.device("cpu"), torch.float32, kernel)
+    head = Linear(HIDDEN, 40, bias=False)
+    head.set_method(packed_method(weight, torch.device("cpu"), torch.float32, kernel), weight)
     ids = torch.tensor([0, 7, 7, 39])
-    torch.testing.assert_close(QuantizedEmbedding(head, torch.float32)(ids), weight.dequantize()[ids],
+    torch.testing.assert_close(TiedEmbedding(head, torch.float32)(ids), weight.dequantize()[ids],
                                rtol=1e-3 if kernel == "torch" else 0, atol=1e-3 if kernel == "torch" else 0)

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from common.engine.heap import HeapTrimmer, trim_heap
-from common.model.row_buckets import BucketedLinear, bucket_linears, bucket_rows, linear_bucketed, wanted
+from common.model.linear import Linear, TorchMethod
+from common.model.row_buckets import bucket_rows, linear_bucketed, wanted
 
 
 def test_trimmer_trims_at_most_once_per_interval() -> None:
@@ -41,10 +42,9 @@ def test_buckets_are_few_and_waste_at_most_an_eighth() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bucketed_linear_equals_linear_row_for_row(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    lin = nn.Linear(24, 40, bias=True).to(dtype)
     ref = nn.Linear(24, 40, bias=True).to(dtype)
-    ref.load_state_dict(lin.state_dict())
-    assert bucket_linears(nn.Sequential(lin)) == 1 and isinstance(lin, BucketedLinear)
+    lin = Linear.of(ref.weight.detach().clone(), ref.bias.detach().clone())
+    lin.set_method(TorchMethod(bucketed=True))
     for m in (1, 16, 17, 37, 100):
         x = torch.randn(m, 24).to(dtype)
         out = lin(x)
