@@ -90,7 +90,10 @@ class DecodeStep:
         from common.attention.torch_backend import TorchAttentionBackend
 
         mode = step_mode() if mode is None else mode
-        if mode == "off" or model.fused_ops is None or model.dtype not in _DTYPES:
+        from common.model.fused_ops import CppOps
+
+        # bit-identical to the op-by-op path with the C++ fused ops (the kernels it is compiled from)
+        if mode == "off" or not isinstance(model.fused_ops, CppOps) or model.dtype not in _DTYPES:
             return None
         layers = list(model.layers)  # decoder layers: norms, self_attn (qkv, o, rotary, backend), mlp
         if not layers:

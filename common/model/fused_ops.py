@@ -19,7 +19,8 @@ same functions was measured too and is slower at decode sizes on CPU (see the RE
 and launch overhead is as large as the ops it replaces.
 
 ``TANDEM_FUSED_OPS=auto|on|off`` (auto: the C++ ops on CPU where they build, else eager; on: the C++
-ops or a start-up error; off: the unfused layer forward, exactly the reference path).
+ops or a start-up error; off: eager, the reference). The model has one forward (common/model/llama.py);
+these ops are its only elementwise code.
 """
 
 from __future__ import annotations
@@ -118,16 +119,16 @@ def fused_mode() -> str:
     return mode
 
 
-def fused_ops_for(device: torch.device, mode: str | None = None) -> FusedOps | None:
-    """The ops the layer forward uses on ``device``; None: the unfused reference forward."""
+def fused_ops_for(device: torch.device, mode: str | None = None) -> FusedOps:
+    """The ops the layer forward uses on ``device``: the C++ ones on CPU where they build, else eager."""
     mode = fused_mode() if mode is None else mode
     if mode == "off" or device.type != "cpu":
-        return None  # CUDA: the unfused path (CUDA graphs are the lever there, not this)
+        return EagerOps()  # CUDA: eager (CUDA graphs are the lever there, not this)
     module = cpp_module()
     if module is None:
         if mode == "on":
             raise RuntimeError("TANDEM_FUSED_OPS=on but the fused CPU kernels could not be built (see the log)")
-        return None
+        return EagerOps()
     return CppOps(module)
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 from torch import nn
 
+from common.model.fused_ops import EagerOps
 from common.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from common.model.linear import Linear
 
@@ -48,23 +49,10 @@ class LlamaAttention(nn.Module):
             config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
         )
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv_cache: LayerKV | None
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, max_position=meta.max_seq_len - 1)
-        layer_cache = kv_cache.layer(self.layer_idx) if kv_cache is not None else None
-        out = self.backend.forward(q, k, v, layer_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-    def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-                      kv_cache: LayerKV | None, ops: FusedOps) -> torch.Tensor:
-        """``forward`` with rotary applied in place on the qkv projection's output (no split copies) and,
-        with a paged cache, fused with writing the new K/V into it."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: LayerKV | None, ops: FusedOps) -> torch.Tensor:
+        """x: [num_tokens, hidden] -> [num_tokens, hidden]. Rotary is applied in place on the qkv projection's
+        output (no split copies) and, with a paged cache, in one pass with writing the new K/V into it."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
@@ -90,20 +78,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv_cache: LayerKV | None
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                      meta: AttentionMetadata, kv_cache: LayerKV | None,
-                      ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer with the residual stream carried beside the output: (x, residual) ->
-        (this layer's MLP output, the stream before it), so each add rides in the next norm's pass."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, kv_cache: LayerKV | None,
+                ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with the residual stream carried beside the output: (x, residual) -> (this layer's MLP
+        output, the stream before it), so each add rides in the next norm's pass (residual None: x is the
+        stream, the first layer's embedding)."""
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h, residual = ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)
-        x = self.self_attn.forward_fused(positions, h, meta, kv_cache, ops)
+        x = self.self_attn(positions, h, meta, kv_cache, ops)
         h, residual = ops.add_rms_norm(x, residual, norm2.weight, norm2.eps)
         return self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(h))), residual
 
@@ -128,8 +111,9 @@ class LlamaForCausalLM(nn.Module):
         # and the lookup then reads the head's rows).
         self.lm_head = (Linear.of(embed.weight) if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, bias=False))
-        # None: the reference forward. The after-load pass sets the fused ops (common/model/fused_ops.py).
-        self.fused_ops: FusedOps | None = None
+        # The elementwise ops of the layers: the eager reference until the after-load pass picks the fused
+        # C++ ones on CPU (common/model/fused_ops.py, TANDEM_FUSED_OPS).
+        self.fused_ops: FusedOps = EagerOps()
         # None: op by op. The after-load pass sets the one-call decode step (common/model/decode_step.py) on CPU.
         self.decode_step: DecodeStep | None = None
 
@@ -157,19 +141,26 @@ class LlamaForCausalLM(nn.Module):
         own draft model.
         """
         x = self.embed_tokens(input_ids)
+        num_layers = len(self.layers) if num_layers is None else num_layers
         step = self.decode_step
-        if step is not None and self.fused_ops is not None and kv_cache is not None and step.applies(x, meta, kv_cache):
-            return step.run(x, positions, meta, kv_cache, len(self.layers) if num_layers is None else num_layers)
+        if step is not None and kv_cache is not None and step.applies(x, meta, kv_cache):
+            return step.run(x, positions, meta, kv_cache, num_layers)  # the same layers in one C++ call
+        x, residual = self.run_layers(positions, x, None, meta, kv_cache, num_layers)
+        return self.final_norm(x, residual)
+
+    def run_layers(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                   meta: AttentionMetadata, kv_cache: LayerKV | None, num_layers: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder layers this model holds (the first ``num_layers``), with the residual stream carried
+        beside the hidden state: what ``forward`` and a pipeline stage (common/parallel/tp_model.py) run."""
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        ops = self.fused_ops
-        if ops is not None:
-            residual: torch.Tensor | None = None
-            for fused_layer in cast("list[LlamaDecoderLayer]", layers):
-                x, residual = fused_layer.forward_fused(positions, x, residual, meta, kv_cache, ops)
-            return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
-        for layer in layers:
-            x = layer(positions, x, meta, kv_cache)
-        return self.norm(x)
+        for layer in cast("list[LlamaDecoderLayer]", layers):
+            x, residual = layer(positions, x, residual, meta, kv_cache, self.fused_ops)
+        return x, residual
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's output added to the stream, normed: hidden [num_tokens, hidden]."""
+        return self.fused_ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, hidden] -> logits: [n, vocab] in fp32 (sampling wants full precision)

@@ -158,14 +158,14 @@ def _stage_ends(model: LlamaForCausalLM) -> tuple[bool, bool]:
 def stage_forward(model: LlamaForCausalLM, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   kv_cache: LayerKV | None, residual: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run this rank's stage over a ragged batch.
+    """Run this rank's stage over a ragged batch: the model's own layer loop (``run_layers``) between the
+    embedding (first stage) and the final norm (last stage).
 
     inputs: token ids [num_tokens] on the first stage, else the previous stage's hidden [num_tokens, hidden];
-    residual: what the previous stage returned beside it (None on the first stage and on the reference path).
+    residual: the residual stream the previous stage returned beside it (None on the first stage).
     Returns (hidden, residual): on the last stage the final-normed hidden [num_tokens, hidden] and None;
-    elsewhere what the next stage takes — on the fused path (``model.fused_ops``) the last layer's MLP output
-    and the residual stream (which the fused ops update in place: pass a tensor the stage may own), on the
-    reference path the hidden state and None. Every rank of a stage returns the same tensors.
+    elsewhere the last layer's MLP output and the residual stream (which the fused ops update in place: pass
+    a tensor the stage may own). Every rank of a stage returns the same tensors.
     """
     first, last = _stage_ends(model)
     if first:
@@ -173,17 +173,8 @@ def stage_forward(model: LlamaForCausalLM, inputs: torch.Tensor, positions: torc
         x = model.embed_tokens(inputs)
     else:
         x = inputs
-    ops = model.fused_ops
-    if ops is not None:
-        for fused_layer in cast("list[LlamaDecoderLayer]", model.layers):
-            x, residual = fused_layer.forward_fused(positions, x, residual, meta, kv_cache, ops)
-        if last:
-            return ops.add_rms_norm(x, residual, model.norm.weight, model.norm.eps)[0], None
-        return x, residual
-    assert residual is None, "the reference forward carries no residual"
-    for layer in model.layers:
-        x = layer(positions, x, meta, kv_cache)
-    return (model.norm(x), None) if last else (x, None)
+    x, residual = model.run_layers(positions, x, residual, meta, kv_cache)
+    return (model.final_norm(x, residual), None) if last else (x, residual)
 
 
 def shard_logits(model: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:

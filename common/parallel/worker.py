@@ -198,12 +198,10 @@ class Rank:
         import torch.distributed as dist
 
         start = time.perf_counter()
-        fused = self.model.fused_ops is not None
-        shape = (2, num_tokens, self.hidden_size) if fused else (num_tokens, self.hidden_size)
-        buf = torch.empty(shape, dtype=self.dtype)
+        buf = torch.empty((2, num_tokens, self.hidden_size), dtype=self.dtype)  # hidden and residual stream
         dist.recv(buf, self.prev_rank)
         self.collective_seconds += time.perf_counter() - start
-        return (buf[0], buf[1]) if fused else (buf, None)
+        return buf[0], buf[1]
 
 
 def serve(stdin: IO[bytes], stdout: IO[bytes]) -> int:

@@ -51,10 +51,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum: the fused CPU kernel on CPU (common/model/fused_ops.py's ``argmax_rows``:
     64 x 49,152 fp32 logits, 2 threads, fresh from the LM head: torch's argmax 2.7 ms, max 1.8 ms), else
     ``max``'s indices (argmax's answer in a third of its time)."""
-    from common.model.fused_ops import EagerOps, fused_ops_for
+    from common.model.fused_ops import fused_ops_for
 
-    ops = fused_ops_for(logits.device)
-    return (ops if ops is not None else EagerOps()).argmax_rows(logits)
+    return fused_ops_for(logits.device).argmax_rows(logits)
 
 
 class Sampler:

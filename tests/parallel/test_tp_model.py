@@ -3,7 +3,7 @@
 Real processes ("spawn", torch.distributed gloo on loopback): one world of 2 ranks runs T=2 and P=2, one of 4
 runs T=2 x P=2 and T=4 over 2 KV heads (replicated) writing one shared-memory KV cache. Each case prefills
 three sequences, decodes three steps and runs a mixed step (one sequence extends by 3 tokens beside two
-decodes) through the paged cache, on the reference and the fused forward, teacher-forced with the unsharded
+decodes) through the paged cache, with the eager reference ops and the fused C++ ones, teacher-forced with the unsharded
 model's greedy tokens. Pipeline stages hand hidden states on with gloo send/recv, as the node's workers do.
 """
 
@@ -65,8 +65,9 @@ class Reference:
     cache: torch.Tensor
 
 
-def _fused_ops(fused: bool) -> FusedOps | None:
-    return (fused_ops_for(torch.device("cpu"), "auto") or EagerOps()) if fused else None
+def _fused_ops(fused: bool) -> FusedOps:
+    """The C++ fused ops (where they build), or the eager reference ops."""
+    return fused_ops_for(torch.device("cpu"), "auto") if fused else EagerOps()
 
 
 def _spec(config: ModelConfig) -> KVCacheSpec:
@@ -128,9 +129,9 @@ def _run_case(case: Case, rank: int) -> dict[str, Any]:
         meta = AttentionMetadata.build(q, c, TABLES, BLOCK_SIZE)
         x, residual = torch.tensor(ids), None
         if placement.prev_stage_rank is not None:
-            buf = torch.empty(2 if case.fused else 1, len(ids), config.hidden_size)
+            buf = torch.empty(2, len(ids), config.hidden_size)  # hidden and the residual stream
             dist.recv(buf, placement.prev_stage_rank)
-            x, residual = buf[0], (buf[1] if case.fused else None)
+            x, residual = buf[0], buf[1]
         hidden, residual = stage_forward(model, x, torch.tensor(positions), meta, kv, residual)
         if placement.next_stage_rank is not None:
             dist.send(torch.stack([hidden] if residual is None else [hidden, residual]), placement.next_stage_rank)
