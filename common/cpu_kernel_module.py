@@ -11,7 +11,6 @@ its own (common/attention/cpu_kernels.py): it is built with other flags (-ffast-
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import ModuleType
 
@@ -51,10 +50,10 @@ def runnable_isas(flags: set[str] | None = None) -> list[str]:
 def best_isa(flags: set[str] | None = None) -> str:
     """The widest instruction set whose build this CPU can run (``TANDEM_CPU_ISA`` forces one)."""
     flags = cpu_flags() if flags is None else flags
-    forced = os.environ.get("TANDEM_CPU_ISA", "").strip().lower()
+    from common.config.settings import kernel_settings
+
+    forced = kernel_settings().cpu_isa  # TANDEM_CPU_ISA: checked against the choices there
     if forced:
-        if forced not in ISA_FLAGS:
-            raise ValueError(f"TANDEM_CPU_ISA={forced!r}; choose one of {', '.join(ISA_FLAGS)}")
         missing = _REQUIRED[forced] - flags
         if missing:
             raise ValueError(f"TANDEM_CPU_ISA={forced}: this CPU lacks {', '.join(sorted(missing))}")

@@ -258,8 +258,29 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
+def kernel_settings_help() -> str:
+    """The CPU kernel settings (``KernelSettings``: environment variables only), for ``tandem --help``."""
+    import dataclasses
+
+    from common.config.settings import CPU_ISAS, KERNEL_MODES, KernelSettings
+
+    lines = ["CPU kernel settings (environment variables; docs/cpu-kernels.md):"]
+    for f in dataclasses.fields(KernelSettings):
+        if f.type in (bool, "bool"):
+            choices = "1|0"
+        elif f.name == "cpu_isa":
+            choices = "|".join(CPU_ISAS)
+        else:
+            choices = "|".join(KERNEL_MODES)
+        default = "1" if f.default is True else (f.default or "the CPU's widest")
+        lines.append(f"  {env_name(f.name)}={choices} (default {default})")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving",
+                                     epilog=kernel_settings_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="manage models")

@@ -15,7 +15,6 @@ cached AVX-512 build loaded on an AVX2 machine dies with SIGILL.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -28,7 +27,9 @@ _state: dict[str, ModuleType | None] = {}
 
 
 def kernels_enabled() -> bool:
-    return os.environ.get("TANDEM_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    from common.config.settings import kernel_settings
+
+    return kernel_settings().cpu_kernels  # TANDEM_CPU_KERNELS
 
 
 def paged_decode_kernel() -> ModuleType | None:

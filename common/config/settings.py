@@ -208,3 +208,41 @@ def _coerce(value: Any, hint: Any, label: str) -> Any:
     except ValueError:
         raise ValueError(f"{label}={value!r} is not a valid {getattr(hint, '__name__', hint)}") from None
     return value
+
+
+KERNEL_MODES = ("auto", "on", "off")
+CPU_ISAS = ("avx512", "avx2", "generic")  # common/cpu_kernel_module.py's builds, widest first
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """Which CPU kernels run (docs/cpu-kernels.md): environment variables only, read where the model is
+    prepared (``kernel_settings()``), listed by ``tandem --help``. Modes: auto (where the kernels build and
+    apply), on (that, or a start-up error), off. One error behaviour: a value that is not a choice raises
+    ``ValueError`` naming the variable and the choices; ``on`` where the kernel cannot build raises
+    ``RuntimeError`` at start-up; ``auto`` falls back to PyTorch's ops with a log line."""
+
+    cpu_kernels: bool = True  # the compiled CPU attention and KV-write kernels (off: PyTorch's reference ops)
+    cpu_isa: str = ""  # force a kernel build: avx512 | avx2 | generic ("": the widest this CPU runs)
+    cpu_amx: str = "auto"  # AMX tiles for bf16 panels where the CPU grants them
+    cpu_panels: str = "auto"  # float weights in 16-row panels (off: row-major)
+    cpu_gemv: str = "auto"  # Tandem's float GEMV and panel methods (off: F.linear only)
+    fused_ops: str = "auto"  # the C++ fused elementwise ops (off: the eager reference)
+    decode_step: str = "auto"  # the one-call CPU decode step
+    row_buckets: str = "auto"  # 16-bit CPU matmuls padded to a few row counts (auto: on for bf16/fp16)
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_amx", "cpu_panels", "cpu_gemv", "fused_ops", "decode_step", "row_buckets"):
+            value = str(getattr(self, name)).strip().lower() or "auto"
+            if value not in KERNEL_MODES:
+                raise ValueError(f"{env_name(name)}={value!r}; choose one of {', '.join(KERNEL_MODES)}")
+            object.__setattr__(self, name, value)
+        isa = self.cpu_isa.strip().lower()
+        if isa and isa not in CPU_ISAS:
+            raise ValueError(f"{env_name('cpu_isa')}={isa!r}; choose one of {', '.join(CPU_ISAS)}")
+        object.__setattr__(self, "cpu_isa", isa)
+
+
+def kernel_settings(environ: Mapping[str, str] | None = None) -> KernelSettings:
+    """The kernel settings from the environment, read at each call (cheap; tests and benchmarks change them)."""
+    return load_settings(KernelSettings, environ=environ)

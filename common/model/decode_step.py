@@ -23,12 +23,12 @@ build; off: never).
 from __future__ import annotations
 
 import contextlib
-import os
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.config.settings import kernel_settings
 from common.cpu_kernel_module import cpu_kernels
 from common.quant.cpu_kernels import NO_AMX
 
@@ -45,14 +45,10 @@ Cache = Any
 MAX_ROWS = 256  # cpu_step.cpp's MAX_ROWS: a bound on its buffers
 MIN_ROWS = 16  # a model whose projections cannot take this many rows in the step keeps the op-by-op path
 _DTYPES = (torch.float32, torch.bfloat16)  # activations (and the KV cache) the step runs in
-STEP_MODES = ("auto", "on", "off")
 
 
 def step_mode() -> str:
-    mode = os.environ.get("TANDEM_DECODE_STEP", "auto").strip().lower() or "auto"
-    if mode not in STEP_MODES:
-        raise ValueError(f"TANDEM_DECODE_STEP={mode!r}; choose one of {', '.join(STEP_MODES)}")
-    return mode
+    return kernel_settings().decode_step  # TANDEM_DECODE_STEP
 
 
 def step_module(isa: str | None = None) -> ModuleType | None:

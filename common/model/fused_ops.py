@@ -25,15 +25,13 @@ these ops are its only elementwise code.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 
+from common.config.settings import kernel_settings
 from common.cpu_kernel_module import cpu_kernels
 from common.kv.kv_cache import write_kv
-
-FUSED_MODES = ("auto", "on", "off")
 
 
 class EagerOps:
@@ -113,10 +111,7 @@ FusedOps = EagerOps | CppOps
 
 
 def fused_mode() -> str:
-    mode = os.environ.get("TANDEM_FUSED_OPS", "auto").strip().lower() or "auto"
-    if mode not in FUSED_MODES:
-        raise ValueError(f"TANDEM_FUSED_OPS={mode!r}; choose one of {', '.join(FUSED_MODES)}")
-    return mode
+    return kernel_settings().fused_ops  # TANDEM_FUSED_OPS
 
 
 def fused_ops_for(device: torch.device, mode: str | None = None) -> FusedOps:

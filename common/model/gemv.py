@@ -24,13 +24,13 @@ verification row can differ from the plain decode row in the last bit (fp32 pane
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from common.config.settings import kernel_settings
 from common.model.linear import LinearMethod, StepWeights
 from common.model.row_buckets import bucket_rows, linear_bucketed
 from common.quant.cpu_kernels import NO_AMX, amx_enabled
@@ -49,10 +49,7 @@ _limits: dict[str, int] = {}
 
 
 def gemv_mode() -> str:
-    mode = os.environ.get("TANDEM_CPU_GEMV", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"TANDEM_CPU_GEMV={mode!r}; choose one of auto, on, off")
-    return mode
+    return kernel_settings().cpu_gemv  # TANDEM_CPU_GEMV
 
 
 def gemv_kernels() -> ModuleType | None:
@@ -210,10 +207,7 @@ class PanelMethod(LinearMethod):
 
 def panel_mode() -> bool:
     """``TANDEM_CPU_PANELS=auto|on|off`` (auto = on): float weights in 16-row panels where they fit."""
-    mode = os.environ.get("TANDEM_CPU_PANELS", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"TANDEM_CPU_PANELS={mode!r}; choose one of auto, on, off")
-    return mode != "off"
+    return kernel_settings().cpu_panels != "off"
 
 
 def wanted(device: torch.device) -> bool:

@@ -14,8 +14,6 @@ for 16-bit activations (``wanted``); ``TANDEM_ROW_BUCKETS=off`` turns it off, ``
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -44,9 +42,9 @@ def linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def wanted(device: torch.device, dtype: torch.dtype) -> bool:
     """auto: on for 16-bit activations on CPU (oneDNN's per-shape kernels); TANDEM_ROW_BUCKETS=on|off."""
-    choice = os.environ.get("TANDEM_ROW_BUCKETS", "auto").lower()
-    if choice not in ("auto", "on", "off"):
-        raise ValueError(f"TANDEM_ROW_BUCKETS must be auto, on or off; got {choice!r}")
+    from common.config.settings import kernel_settings
+
+    choice = kernel_settings().row_buckets  # TANDEM_ROW_BUCKETS
     if choice != "auto":
         return choice == "on"
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)

@@ -17,7 +17,6 @@ AVX-512 machine; a choice the CPU cannot run is refused). The first build takes 
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 
 from common.cpu_kernel_module import ISA_FLAGS, best_isa, build_error, cpu_flags, cpu_kernels, runnable_isas
@@ -53,9 +52,9 @@ _amx_state: dict[str, bool] = {}
 def amx_enabled(ops: ModuleType) -> bool:
     """Whether the AMX loops run (``TANDEM_CPU_AMX=auto|on|off``): auto where the CPU and its kernel grant
     AMX tiles (``ops.dense_panel_path() == "amx"``), on: that or an error, off: never."""
-    mode = os.environ.get("TANDEM_CPU_AMX", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"TANDEM_CPU_AMX={mode!r}; choose one of auto, on, off")
+    from common.config.settings import kernel_settings
+
+    mode = kernel_settings().cpu_amx  # TANDEM_CPU_AMX
     key = f"{mode}:{ops.__name__}"
     if key not in _amx_state:
         amx = ops.dense_panel_path() == "amx"

@@ -30,7 +30,7 @@ RESULT_PAGES = [ROOT / "benchmarks" / "RESULTS.md", *sorted((ROOT / "benchmarks"
 
 # Classes whose fields ``load_settings`` (common/config/settings.py) reads as TANDEM_<FIELD>.
 SETTINGS_CLASSES = {
-    "common.config.settings": ("ModelSettings", "NodeSettings", "SecuritySettings"),
+    "common.config.settings": ("ModelSettings", "NodeSettings", "SecuritySettings", "KernelSettings"),
     "gateway.settings": ("GatewaySettings",),
     "common.telemetry.settings": ("TelemetrySettings",),
     "tandem_cli.client": ("ClientSecurity",),
@@ -38,14 +38,6 @@ SETTINGS_CLASSES = {
 
 # Variables read outside the settings classes, and the file that reads each.
 OTHER_VARIABLES = {
-    "TANDEM_CPU_KERNELS": "common/attention/cpu_kernels.py",
-    "TANDEM_CPU_ISA": "common/quant/cpu_kernels.py",
-    "TANDEM_CPU_AMX": "common/quant/cpu_kernels.py",
-    "TANDEM_CPU_PANELS": "common/model/gemv.py",
-    "TANDEM_CPU_GEMV": "common/model/gemv.py",
-    "TANDEM_FUSED_OPS": "common/model/fused_ops.py",
-    "TANDEM_DECODE_STEP": "common/model/decode_step.py",
-    "TANDEM_ROW_BUCKETS": "common/model/row_buckets.py",
     "TANDEM_PIN_CPUS": "tandem_cli/child_setup.py",
     "TANDEM_LAUNCHER_PID": "tandem_cli/child_setup.py",
     "TANDEM_PEER_VLLM_PYTHON": "benchmarks/peers/registry.py",

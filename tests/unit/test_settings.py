@@ -39,3 +39,25 @@ def test_a_serving_node_s_step_budget_defaults_by_device() -> None:
         NodeSettings(max_prefill_chunk=-1)
     with pytest.raises(ValueError, match="TANDEM_PREFILL_ORDER"):
         NodeSettings(prefill_order="lifo")
+
+
+def test_kernel_settings_are_read_in_one_place_and_listed_by_help() -> None:
+    import dataclasses
+
+    from common.config.settings import CPU_ISAS, KernelSettings, kernel_settings
+    from common.cpu_kernel_module import ISA_FLAGS
+    from tandem_cli.cli import build_parser
+
+    assert tuple(ISA_FLAGS) == CPU_ISAS  # the builds the kernel module knows
+    settings = kernel_settings({"TANDEM_CPU_GEMV": " OFF ", "TANDEM_CPU_KERNELS": "0", "TANDEM_CPU_ISA": "AVX2"})
+    got = (settings.cpu_gemv, settings.cpu_kernels, settings.cpu_isa, settings.fused_ops)
+    assert got == ("off", False, "avx2", "auto")
+    with pytest.raises(ValueError, match="TANDEM_DECODE_STEP='fast'; choose one of auto, on, off"):
+        kernel_settings({"TANDEM_DECODE_STEP": "fast"})
+    with pytest.raises(ValueError, match="TANDEM_CPU_ISA='sse9'; choose one of avx512, avx2, generic"):
+        kernel_settings({"TANDEM_CPU_ISA": "sse9"})
+    with pytest.raises(ValueError, match="TANDEM_CPU_KERNELS='maybe' is not a valid bool"):
+        kernel_settings({"TANDEM_CPU_KERNELS": "maybe"})
+    help_text = build_parser().format_help()
+    for f in dataclasses.fields(KernelSettings):
+        assert f"TANDEM_{f.name.upper()}=" in help_text
