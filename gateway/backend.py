@@ -18,6 +18,11 @@ if TYPE_CHECKING:
 class GenerateBackend(Protocol):
     """Runs validated Generate requests; shared by all requests."""
 
+    @property
+    def block_size(self) -> int:
+        """The KV block size its engines use (reported by the nodes, never configured on the gateway)."""
+        ...
+
     def generate(self, req: GatewayRequest, arrival: float, deadline: float,
                  ) -> AsyncGenerator[OutputChunk, None]:
         """Yield ``req``'s output chunks: the first as soon as there is a first token (even when its text is

@@ -87,13 +87,12 @@ class _DecodeLeg:
 class Coordinator:
     """The disaggregated ``GenerateBackend``: runs Generate requests over the nodes of one ``Router``."""
 
-    def __init__(self, model: ServedModel, router: Router, pool: NodePool, block_size: int,
-                 kv_timeout_s: float, local_prefill: LocalPrefillPolicy | None = None,
+    def __init__(self, model: ServedModel, router: Router, pool: NodePool, kv_timeout_s: float,
+                 local_prefill: LocalPrefillPolicy | None = None,
                  recompute_on_kv_failure: bool = False) -> None:
         self._model = model
         self._router = router
         self._pool = pool
-        self._block_size = block_size
         self._kv_timeout_s = kv_timeout_s
         self._local_prefill = local_prefill or LocalPrefillPolicy()
         self._recompute_on_kv_failure = recompute_on_kv_failure
@@ -102,14 +101,18 @@ class Coordinator:
         # reservation), under a decode node's target those it prefills itself.
         self._queued: Counter[str] = Counter()
 
+    @property
+    def block_size(self) -> int:
+        return self._pool.block_size  # what the nodes report
+
     async def generate(self, req: GatewayRequest, arrival: float, deadline: float,
                        ) -> AsyncGenerator[OutputChunk, None]:
         """``GenerateBackend.generate`` over the nodes; the deadline is passed on to both of them.
 
         Raises ``ServiceError`` subclasses when a node fails or none is reachable.
         """
-        block_hashes = hash_prompt_blocks(req.prompt_token_ids, self._block_size)
-        num_prompt_blocks = len(req.prompt_token_ids) // self._block_size
+        block_hashes = hash_prompt_blocks(req.prompt_token_ids, self.block_size)
+        num_prompt_blocks = len(req.prompt_token_ids) // self.block_size
         local_target = self._prefill_locally(req, block_hashes, num_prompt_blocks)
         # Until the decode node answers, neither side's backlog holds the prompt: count it meanwhile (a remote
         # one waits for its reservation before any prefill node sees it; a local one for the node's answer).
@@ -213,10 +216,10 @@ class Coordinator:
         node = self._router.pick_decode(num_prompt_blocks)
         if node is None:
             return None
-        cached = {target: blocks * self._block_size for target, blocks in
+        cached = {target: blocks * self.block_size for target, blocks in
                   self._router.affinity.matched_blocks(block_hashes).items()}
         local = prefill_locally(self._local_prefill, len(req.prompt_token_ids), node,
-                                list(self._router.prefill.values()), self._block_size, cached,
+                                list(self._router.prefill.values()), self.block_size, cached,
                                 self._queued[_REMOTE], self._queued[node.target])
         return node.target if local else None
 
@@ -288,7 +291,7 @@ class Coordinator:
             if node is None:
                 raise UnavailableError(f"no reachable prefill node (targets: {', '.join(self._router.prefill)})")
             tried.append(node.target)
-            backlog = max(1, len(req.prompt_token_ids) - matched.get(node.target, 0) * self._block_size)
+            backlog = max(1, len(req.prompt_token_ids) - matched.get(node.target, 0) * self.block_size)
             node.begin()
             node.begin_prefill(backlog)
             started = time.monotonic()

@@ -21,6 +21,8 @@ def load_from_proto(stats: common_pb2.NodeStats) -> NodeLoad:
                     num_running=stats.num_running, num_waiting=stats.num_waiting, block_size=stats.block_size)
 
 
+DEFAULT_BLOCK_SIZE = 16  # NodeSettings' default: what the pool assumes until a node reports its own
+
 # Stats polls in a row that a node with a live connection may leave unanswered (each within
 # min(stats_interval_s, 2 s)) before it is taken out of routing as hung.
 SLOW_POLLS_UNTIL_DOWN = 3
@@ -29,12 +31,12 @@ SLOW_POLLS_UNTIL_DOWN = 3
 class NodePool:
     """One channel per node (gRPC multiplexes every request over it) and the stats poller."""
 
-    def __init__(self, router: Router, stats_interval_s: float, block_size: int,
+    def __init__(self, router: Router, stats_interval_s: float,
                  interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self._router = router
         self._interval = stats_interval_s
-        self._block_size = block_size
+        self._block_size: int | None = None  # the first block size a node reports (Stats)
         # ``interceptors``: trace-context propagation when tracing is on (common.telemetry.propagation) and
         # the cluster token; ``credentials``: TLS to the nodes (common.serving.security).
         self._channels = {t: open_channel(t, interceptors=interceptors, credentials=credentials)
@@ -44,6 +46,12 @@ class NodePool:
         self._poller: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
         self._slow_polls: dict[str, int] = {}  # polls in a row a connected node left unanswered
+
+    @property
+    def block_size(self) -> int:
+        """The nodes' KV block size, as the first node to answer reported it (prefix-affinity hashing and
+        ModelInfo use it; the gateway has no setting for it). ``DEFAULT_BLOCK_SIZE`` until a node answers."""
+        return self._block_size or DEFAULT_BLOCK_SIZE
 
     def prefill(self, target: str) -> prefill_pb2_grpc.PrefillStub:
         return self._prefill[target]
@@ -91,10 +99,13 @@ class NodePool:
             self._router.mark_unreachable(target)
             return
         self._slow_polls.pop(target, None)
-        if stats.block_size and stats.block_size != self._block_size and target not in self._warned:
+        if stats.block_size and self._block_size is None:
+            self._block_size = stats.block_size
+            log.info("nodes' KV block size: %d tokens (reported by %s)", stats.block_size, target)
+        elif stats.block_size and stats.block_size != self._block_size and target not in self._warned:
             # Prefix affinity hashes blocks of block_size tokens; a mismatch only weakens affinity.
             self._warned.add(target)
-            log.warning("node %s uses block_size %d, the gateway %d: prefix affinity will miss",
+            log.warning("node %s uses block_size %d, the other nodes %d: prefix affinity will miss on it",
                         target, stats.block_size, self._block_size)
         if not self._router.node(target).reachable:
             log.info("node %s reachable again", target)

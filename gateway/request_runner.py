@@ -53,7 +53,7 @@ class RequestRunner:
                  metrics: GatewayMetrics | None = None, status_for: spans.StatusFor | None = None) -> None:
         self.model = model
         self.settings = settings
-        self._backend = backend
+        self.backend = backend
         self._metrics = metrics or GatewayMetrics()
         self.status_for = status_for or StatusInterceptor().status_for
         # samples in flight (both fronts together) and the requests queued for a slot
@@ -167,7 +167,7 @@ class RequestRunner:
                       first_token: asyncio.Event | None) -> OutputChunk:
         last: OutputChunk | None = None
         try:
-            chunks = self._backend.generate(req, arrival, deadline)
+            chunks = self.backend.generate(req, arrival, deadline)
             # aclosing: a cancel or a timeout while we write still cancels both legs right away.
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:

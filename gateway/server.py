@@ -46,11 +46,11 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
                                  settings.dtype)
     router = Router(settings.prefill_targets, settings.decode_targets, settings.affinity_capacity,
                     settings.affinity_load_slack)
-    pool = NodePool(router, settings.stats_interval_s, settings.block_size,
+    pool = NodePool(router, settings.stats_interval_s,
                     interceptors=[*client_interceptors(), *token_interceptors(security.internal_token)],
                     credentials=channel_credentials(security))
     await pool.start()
-    coordinator = Coordinator(model, router, pool, settings.block_size, settings.kv_timeout_s,
+    coordinator = Coordinator(model, router, pool, settings.kv_timeout_s,
                               LocalPrefillPolicy(max_tokens=settings.local_prefill_max_tokens),
                               recompute_on_kv_failure=settings.kv_load_failure_policy == "recompute")
     streams = {t: pool.prefill(t).SubscribeKvEvents for t in router.prefill}

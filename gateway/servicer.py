@@ -92,7 +92,7 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
         return generate_pb2.ModelInfoResponse(
             model=m.name, vocab_size=m.vocab_size, max_model_len=m.max_model_len, num_layers=config.num_layers,
             num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-            dtype=m.dtype, block_size=self._settings.block_size,
+            dtype=m.dtype, block_size=self._runner.backend.block_size,
             num_prefill_nodes=len(self._settings.prefill_targets), num_decode_nodes=len(self._settings.decode_targets),
             eos_token_ids=m.eos_token_ids, has_chat_template=m.tokenizer.chat_template is not None,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from common.config.settings import env_name
 from common.serving.channel import format_address
@@ -25,7 +26,14 @@ def _targets(value: tuple[str, ...] | str, field: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    """Where the gateway listens, what it serves, which nodes it routes to, and its limits."""
+    """Where the gateway listens, what it serves, which nodes it routes to, and its limits.
+
+    ``queue_timeout_s`` and ``kv_timeout_s`` mean other things to a node (``NodeSettings``), and ``tandem up``
+    hands one environment to every process: the gateway's are ``TANDEM_GATEWAY_QUEUE_TIMEOUT_S`` and
+    ``TANDEM_GATEWAY_KV_TIMEOUT_S``."""
+
+    ENV_ROLE: ClassVar[str] = "GATEWAY"
+    ROLE_FIELDS: ClassVar[tuple[str, ...]] = ("queue_timeout_s", "kv_timeout_s")
 
     model_dir: Path | None = None  # the model's Hugging Face directory (tokenizer, config); required
     model_name: str = ""  # the name clients may send in ``model``; default: the directory's name
@@ -39,7 +47,6 @@ class GatewaySettings:
     request_timeout_s: float = 600.0  # per Generate, or the client's deadline when that is sooner
     kv_timeout_s: float = 60.0  # a decode node frees a reservation whose KV has not arrived by then
     stats_interval_s: float = 1.0  # how often each node's Stats is polled for routing
-    block_size: int = 16  # KV block size of the nodes, for prefix-affinity hashing
     max_model_len: int = 0  # prompt + generated tokens; 0 = the model's max_position_embeddings
     affinity_capacity: int = 100_000  # block hashes remembered for prefix-affinity routing (LRU)
     affinity_load_slack: int = 4  # keep a prefix on its node unless that node has this many more requests
@@ -80,7 +87,7 @@ class GatewaySettings:
         if self.queue_timeout_s <= 0 or self.max_queued < 0:
             raise ValueError(f"queue_timeout_s must be > 0 and max_queued >= 0, got {self.queue_timeout_s}, "
                              f"{self.max_queued}")
-        for name in ("max_inflight", "block_size", "affinity_capacity"):
+        for name in ("max_inflight", "affinity_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("request_timeout_s", "kv_timeout_s", "stats_interval_s"):

@@ -12,7 +12,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config.settings import ModelSettings, NodeSettings, SecuritySettings, env_name, load_settings
+from common.config.settings import (
+    SPECULATIVE_METHODS,
+    ModelSettings,
+    NodeSettings,
+    SecuritySettings,
+    SpeculativeSettings,
+    env_name,
+    load_settings,
+)
 from common.errors import EXIT_ADDRESS_IN_USE, AddressInUseError
 
 if TYPE_CHECKING:
@@ -147,9 +155,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_settings_flags(p: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:
+def add_settings_flags(p: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = (),
+                       helps: dict[str, str] | None = None) -> None:
     """One flag per settings field (``--kv-timeout-s`` for ``kv_timeout_s``), default None so that
-    TANDEM_* variables and the field defaults apply when a flag is not given."""
+    TANDEM_* variables and the field defaults apply when a flag is not given; ``helps``: text before the
+    variable's name."""
     import dataclasses
     import typing
 
@@ -160,7 +170,7 @@ def add_settings_flags(p: argparse.ArgumentParser, cls: type, title: str, skip: 
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        help_text = f"[{env_name(f.name)}]"
+        help_text = f"{(helps or {}).get(f.name, '')} [{env_name(f.name, cls)}]".lstrip()
         if flag in p._option_string_actions:  # a field two settings classes share: one flag fills both
             continue
         if hint is bool:
@@ -339,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(colo)
     add_settings_flags(colo, GatewaySettings, "public API (flags override TANDEM_* environment variables)",
                        skip=("model_dir", "prefill_targets", "decode_targets", "dtype", "kv_timeout_s",
-                             "stats_interval_s", "block_size", "affinity_capacity", "affinity_load_slack"))
+                             "stats_interval_s", "affinity_capacity", "affinity_load_slack"))
     add_settings_flags(colo, NodeSettings, "engine (flags override TANDEM_* environment variables)",
                        skip=("kv_store_port", "advertise_host", "kv_timeout_s", "grace_s"))
     _add_speculative_flags(colo)
@@ -387,25 +397,24 @@ _TELEMETRY_FLAGS = ("telemetry: traces export when OTEL_EXPORTER_OTLP_ENDPOINT i
 
 
 def _speculative(args: argparse.Namespace) -> SpeculativeConfig:
-    """The speculative-decoding flags (``_add_speculative_flags``) as one config."""
-    from common.engine.node_setup import speculative_config
-    return speculative_config(args.speculative, args.num_speculative_tokens, args.draft_layers, args.draft_model,
-                              args.draft_quantization, args.speculative_ngram_first, args.speculative_ngram_max_tokens)
+    """The speculative-decoding settings (flags over ``TANDEM_*`` variables) as the engine's config."""
+    return load_settings(SpeculativeSettings, _pick(args, SpeculativeSettings)).config()
+
+
+_SPECULATIVE_HELP = {
+    "speculative": f"{' | '.join(SPECULATIVE_METHODS)}",
+    "draft_model": "draft_model: a Llama-family directory with the target's tokenizer, or the bundled model's name "
+                   "(with --draft-quantization int4: the target as its draft)",
+    "speculative_ngram_first": "draft_model: n-gram lookup in the request's own tokens first, the draft model "
+                               "where it finds nothing",
+    "speculative_ngram_max_tokens": "with --speculative-ngram-first: the lookup's own limit (0: "
+                                    "--num-speculative-tokens)",
+}
 
 
 def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speculative decoding (decode nodes)")
-    g.add_argument("--speculative", default="none", help="none | ngram | draft_layers | draft_model")
-    g.add_argument("--num-speculative-tokens", type=int, default=4)
-    g.add_argument("--draft-layers", type=int, default=8)
-    g.add_argument("--draft-model", default="", help="draft_model: a Llama-family directory with the target's "
-                   "tokenizer, or the bundled model's name (with --draft-quantization int4: the target as its draft)")
-    g.add_argument("--draft-quantization", default="none", help="the draft's weights: none | int8 | int4 | ...")
-    g.add_argument("--speculative-ngram-first", action="store_true",
-                   help="draft_model: n-gram lookup in the request's own tokens first, the draft model where it "
-                   "finds nothing")
-    g.add_argument("--speculative-ngram-max-tokens", type=int, default=None, help="with --speculative-ngram-first: "
-                   "the lookup's own limit (default --num-speculative-tokens, which still bounds the draft model)")
+    add_settings_flags(p, SpeculativeSettings, "speculative decoding (decode nodes; flags override TANDEM_* "
+                       "environment variables)", helps=_SPECULATIVE_HELP)
 
 
 def main(argv: list[str] | None = None) -> int:

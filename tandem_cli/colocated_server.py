@@ -42,10 +42,11 @@ class ColocatedCoordinator:
     """The colocated ``GenerateBackend``: every request runs on one engine in this process, so none of the
     gateway's node machinery (router, node pool, KV reservations) exists here."""
 
-    def __init__(self, model: ServedModel, engine: AsyncEngine, node_id: str) -> None:
+    def __init__(self, model: ServedModel, engine: AsyncEngine, node_id: str, block_size: int) -> None:
         self._model = model
         self._engine = engine
         self._node_id = node_id
+        self.block_size = block_size  # the engine's (GenerateBackend.block_size)
         # Engine-side ids stay unique even when two clients send the same request_id.
         self._ids = itertools.count()
 
@@ -146,7 +147,8 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
 
     try:
         # The gateway's public fronts (gRPC, HTTP, /metrics) over this process's engine.
-        running = await serve_fronts(model, ColocatedCoordinator(model, engine, node_id), settings, loads=loads,
+        backend = ColocatedCoordinator(model, engine, node_id, cache.block_size)
+        running = await serve_fronts(model, backend, settings, loads=loads,
                                      security=security,
                                      kv_events=KVEventPublisher(engine, node_id, "colocated").subscribe,
                                      engine_snapshot=lambda: snapshot_of(core.stats(), core.scheduler))

@@ -40,16 +40,28 @@ def _parallel_args(args: argparse.Namespace, role: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def settings_args(args: argparse.Namespace, cls: type) -> tuple[str, ...]:
+    """The flags of ``cls``'s fields that were given to this command, as argv for a child process (fields
+    not given stay unset there too: the child reads the same TANDEM_* variables)."""
+    import dataclasses
+
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        value = getattr(args, f.name, None)
+        flag = "--" + f.name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return tuple(out)
+
+
 def _decode_args(args: argparse.Namespace) -> tuple[str, ...]:
-    parallel = _parallel_args(args, "decode")
-    if args.speculative == "none":
-        return parallel
-    return (*parallel, "--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens),
-            "--draft-layers", str(args.draft_layers), "--draft-model", args.draft_model,
-            "--draft-quantization", args.draft_quantization,
-            *(("--speculative-ngram-first",) if args.speculative_ngram_first else ()),
-            *(("--speculative-ngram-max-tokens", str(args.speculative_ngram_max_tokens))
-              if args.speculative_ngram_max_tokens is not None else ()))
+    from common.config.settings import SpeculativeSettings
+
+    return (*_parallel_args(args, "decode"), *settings_args(args, SpeculativeSettings))
 
 
 def cmd_up(args: argparse.Namespace) -> int:

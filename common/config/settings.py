@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from common.config.engine_config import PREFILL_ORDERS
+from common.config.engine_config import PREFILL_ORDERS, SpeculativeConfig, SpeculativeMethod
 
 T = TypeVar("T")
 
@@ -171,8 +171,11 @@ class SecuritySettings:
         return self.tls_ca is not None
 
 
-def env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
+def env_name(field_name: str, cls: type | None = None) -> str:
+    """``TANDEM_<FIELD>``; a field ``cls`` lists in ``ROLE_FIELDS`` (a name that means something else to
+    another role reading the same environment) is ``TANDEM_<ROLE>_<FIELD>``."""
+    role = getattr(cls, "ENV_ROLE", "") if field_name in getattr(cls, "ROLE_FIELDS", ()) else ""
+    return ENV_PREFIX + (f"{role}_" if role else "") + field_name.upper()
 
 
 def load_settings(cls: type[T], overrides: Mapping[str, Any] | None = None,
@@ -185,8 +188,8 @@ def load_settings(cls: type[T], overrides: Mapping[str, Any] | None = None,
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name in overrides:
             values[f.name] = _coerce(overrides[f.name], hints[f.name], f.name)
-        elif env_name(f.name) in environ:
-            values[f.name] = _coerce(environ[env_name(f.name)], hints[f.name], env_name(f.name))
+        elif env_name(f.name, cls) in environ:
+            values[f.name] = _coerce(environ[env_name(f.name, cls)], hints[f.name], env_name(f.name, cls))
     return cls(**values)
 
 
@@ -246,3 +249,44 @@ class KernelSettings:
 def kernel_settings(environ: Mapping[str, str] | None = None) -> KernelSettings:
     """The kernel settings from the environment, read at each call (cheap; tests and benchmarks change them)."""
     return load_settings(KernelSettings, environ=environ)
+
+
+SPECULATIVE_METHODS = tuple(m.value for m in SpeculativeMethod)
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings:
+    """Speculative decoding on decode and colocated nodes (docs/speculative.md): flags and ``TANDEM_*``
+    variables alike, so compose and ``tandem up`` turn it on the way they set everything else."""
+
+    speculative: str = "none"  # none | ngram | draft_layers | draft_model
+    num_speculative_tokens: int = 4  # the most drafts per request per step (k)
+    draft_layers: int = 8  # draft_layers: how many of the target's first layers draft
+    # draft_model: a Llama-family directory with the target's tokenizer, or the bundled model's name (with
+    # --draft-quantization int4: the target as its own draft)
+    draft_model: str = ""
+    draft_quantization: str = "none"  # the draft's weights: none | int8 | int4 | ...
+    # draft_model: n-gram lookup in the request's own tokens first, the draft model where it finds nothing
+    speculative_ngram_first: bool = False
+    # with --speculative-ngram-first: the lookup's own limit (0: --num-speculative-tokens, which still bounds
+    # the draft model)
+    speculative_ngram_max_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        method = self.speculative.strip().lower()
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative ({env_name('speculative')}) {self.speculative!r}: choose one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        object.__setattr__(self, "speculative", method)
+        if self.draft_quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"--draft-quantization ({env_name('draft_quantization')}) must be one of "
+                             f"{', '.join(QUANTIZATION_METHODS)}; got {self.draft_quantization!r}")
+        self.config()  # the engine's own checks (k's range, a draft model named, ...), at start-up
+
+    def config(self) -> SpeculativeConfig:
+        """The engine's speculative config (disabled: method none)."""
+        return SpeculativeConfig(method=SpeculativeMethod(self.speculative),
+                                 num_speculative_tokens=self.num_speculative_tokens,
+                                 draft_layers=self.draft_layers, draft_model=self.draft_model,
+                                 draft_quantization=self.draft_quantization, ngram_first=self.speculative_ngram_first,
+                                 ngram_first_max_tokens=self.speculative_ngram_max_tokens or None)

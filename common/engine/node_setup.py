@@ -116,21 +116,6 @@ def engine_configs(node: NodeSettings, device: str) -> tuple[CacheConfig, Schedu
     return cache, scheduler
 
 
-def speculative_config(method: str, num_tokens: int, draft_layers: int, draft_model: str = "",
-                       draft_quantization: str = "none", ngram_first: bool = False,
-                       ngram_max_tokens: int | None = None) -> SpeculativeConfig:
-    from common.config.engine_config import SpeculativeMethod
-
-    try:
-        chosen = SpeculativeMethod(method)
-    except ValueError:
-        names = ", ".join(m.value for m in SpeculativeMethod)
-        raise ValueError(f"speculative method {method!r} is unknown; choose one of {names}") from None
-    return SpeculativeConfig(method=chosen, num_speculative_tokens=num_tokens, draft_layers=draft_layers,
-                             draft_model=draft_model, draft_quantization=draft_quantization,
-                             ngram_first=ngram_first, ngram_first_max_tokens=ngram_max_tokens)
-
-
 def load_draft_model(spec: SpeculativeConfig | None, settings: ModelSettings,
                      target_dir: Path) -> LlamaForCausalLM | None:
     """The draft model of ``--speculative draft_model`` (None for other methods), loaded like the target

@@ -286,3 +286,16 @@ def test_default_profile_and_image_entrypoint() -> None:
 def test_health_command_parses() -> None:
     args = build_parser().parse_args(["health", "--target", "decode:50071", "--service", "tandem.v1.Decode"])
     assert isinstance(args, argparse.Namespace) and args.func.__name__ == "cmd_health"
+
+
+@BOTH_PROFILES
+def test_speculation_is_turned_on_by_the_environment(profile: str) -> None:
+    # The decode node reads TANDEM_SPECULATIVE like every other setting (no flags to re-serialize).
+    from common.config.engine_config import SpeculativeMethod
+    from common.config.settings import SpeculativeSettings, load_settings
+
+    for env, method in (({}, SpeculativeMethod.NONE), ({"TANDEM_SPECULATIVE": "ngram"}, SpeculativeMethod.NGRAM)):
+        compose = load_compose(env)
+        decode = next(s for n, s in enabled(compose, profile).items() if "decode" in n)
+        environ = {k: str(v) for k, v in decode["environment"].items()}
+        assert load_settings(SpeculativeSettings, environ=environ).config().method is method

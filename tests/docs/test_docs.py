@@ -30,7 +30,8 @@ RESULT_PAGES = [ROOT / "benchmarks" / "RESULTS.md", *sorted((ROOT / "benchmarks"
 
 # Classes whose fields ``load_settings`` (common/config/settings.py) reads as TANDEM_<FIELD>.
 SETTINGS_CLASSES = {
-    "common.config.settings": ("ModelSettings", "NodeSettings", "SecuritySettings", "KernelSettings"),
+    "common.config.settings": ("ModelSettings", "NodeSettings", "SecuritySettings", "KernelSettings",
+                               "SpeculativeSettings"),
     "gateway.settings": ("GatewaySettings",),
     "common.telemetry.settings": ("TelemetrySettings",),
     "tandem_cli.client": ("ClientSecurity",),
@@ -145,7 +146,8 @@ def settings_variables() -> frozenset[str]:
     names: set[str] = set()
     for module, classes in SETTINGS_CLASSES.items():
         for cls in classes:
-            names.update(env_name(f.name) for f in dataclasses.fields(getattr(importlib.import_module(module), cls)))
+            settings = getattr(importlib.import_module(module), cls)
+            names.update(env_name(f.name, settings) for f in dataclasses.fields(settings))
     return frozenset(names)
 
 

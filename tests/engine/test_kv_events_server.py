@@ -49,7 +49,7 @@ def test_a_request_on_a_real_node_publishes_its_blocks(tiny_served_model_dir: Pa
         prefill = await serve_prefill(model, node)
         gateway = await serve_gateway(GatewaySettings(
             model_dir=tiny_served_model_dir, port=0, prefill_targets=(prefill.address,),
-            decode_targets=(decode.address,), block_size=BS, local_prefill_max_tokens=1000,
+            decode_targets=(decode.address,), local_prefill_max_tokens=1000,  # block size: the nodes report BS
             stats_interval_s=0.2, shutdown_grace_s=0.1))
         channel = grpc.aio.insecure_channel(decode.address)
         gw_channel = grpc.aio.insecure_channel(gateway.address)

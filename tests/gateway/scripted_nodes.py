@@ -90,6 +90,7 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
         self.num_cached_tokens = 0
         self.kv_endpoint = "127.0.0.1:1"
         self.stats_delay_s = 0.0  # how late Stats answers (a busy node)
+        self.block_size = 16  # what Stats reports
 
     async def Generate(self, request: decode_pb2.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -133,7 +134,7 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
     async def Stats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> common_pb2.NodeStats:
         await asyncio.sleep(self.stats_delay_s)
         return common_pb2.NodeStats(node_id=self.node_id, role="decode", num_blocks=1000, free_blocks=self.free_blocks,
-                                    block_size=16)
+                                    block_size=self.block_size)
 
 
 class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from common.serving.server import start_server
-from gateway.node_pool import SLOW_POLLS_UNTIL_DOWN, NodePool
+from gateway.node_pool import DEFAULT_BLOCK_SIZE, SLOW_POLLS_UNTIL_DOWN, NodePool
 from gateway.router import Router
 from tandem.v1 import decode_pb2_grpc
 from tests.gateway.scripted_nodes import DECODE_SERVICE, KVBoard, Script, ScriptedDecode, free_port, run_async
@@ -18,7 +18,7 @@ def test_a_late_stats_answer_keeps_a_connected_node_routed_until_it_looks_hung()
                                     [DECODE_SERVICE], "127.0.0.1", 0)
         dead = f"127.0.0.1:{free_port()}"
         router = Router((), (server.address, dead))
-        pool = NodePool(router, stats_interval_s=0.2, block_size=16)  # each poll waits at most 0.2 s
+        pool = NodePool(router, stats_interval_s=0.2)  # each poll waits at most 0.2 s
         try:
             await pool.poll_once()  # answered: the connection is up
             assert router.node(server.address).reachable and not router.node(dead).reachable
@@ -37,6 +37,25 @@ def test_a_late_stats_answer_keeps_a_connected_node_routed_until_it_looks_hung()
             node.stats_delay_s = 0.0
             await pool.poll_once()
             assert router.node(server.address).reachable  # answers again: routed again
+        finally:
+            await pool.close()
+            await server.stop(0)
+
+    run_async(scenario())
+
+
+def test_the_block_size_is_the_one_the_nodes_report() -> None:
+    # The gateway has no block-size setting: prefix-affinity hashing and ModelInfo use the nodes' own.
+    async def scenario() -> None:
+        node = ScriptedDecode("decode-0", KVBoard(), Script([1]))
+        node.block_size = 32
+        server = await start_server([functools.partial(decode_pb2_grpc.add_DecodeServicer_to_server, node)],
+                                    [DECODE_SERVICE], "127.0.0.1", 0)
+        pool = NodePool(Router((), (server.address,)), stats_interval_s=0.5)
+        try:
+            assert pool.block_size == DEFAULT_BLOCK_SIZE  # nothing reported yet
+            await pool.poll_once()
+            assert pool.block_size == 32
         finally:
             await pool.close()
             await server.stop(0)

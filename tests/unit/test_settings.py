@@ -61,3 +61,44 @@ def test_kernel_settings_are_read_in_one_place_and_listed_by_help() -> None:
     help_text = build_parser().format_help()
     for f in dataclasses.fields(KernelSettings):
         assert f"TANDEM_{f.name.upper()}=" in help_text
+
+
+def test_speculative_settings_are_flags_and_variables_alike() -> None:
+    import argparse
+
+    from common.config.engine_config import SpeculativeMethod
+    from common.config.settings import SpeculativeSettings, load_settings
+    from tandem_cli.cli import build_parser
+    from tandem_cli.up_command import settings_args
+
+    env = {"TANDEM_SPECULATIVE": "draft_model", "TANDEM_DRAFT_MODEL": "SmolLM2-135M-Instruct",
+           "TANDEM_DRAFT_QUANTIZATION": "int4", "TANDEM_SPECULATIVE_NGRAM_FIRST": "1"}
+    config = load_settings(SpeculativeSettings, environ=env).config()
+    assert config.method is SpeculativeMethod.DRAFT_MODEL
+    assert (config.draft_quantization, config.ngram_first) == ("int4", True)
+    with pytest.raises(ValueError, match=r"--speculative \(TANDEM_SPECULATIVE\) 'magic': choose one of none, ngram"):
+        load_settings(SpeculativeSettings, environ={"TANDEM_SPECULATIVE": "magic"})
+    with pytest.raises(ValueError, match="--speculative draft_model needs --draft-model"):
+        load_settings(SpeculativeSettings, environ={"TANDEM_SPECULATIVE": "draft_model"})
+    # `tandem up` hands the flags it was given to the decode nodes, generated from the same fields
+    args = build_parser().parse_args(["up", "--speculative", "ngram", "--num-speculative-tokens", "6",
+                                      "--no-speculative-ngram-first"])
+    argv = settings_args(args, SpeculativeSettings)
+    assert argv == ("--speculative", "ngram", "--num-speculative-tokens", "6", "--no-speculative-ngram-first")
+    node = build_parser().parse_args(["serve", "decode", *argv])
+    assert isinstance(node, argparse.Namespace) and (node.speculative, node.num_speculative_tokens) == ("ngram", 6)
+
+
+def test_a_name_two_roles_read_differently_has_a_role_prefix_for_the_gateway() -> None:
+    # `tandem up` gives every process one environment: the nodes' admission queue and the gateway's slot wait
+    # must not share a variable.
+    from common.config.settings import NodeSettings, env_name
+    from gateway.settings import GatewaySettings
+
+    env = {"TANDEM_QUEUE_TIMEOUT_S": "120", "TANDEM_GATEWAY_QUEUE_TIMEOUT_S": "7", "TANDEM_GATEWAY_KV_TIMEOUT_S": "9",
+           "TANDEM_MODEL_DIR": "/m", "TANDEM_PREFILL_TARGETS": "127.0.0.1:1", "TANDEM_DECODE_TARGETS": "127.0.0.1:2"}
+    node, gateway = load_settings(NodeSettings, environ=env), load_settings(GatewaySettings, environ=env)
+    assert (node.queue_timeout_s, node.kv_timeout_s) == (120.0, NodeSettings().kv_timeout_s)
+    assert (gateway.queue_timeout_s, gateway.kv_timeout_s) == (7.0, 9.0)
+    assert env_name("queue_timeout_s", GatewaySettings) == "TANDEM_GATEWAY_QUEUE_TIMEOUT_S"
+    assert env_name("port", GatewaySettings) == "TANDEM_PORT"
