@@ -41,8 +41,9 @@ DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
 class LocalPrefillPolicy:
     max_tokens: int = 0  # prompts up to this many tokens: always the decode node's own; 0: never
     # a prompt token prefilled on a decode node costs this many of a prefill node's (must be >= 1): its chunks
-    # lengthen the steps of every stream there. Mixed workload at 4 / 8 / 10 req/s (2 cores, session 13):
-    # 1.5 -> 98% / 98% / 98% SLO attainment (TPOT misses), 2.5 -> 100% / 100% / 98%, 4 -> 100% / 98% / 98%
+    # lengthen the steps of every stream there. Of 1.5, 2.5 and 4, 2.5 gave the mixed workload the best SLO
+    # attainment at 4 / 8 / 10 req/s (2 cores, session 13; 1.5 let long streams miss their TPOT):
+    # benchmarks/results/2026-12-02-srpt/RESULTS.md
     local_cost_factor: float = 2.5
     headroom_blocks: int = 8  # free blocks the decode node must keep beyond a longer prompt to take it
 

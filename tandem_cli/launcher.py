@@ -1,8 +1,9 @@
 """``tandem up``: 1 gateway + N prefill + M decode nodes as local processes.
 
 Each node gets its own CPU cores and a matching torch thread count (oversubscribed OpenMP threads make
-small matrix products 10-100x slower), as separate GPUs would give each its own device. compose.yaml
-describes the same topology for containers; ``tests/deploy/test_compose.py`` checks they agree.
+small matrix products many times slower: benchmarks/results/figures-from-code.md), as separate GPUs would
+give each its own device. compose.yaml describes the same topology for containers;
+``tests/deploy/test_compose.py`` checks they agree.
 
 Supervision (``RestartPolicy``, what compose's ``restart: unless-stopped`` does): once the deployment is
 up, a process that exits for any reason is started again on the same port after an exponential backoff,

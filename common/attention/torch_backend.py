@@ -7,7 +7,8 @@ Three shapes of batch, three code paths:
 - decode-only (one new token per sequence): the hot path on CPU. The compiled kernel
   (``cpu_decode.cpp``) reads K/V in place through the block table when it builds here; otherwise
   sequences are processed in chunks whose gathered K/V stay about 2 MiB, in reused scratch buffers, so
-  the gather stays in cache and is never page-faulted in afresh (one 100 MiB gather per call is ~7x slower).
+  the gather stays in cache and is never page-faulted in afresh (one 100 MiB gather per call is much slower:
+  benchmarks/results/figures-from-code.md).
 - anything else: chunks of up to ``EXTEND_AS_DECODE_ROWS`` tokens over a cached prefix (speculative
   verification, a draft model's catch-up) run as decode rows, one per token, each over the prefix up to
   itself; longer chunks (chunked prefill over a cached prefix) as one masked SDPA per sequence over K/V
@@ -31,8 +32,9 @@ from common.kv.kv_cache import write_kv
 # Gathered K+V bytes per decode chunk: small enough to stay in L2/L3, large enough that per-op
 # overhead is noise (measured best at 1-2 sequences of 1k tokens per chunk for SmolLM2 shapes).
 DECODE_CHUNK_BYTES = 2 << 20
-# Chunks over a cached prefix up to this many tokens run as decode rows (measured on SmolLM2 shapes: a
-# 5-row verification's attention 5.7 -> about 1.5 ms a step over 30 layers).
+# Chunks over a cached prefix up to this many tokens run as decode rows (measured on SmolLM2 shapes: a 5-row
+# verification's attention as decode rows costs a fraction of one masked SDPA's;
+# benchmarks/results/2026-12-01-panels/RESULTS.md, benchmarks/results/figures-from-code.md).
 EXTEND_AS_DECODE_ROWS = 32
 
 
@@ -230,8 +232,8 @@ class Workspace:
     """Scratch buffers reused across chunks and calls.
 
     Multi-MiB temporaries allocated per call go back to the OS on free and are page-faulted in again
-    on the next call (2-3x slower decode on CPU); recycling them avoids that. Not thread-safe: one
-    per backend instance, which one engine thread drives.
+    on the next call (a much slower decode on CPU: benchmarks/results/figures-from-code.md); recycling them
+    avoids that. Not thread-safe: one per backend instance, which one engine thread drives.
     """
 
     def __init__(self) -> None:
@@ -252,9 +254,10 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 def gather_blocks(cache: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``cache[index]`` for a strided ``[num_blocks, ...]`` cache view, as a contiguous copy.
 
-    index_select beats advanced indexing ~4x on CPU, and reinterpreting the elements as a same-width
-    integer keeps it on its fast copy path (bf16 takes a path ~15x slower in torch 2.13). ``out``,
-    when given, must have the cache's dtype and hold ``len(index)`` blocks.
+    index_select beats advanced indexing on CPU, and reinterpreting the elements as a same-width integer
+    keeps it on its fast copy path (bf16 takes a much slower path in torch 2.13; the figures:
+    benchmarks/results/figures-from-code.md). ``out``, when given, must have the cache's dtype and hold
+    ``len(index)`` blocks.
     """
     as_int = _SAME_WIDTH_INT[cache.element_size()]
     if out is None:

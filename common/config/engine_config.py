@@ -106,15 +106,17 @@ class DraftEconomics:
 # runner measures a draft's real cost at batch 1 (common/spec_decode/draft_cost.py) and each request its own
 # continuation, and those replace the priors; SpeculativeConfig.economics pins a cost instead. An n-gram
 # draft only adds a query row to the verification forward, which at small batch is bound by reading the
-# weights: ~3% of a step per row (~8% on a 2-core Zen 5, whose fast memory leaves more to compute). Its
-# drafts come in runs: a proposal whose first token is right is usually a span being copied, and each next
-# draft is then accepted 75-95% of the time. An early-layer draft runs L target layers and the LM head
-# once more per draft (a third of a step or more), and its drafts are roughly independent.
+# weights: a few percent of a step per row (more on a CPU whose fast memory leaves more to compute, as on a
+# 2-core Zen 5: benchmarks/results/2026-12-01-zen5/RESULTS.md). Its drafts come in runs: a proposal whose
+# first token is right is usually a span being copied, and each next draft is then mostly accepted. An
+# early-layer draft runs L target layers and the LM head once more per draft (a third of a step or more),
+# and its drafts are roughly independent. The measured priors: benchmarks/results/figures-from-code.md.
 DEFAULT_DRAFT_ECONOMICS: dict[SpeculativeMethod, DraftEconomics] = {
     SpeculativeMethod.NGRAM: DraftEconomics(cost=0.03, continuation=0.9),
     SpeculativeMethod.DRAFT_LAYERS: DraftEconomics(cost=0.3, continuation=None),
-    # A separate draft model: one of its decode steps per draft (the target quantized to int4: about half a
-    # target step on a CPU). A draft that agrees with the target on one token mostly agrees on the next.
+    # A separate draft model: one of its decode steps per draft (the target quantized to int4: a large share of
+    # a target step on a CPU, benchmarks/results/2026-12-01-zen5/RESULTS.md). A draft that agrees with the
+    # target on one token mostly agrees on the next.
     SpeculativeMethod.DRAFT_MODEL: DraftEconomics(cost=0.3, continuation=0.9),
 }
 
@@ -134,7 +136,8 @@ class SpeculativeConfig:
     # model only for requests where the lookup finds nothing (input-grounded text: long exact runs for free).
     ngram_first: bool = False
     # ... taking the lookup's drafts only after a match of at least this many tokens: a 1-token match's first
-    # draft is accepted ~25% of the time, a 3+-token match's ~90%, the int4 self-draft's ~95%.
+    # draft is mostly rejected, a 3+-token match's is accepted nearly as often as the int4 self-draft's
+    # (measured: benchmarks/results/figures-from-code.md).
     ngram_first_min_n: int = 3
     # ... and proposing up to this many tokens (None: num_speculative_tokens). A lookup's drafts cost only
     # their verification, so a long copied span can run past the draft model's k (input-grounded text).
@@ -145,8 +148,9 @@ class SpeculativeConfig:
     # What adaptive k assumes a draft costs and how drafts continue; None: DEFAULT_DRAFT_ECONOMICS[method].
     economics: DraftEconomics | None = None
     # An n-gram match of n tokens proposes at most this many drafts per matched token: on SmolLM2's chat
-    # outputs the first draft after a 1-token match is accepted ~25% of the time and the third ~10%, after a
-    # 4+-token match ~90% and ~50-85%, and a draft costs ~3% of a step to verify.
+    # outputs the first draft after a 1-token match is mostly rejected and the third more often still, while
+    # after a 4+-token match most drafts are accepted, and a draft costs a few percent of a step to verify
+    # (measured: benchmarks/results/figures-from-code.md).
     ngram_drafts_per_matched_token: int = 3
 
     def __post_init__(self) -> None:

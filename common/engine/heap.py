@@ -2,10 +2,10 @@
 
 A node's forward allocates and frees large temporaries of changing sizes (prefill chunks of any length).
 glibc serves them from its heap once its dynamic mmap threshold has grown, and freed heap memory between
-live blocks stays resident: measured in a soak, a prefill node's own memory (RssAnon) climbed by ~20%
-over 6 minutes while a decode node's stayed flat. ``malloc_trim(0)`` returns every free page of every
-arena (``madvise(MADV_DONTNEED)``), so the engine thread calls it between steps every ``interval_s``
-(a few milliseconds each time; 0 turns it off). Elsewhere than glibc it does nothing.
+live blocks stays resident: measured in a soak, a prefill node's own memory (RssAnon) climbed over 6 minutes
+while a decode node's stayed flat (benchmarks/results/2026-12-01-soak-30min/RESULTS.md). ``malloc_trim(0)``
+returns every free page of every arena (``madvise(MADV_DONTNEED)``), so the engine thread calls it between
+steps every ``interval_s`` (a few milliseconds each time; 0 turns it off). Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations

@@ -68,8 +68,9 @@ def load_node_model(settings: ModelSettings) -> LoadedModel:
 
 
 async def prepare_decode_attention(settings: ModelSettings, engine: AsyncEngine) -> None:
-    """Build (first start on a machine, ~20 s) or load the CPU decode kernel on the engine thread, where it
-    runs, before the node serves: not inside the first request's decode step."""
+    """Build (first start on a machine; the time it took: benchmarks/results/figures-from-code.md) or load the
+    CPU decode kernel on the engine thread, where it runs, before the node serves: not inside the first
+    request's decode step."""
     import torch
 
     if settings.attention_backend != "torch" or torch.device(settings.device).type != "cpu":
@@ -81,16 +82,16 @@ async def prepare_decode_attention(settings: ModelSettings, engine: AsyncEngine)
 
 
 # A serving node's step budget by device when not set (max_num_batched_tokens, max_prefill_chunk). On a CPU
-# core a step with 2,048 tokens of prefill takes over a second (SmolLM2, bf16), and every stream on the
-# node waits for it: 512 / 256 kept the mixed workload's TPOT p99 under its 200 ms SLO and cut short
-# chats' TTFT under issue 16's burst from 1.8 to 0.4 s, at the same throughput
-# (benchmarks/results/2026-12-02-srpt/RESULTS.md).
+# core a step with 2,048 tokens of prefill takes well past a TPOT SLO (SmolLM2, bf16), and every stream on
+# the node waits for it: 512 / 256 kept the mixed workload's TPOT p99 under its 200 ms SLO and cut short
+# chats' TTFT under issue 16's burst, at the same throughput (benchmarks/results/2026-12-02-srpt/RESULTS.md).
 # GPUs keep vLLM's 2,048 (their step time is flat well past it).
 DEVICE_STEP_BUDGETS = {"cpu": (512, 256)}
 DEFAULT_STEP_BUDGET = (2048, 512)
 # ... and while a backlog of prompt tokens waits (SchedulerConfig.backlog_budget), a larger one: with 48
-# requests of 384 -> 128 tokens at once (SmolLM2 fp32, 2 AVX2 cores, vLLM's client), 512 / 256 served 49.2
-# output tok/s and 2,048 / 512 60.2 (2026-12-03). A budget set by flag is used as it is, always.
+# requests of 384 -> 128 tokens at once (SmolLM2 fp32, 2 AVX2 cores, vLLM's client), 2,048 / 512 served more
+# output tokens a second than 512 / 256 (2026-12-03: benchmarks/results/2026-12-03-serve-vllm/RESULTS.md,
+# benchmarks/results/figures-from-code.md). A budget set by flag is used as it is, always.
 DEVICE_BACKLOG_BUDGETS = {"cpu": (2048, 512)}
 
 

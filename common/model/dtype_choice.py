@@ -1,7 +1,8 @@
 """``--dtype auto`` on CPU, decided by measurement on the machine it runs on, cached in TANDEM_HOME.
 
 CPU flags alone mislead: on an AVX2 machine bf16 decodes faster than fp32 at batch 1 (half the bytes
-to stream) while its large GEMMs run at ~1% of fp32 speed (no native bf16), so prefill would crawl.
+to stream) while its large GEMMs run far below fp32's rate (no native bf16), so prefill would crawl
+(measured: docs/cpu-kernels.md, benchmarks/results/figures-from-code.md).
 So at start-up each candidate dtype is timed on two shapes of the model's own sizes, a decode-shaped
 GEMV (one row through the gate/up projection, its weights larger than the cache so they stream from
 memory as in a real step) and a prefill-shaped GEMM (64 rows), in rounds that alternate the dtypes (so
@@ -29,9 +30,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Never pick a dtype whose prefill GEMM is slower than this x fp32's. On a 2-core AVX2 EPYC (Zen 3, no native
-# bf16, session 16) bf16 GEMMs at prefill shapes ran 16-20 GFLOP/s against fp32's 77-88, and an int4 model
-# with bf16 activations prefilled 8 x 384 tokens at 64 tok/s against 412 in fp32, while its decode was only
-# somewhat faster; the old bound of 5x let a noisy probe choose bf16 there.
+# bf16, session 16) bf16 GEMMs at prefill shapes, and an int4 model's prefill with bf16 activations, ran far
+# slower than in fp32, while its decode was only somewhat faster; the old bound of 5x let a noisy probe choose
+# bf16 there (the figures: docs/cpu-kernels.md, "--dtype auto on CPU is measured").
 MAX_PREFILL_SLOWDOWN = 1.25
 MEASURE_ROUNDS = 3  # the dtypes alternate; each keeps its best probe of all rounds
 CHOICE_VERSION = "2"  # part of the cache key: choices cached under an older rule are measured again

@@ -15,7 +15,7 @@ and a temporary. ``FusedOps`` does each group in one pass:
 ``EagerOps`` is the reference (the same torch ops ``layers.py`` runs) and every kernel is tested against
 it. ``CppOps`` is ``cpu_fused.cpp``, built per instruction set into the CPU kernel module
 (``tandem_cpu_avx512`` / ``_avx2`` / ``_generic``, common/cpu_kernel_module.py). ``torch.compile`` of the
-same functions was measured too and is slower at decode sizes on CPU (see the README): its per-call guard
+same functions was measured too and is slower at decode sizes on CPU (docs/cpu-kernels.md): its per-call guard
 and launch overhead is as large as the ops it replaces.
 
 ``TANDEM_FUSED_OPS=auto|on|off`` (auto: the C++ ops on CPU where they build, else eager; on: the C++
@@ -53,7 +53,7 @@ class EagerOps:
         return torch.nn.functional.silu(gate) * up
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
-        # max's indices: the first maximum, as argmax's, at a third of its time on CPU
+        # max's indices: the first maximum, as argmax's, in less time on CPU (benchmarks/results/figures-from-code.md)
         return logits.max(dim=-1).indices
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:

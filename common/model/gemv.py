@@ -95,7 +95,8 @@ class GemvMethod(LinearMethod):
 PANEL_MAX_ROWS = 256  # up to here the panel kernel; above, oneDNN / MKL on unpacked tiles (measured faster)
 
 
-AMX_MIN_ROWS = 2  # from 2 rows AMX tiles (where the CPU has them) beat vdpbf16ps: 30 layers, 4 rows 13.0 vs 18.4 ms
+# from 2 rows AMX tiles (where the CPU has them) beat vdpbf16ps (measured: benchmarks/results/2026-12-01-amx/RESULTS.md)
+AMX_MIN_ROWS = 2
 
 
 def _amx_min_rows(ops: ModuleType) -> int:

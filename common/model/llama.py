@@ -99,7 +99,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         # [n] -> [n, hidden]; a tied model may replace it with a lookup of the LM head's rows (TiedEmbedding).
         # Its weight given, not initialised: loaders build on the meta device, where nn.Embedding's random
-        # init runs through torch._refs and imports torch._dynamo (~3 s of every node's start-up).
+        # init runs through torch._refs and imports torch._dynamo (seconds of every node's start-up, measured:
+        # benchmarks/results/figures-from-code.md).
         embed = nn.Embedding(config.vocab_size, config.hidden_size,
                              _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.embed_tokens: nn.Module = embed

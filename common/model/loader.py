@@ -124,8 +124,9 @@ def load_model(
 
 def _allocate(model: LlamaForCausalLM, device: torch.device) -> LlamaForCausalLM:
     """``model.to_empty(device)`` without its meta-tensor ``empty_like``, which runs through torch._refs and
-    imports sympy and torch.fx's symbolic shapes (~1 s of every node's start-up): uninitialised tensors of
-    each parameter's and buffer's shape and dtype, filled by the loader next."""
+    imports sympy and torch.fx's symbolic shapes (a noticeable part of every node's start-up, measured:
+    benchmarks/results/figures-from-code.md): uninitialised tensors of each parameter's and buffer's shape
+    and dtype, filled by the loader next."""
     made: dict[int, nn.Parameter] = {}  # one tensor for a Parameter two modules share (a tied LM head)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):

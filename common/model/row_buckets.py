@@ -3,10 +3,12 @@
 On CPU, bf16/fp16 matmuls run through oneDNN, which builds (JIT-compiles) and keeps kernels for every new
 problem shape. A node's row count is the step's token count, so a prefill node sees every M from 1 to its
 chunk size: measured (torch 2.13, AVX512-BF16), two 576x1536 bf16 weights over 400 distinct M grew the
-process by ~530 MB (~320 MB with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0), and a 6-minute soak's prefill nodes grew
-~18% while fp32 (MKL) stays flat. Padding M to buckets bounds the shapes: M <= 16 exact (decode), then 8
-buckets per octave (M rounded up to a multiple of 2^(bits(M)-4)): 56 shapes up to 512, at most 1/8 of the
-rows wasted (under 6% on average); the same 400 shapes then grew ~80 MB, once.
+process by hundreds of MB (most of it even with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0), and a 6-minute soak's
+prefill nodes grew while fp32 (MKL) stays flat (benchmarks/results/2026-12-01-soak-30min/RESULTS.md).
+Padding M to buckets bounds the shapes: M <= 16 exact (decode), then 8 buckets per octave (M rounded up to a
+multiple of 2^(bits(M)-4)): 56 shapes up to 512, at most 1/8 of the rows wasted (under 6% on average); the
+same 400 shapes then grew the process once, by a fraction of that (the figures the soak page lacks:
+benchmarks/results/figures-from-code.md).
 
 The float linear methods (``TorchMethod``, ``GemvMethod``, ``PanelMethod``'s tiles) pad their rows so on CPU
 for 16-bit activations (``wanted``); ``TANDEM_ROW_BUCKETS=off`` turns it off, ``on`` forces it.

@@ -1,9 +1,10 @@
 """Shared-memory collectives for the tensor-parallel ranks of one host (a ``Communicator``).
 
-gloo spends tens to hundreds of microseconds per call on sockets, whatever the size; a decode step all-reduces a few KiB
-after every row-parallel layer. Like vLLM's and SGLang's CPU all-reduce, ranks here meet in one POSIX
-shared-memory segment (common/kv/shared_segment.py: a file under /dev/shm, zero-filled, nonce-checked,
-unlinked by its creator at close, swept if the creator was killed). Usage:
+gloo pays a large fixed cost per call on sockets, whatever the size
+(benchmarks/results/2026-12-01-parallel/RESULTS.md); a decode step all-reduces a few KiB after every
+row-parallel layer. Like vLLM's and SGLang's CPU all-reduce, ranks here meet in one POSIX shared-memory
+segment (common/kv/shared_segment.py: a file under /dev/shm, zero-filled, nonce-checked, unlinked by its
+creator at close, swept if the creator was killed). Usage:
 
     segment = ShmComm.create(world_size, max_bytes=4 << 20)   # the parent (or rank 0); owns the segment
     name = segment.name                                       # plain text: a spawn argument, a protobuf field
@@ -120,7 +121,8 @@ class ShmComm:
         self.timeout_s = timeout_s
         self.slot_bytes = segment.data_bytes // (2 * world_size)
         self._table = segment.table()  # keeps the numpy view's memory alive
-        self._words: memoryview = self._table.numpy().data  # int64 words, ~50 ns per access
+        # int64 words; an access is cheap (measured: benchmarks/results/figures-from-code.md)
+        self._words: memoryview = self._table.numpy().data
         self._data = segment.data()
         self._generation = 0
         self._broken: str | None = None

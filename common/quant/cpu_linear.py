@@ -10,8 +10,8 @@ is rounded to int8 in blocks of 32 (one fp32 scale each, as llama.cpp's Q8 activ
 weights meet it in integer dot products. Matrices whose rows are a multiple of 16 are held in 16-row panels
 (``common/quant/panels.py``) and one kernel serves every batch size (AVX512-VNNI ``vpdpbusd`` where the CPU
 has it, ``cpu_quant_panel.cpp``); other shapes keep the row-major GEMV (``cpu_quant_a8.cpp``) up to
-``GEMV_MAX_ROWS`` rows and the float path above. The activations' rounding costs about 0.5% relative error
-per product (docs/quantization.md has the perplexity).
+``GEMV_MAX_ROWS`` rows and the float path above. The activations' rounding costs a small relative error per
+product (docs/quantization.md has the measured error and the perplexity).
 
 ``TorchInt4Method`` / ``TorchInt8Method`` wrap PyTorch's own weight-only ops
 (``aten._weight_int4pack_mm_for_cpu``, ``aten._weight_int8pack_mm``): well kept, and fast with bf16
@@ -53,8 +53,8 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 @functools.cache
 def bf16_gemm_native() -> bool:
-    """Whether this CPU multiplies bf16 natively. Without it oneDNN's bf16 GEMMs ran at a fifth of fp32's rate
-    (2-core AVX2 EPYC, session 16: 16-20 against 77-88 GFLOP/s at prefill shapes), so the dequantized tiles
+    """Whether this CPU multiplies bf16 natively. Without it oneDNN's bf16 GEMMs ran far below fp32's rate at
+    prefill shapes (2-core AVX2 EPYC, session 16; the figures: docs/cpu-kernels.md), so the dequantized tiles
     are multiplied in fp32 there, and only the result is rounded to bf16."""
     return bool(cpu_flags() & NATIVE_BF16_FLAGS)
 

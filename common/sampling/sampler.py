@@ -49,8 +49,9 @@ class SampleResult:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum: the fused CPU kernel on CPU (common/model/fused_ops.py's ``argmax_rows``:
-    64 x 49,152 fp32 logits, 2 threads, fresh from the LM head: torch's argmax 2.7 ms, max 1.8 ms), else
-    ``max``'s indices (argmax's answer in a third of its time)."""
+    faster than torch's argmax and max on logits fresh from the LM head), else ``max``'s indices (argmax's
+    answer in less time). Measured: benchmarks/results/2026-12-02-amx-offline/RESULTS.md,
+    benchmarks/results/figures-from-code.md."""
     from common.model.fused_ops import fused_ops_for
 
     return fused_ops_for(logits.device).argmax_rows(logits)
@@ -149,8 +150,9 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` (``[batch, vocab]``, non-negative, each row with positive mass, not
     necessarily normalised) by inverting its CDF at ``uniform`` (``[batch]`` in [0, 1)).
 
-    One random number per row, where an exponential race (Gumbel-max) draws one per vocabulary entry: at
-    49,152 entries on one core that was 1.6 ms a row, 13 ms a step at batch 8; this is a tenth of it. The
+    One random number per row, where an exponential race (Gumbel-max) draws one per vocabulary entry, which
+    at 49,152 entries cost a CPU step at batch 8 far more than this does (before and after:
+    benchmarks/results/2026-12-03-serve-vllm/RESULTS.md, benchmarks/results/figures-from-code.md). The
     CDF is summed in fp64, so the chosen token's probability is exact to ~1e-12; a zero-probability token
     is never chosen (its CDF step is empty and the search takes the first entry strictly above the draw).
     """

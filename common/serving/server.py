@@ -197,10 +197,10 @@ async def _stop_when_dead(running: RunningServer, engine: object) -> None:
 def freeze_startup_heap() -> None:
     """Move every object alive after start-up (model, tokenizer, modules) out of the garbage collector's reach.
 
-    They live as long as the process, yet each full collection walked them all (about 200 ms measured with
-    a model, a tokenizer and three services in one process), and the objects serving churns through (protobuf
-    messages, spans waiting in the export queue) set one off every few seconds under load. Collect first so
-    no start-up garbage is kept.
+    They live as long as the process, yet each full collection walked them all (slow: docs/observability.md has
+    the time measured with a model, a tokenizer and three services in one process), and the objects serving
+    churns through (protobuf messages, spans waiting in the export queue) set one off every few seconds under
+    load. Collect first so no start-up garbage is kept.
     """
     gc.collect()
     gc.freeze()

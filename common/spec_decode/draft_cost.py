@@ -1,9 +1,10 @@
 """What a draft costs on this machine, measured while serving (adaptive k's price, common/engine/scheduler.py).
 
 A draft is worth proposing while the chance it is accepted exceeds its cost as a fraction of a plain decode
-step. That fraction depends on the machine and the model: verifying a row costs ~3% of a step where the
-step is bound by streaming weights (a slow memory, a big model), ~8% on a 2-core Zen 5 with SmolLM2 (measured
-in session 8: 4 n-gram drafts took a 9.3 ms step to 12.1 ms), and a draft model's own forward adds to it.
+step. That fraction depends on the machine and the model: verifying a row costs a few percent of a step
+where the step is bound by streaming weights (a slow memory, a big model), more on a 2-core Zen 5 with
+SmolLM2 (measured in session 8 with 4 n-gram drafts: benchmarks/results/2026-12-01-zen5/RESULTS.md; the
+prior: benchmarks/results/figures-from-code.md), and a draft model's own forward adds to it.
 So the runner measures it at batch 1, where speculation runs: exponential moving averages of a step's time
 without drafts and of the extra time per draft with them (proposing plus verifying). Pure Python.
 """

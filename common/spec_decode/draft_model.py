@@ -14,9 +14,10 @@ kept: the last token, the accepted drafts that the draft itself fed (its own KV 
 The target's own copy as a draft (the same architecture and name: a quantized self-draft) starts from the
 target's prompt KV instead (``prompt_kv``): its blocks are copied into the draft's cache, block for block,
 and the catch-up forwards only the last token. Its own prefill of the prompt costs as many FLOPs as the
-target's (measured on the 2-core AVX2 EPYC: 15 ms a drafted token on 66-127-token input-grounded prompts
-against 7.7 on short ones); the copy costs a memcpy, and the draft then reads the target's (more exact) K/V,
-which changes only what it proposes, never what is accepted.
+target's (measured on the 2-core AVX2 EPYC: a drafted token cost much more on 66-127-token input-grounded
+prompts than on short ones; benchmarks/results/2026-12-02-avx2-step/RESULTS.md); the copy costs a memcpy,
+and the draft then reads the target's (more exact) K/V, which changes only what it proposes, never what is
+accepted.
 """
 
 from __future__ import annotations

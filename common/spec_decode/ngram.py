@@ -20,9 +20,9 @@ class NgramProposer:
     Two options trade the literal definition for acceptance (both off by default):
 
     - ``drafts_per_matched_token``: a match of ``n`` tokens proposes at most ``n * drafts_per_matched_token``
-      tokens. A 1-token match is a weak guess (its first draft is accepted ~20-30% of the time on chat
-      outputs) while a long one is usually a copy in progress, so long matches get long drafts and short
-      ones short drafts instead of one length for both.
+      tokens. A 1-token match is a weak guess (its first draft is mostly rejected on chat outputs:
+      benchmarks/results/figures-from-code.md) while a long one is usually a copy in progress, so long
+      matches get long drafts and short ones short drafts instead of one length for both.
     - ``continue_past_end``: when the copied span reaches the end of the sequence (the match is a
       repetition of the latest tokens), keep copying from the proposal itself, i.e. continue the period,
       instead of proposing fewer tokens.

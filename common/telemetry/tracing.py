@@ -3,8 +3,9 @@
 Nothing is installed unless an OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT`` or
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) or the console exporter is switched on (``TANDEM_TRACE_CONSOLE=1``,
 ``--trace-console``). Without a provider, OpenTelemetry's API hands out non-recording spans: starting one
-costs about a microsecond and nothing is exported, so the services create their spans unconditionally and
-guard only attribute work that is not free with ``span.is_recording()``.
+costs next to nothing (measured: benchmarks/results/figures-from-code.md) and nothing is exported, so the
+services create their spans unconditionally and guard only attribute work that is not free with
+``span.is_recording()``.
 
 With a provider: BatchSpanProcessor (``OTEL_BSP_*``) -> OTLPSpanExporter over gRPC (``OTEL_EXPORTER_OTLP_*``),
 sampler from ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` (default parentbased_always_on), resource
