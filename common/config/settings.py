@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from common.config.engine_config import PREFILL_ORDERS, SpeculativeConfig, SpeculativeMethod
+from common.quant.config import INT4_GROUP_SIZES, QuantMethod
 
 T = TypeVar("T")
 
 ENV_PREFIX = "TANDEM_"
 
 
-QUANTIZATION_METHODS = ("none", "auto", "int8", "int4", "w8a8", "fp8")
+QUANTIZATION_METHODS = tuple(m.value for m in QuantMethod)  # common/quant/config.py (no torch: the gateway reads this)
 KV_TRANSPORTS = ("auto", "shm", "socket")  # kv_transfer/transport.py
 
 
@@ -58,9 +59,9 @@ class ModelSettings:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"--quantization (TANDEM_QUANTIZATION) must be one of {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}")
-        if self.quantization_group_size not in (32, 64, 128):
-            raise ValueError(f"--quantization-group-size (TANDEM_QUANTIZATION_GROUP_SIZE) must be 32, 64 or 128; "
-                             f"got {self.quantization_group_size}")
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"--quantization-group-size (TANDEM_QUANTIZATION_GROUP_SIZE) must be one of "
+                             f"{', '.join(map(str, INT4_GROUP_SIZES))}; got {self.quantization_group_size}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         for flag, value in (("--tensor-parallel-size", self.tensor_parallel_size),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from common.quant.formats import INT4_GROUP_SIZES
+INT4_GROUP_SIZES = (32, 64, 128)  # the int4 formats' groups (common/quant/formats.py packs them)
 
 FLAG = "--quantization"
 GROUP_FLAG = "--quantization-group-size"

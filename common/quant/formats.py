@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 SUB_BLOCK = 32  # weights per int4 sub-block (16 bytes); every group size is a multiple of it
-INT4_GROUP_SIZES = (32, 64, 128)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 

@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.model.linear import Linear
-from common.quant.config import FLAG, GROUP_FLAG, QuantConfig, QuantizationError, QuantMethod
+from common.quant.config import FLAG, GROUP_FLAG, INT4_GROUP_SIZES, QuantConfig, QuantizationError, QuantMethod
 from common.quant.formats import (
-    INT4_GROUP_SIZES,
     SUB_BLOCK,
     Int4Weight,
     Int8Weight,
