@@ -4,9 +4,10 @@ Inputs are flat: the chunks' tokens laid end to end with their positions, one ``
 describing the ragged batch, and logits computed only for the rows that sample (the last token of each
 chunk that reaches its request's end) — the LM head is the largest matmul of a small model.
 
-With speculative decoding, a decoding chunk with draft slots gets proposals (n-gram lookup, or the
-model's own first layers run autoregressively), the drafts ride along in the same forward, and the
-target's logits at every draft position are verified exactly (``common.spec_decode.rejection``).
+With speculative decoding, a decoding chunk with draft slots gets proposals from the runner's ``Proposer``
+(``common/spec_decode/proposer.py``: n-gram lookup, the model's own first layers, a draft model), the drafts
+ride along in the same forward, and the target's logits at every draft position are verified exactly
+(``common.spec_decode.rejection``); the proposer then hears how many the target kept.
 """
 
 from __future__ import annotations
@@ -18,19 +19,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.attention.metadata import AttentionMetadata
-from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
+from common.config.engine_config import SpeculativeConfig
 from common.engine.scheduler_output import StepResult
 from common.kv.kv_cache import KVCache, KVCacheSpec
-from common.sampling.sampler import RequestSamplingState, Sampler, target_probs
+from common.sampling.sampler import RequestSamplingState, Sampler
 from common.spec_decode.draft_cost import DraftCostMeter
-from common.spec_decode.draft_model import DraftModelProposer
-from common.spec_decode.ngram import NgramProposer
+from common.spec_decode.proposer import DraftModel, LookupFirst, make_proposer
 from common.spec_decode.rejection import verify
 
 if TYPE_CHECKING:
     from common.engine.request import Request
     from common.engine.scheduler_output import ScheduledChunk, SchedulerOutput
     from common.model.llama import LlamaForCausalLM
+    from common.spec_decode.draft_model import DraftModelProposer
 
 
 
@@ -55,37 +56,31 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler()
         self.speculative = speculative or SpeculativeConfig()
-        self.ngram = NgramProposer(self.speculative.ngram_min_n, self.speculative.ngram_max_n,
-                                   drafts_per_matched_token=self.speculative.ngram_drafts_per_matched_token,
-                                   continue_past_end=True)
-        # DRAFT_MODEL with ngram_first: the lookup only for matches of >= ngram_first_min_n tokens
-        first_n = max(self.speculative.ngram_first_min_n, self.speculative.ngram_min_n)
-        self.ngram_first = NgramProposer(first_n, max(first_n, self.speculative.ngram_max_n),
-                                         drafts_per_matched_token=self.speculative.ngram_drafts_per_matched_token,
-                                         continue_past_end=True)
-        # DRAFT_MODEL: a separate model with its own KV, read through the target's block tables
-        self.draft: DraftModelProposer | None = None
-        if self.speculative.method is SpeculativeMethod.DRAFT_MODEL:
-            assert draft_model is not None, "speculative draft_model needs the draft model loaded"
-            # the target's own copy (a quantized self-draft) starts from the target's prompt K/V
-            own_copy = (draft_model.config == model.config and draft_model.dtype == model.dtype
-                        and kv_cache_spec(draft_model, block_size) == self.kv_cache.spec)
-            self.draft = DraftModelProposer(draft_model, num_blocks, block_size, self.device,
-                                            prompt_kv=self.kv_cache if own_copy else None)
+        # n-gram lookup, the early layers, a draft model, or the lookup first (common/spec_decode/proposer.py)
+        self.proposer = make_proposer(self.speculative, model, self.kv_cache, block_size, num_blocks, draft_model)
         self._sampling: dict[str, RequestSamplingState] = {}
         self.draft_seconds = 0.0  # time spent proposing (speculative decoding)
         self.forward_seconds = 0.0  # time in the target's forward + sampling / verification
         self.num_steps = 0
-        self.ngram_proposals = 0  # draft_model with ngram_first: requests the n-gram lookup drafted for
         self.draft_cost = DraftCostMeter()  # a draft's cost here, for adaptive k (batch-1 decode steps)
+
+    @property
+    def draft(self) -> DraftModelProposer | None:
+        """The separate draft model's proposer, when speculation runs one."""
+        return self.proposer.draft if isinstance(self.proposer, DraftModel) else None
+
+    @property
+    def ngram_proposals(self) -> int:
+        """Draft model with the lookup first: requests the n-gram lookup drafted for."""
+        return self.proposer.num_lookups if isinstance(self.proposer, LookupFirst) else 0
 
     def close(self) -> None:
         """Nothing to stop in one process (a parallel runner stops its ranks)."""
 
     def forget(self, request_id: str) -> None:
         """Drop per-request sampling state (seeded generator) of a request that ended."""
-        if self.draft is not None:
-            self.draft.forget(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         self._sampling.pop(request_id, None)
 
     def _sampling_state(self, request: Request) -> RequestSamplingState:
@@ -105,13 +100,14 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> StepResult | None:
         """Run the step's forward; return tokens for the chunks that reach their request's end."""
         self.num_steps += 1
+        proposer = self.proposer
         if output.block_copies:
             self.kv_cache.copy_blocks(output.block_copies)
-            if self.draft is not None:
-                self.draft.kv_cache.copy_blocks(output.block_copies)
-        if self.draft is not None:
-            for request_id in output.preempted:  # its blocks, and the draft's KV in them, are gone
-                self.draft.forget(request_id)
+            if proposer is not None:
+                proposer.copy_blocks(output.block_copies)
+        if proposer is not None:
+            for request_id in output.preempted:  # its blocks, and a draft's KV in them, are gone
+                proposer.forget(request_id)
         step_start = start = time.perf_counter()
         drafts, draft_probs = self._propose(output.chunks)
         self.draft_seconds += time.perf_counter() - start
@@ -128,10 +124,10 @@ class ModelRunner:
                 self.sampler(logits, [self._sampling_state(output.chunks[i].request) for i in sampling]))
         else:
             result = self._verify(output.chunks, sampling, drafts, draft_probs, hidden, ends)
-            if self.draft is not None:
-                for row, i in enumerate(sampling):
-                    if drafts[i]:
-                        self.draft.accept(output.chunks[i].request.request_id, result.num_accepted[row])
+            assert proposer is not None  # drafts came from it
+            for row, i in enumerate(sampling):
+                if drafts[i]:
+                    proposer.accept(output.chunks[i].request.request_id, result.num_accepted[row])
         end = time.perf_counter()
         self.forward_seconds += end - start
         chunks = output.chunks
@@ -168,68 +164,9 @@ class ModelRunner:
         drafts: list[list[int]] = [[] for _ in chunks]
         probs: list[torch.Tensor | None] = [None] * len(chunks)
         slots = [i for i, c in enumerate(chunks) if c.num_draft_slots]
-        if not slots:
-            return drafts, probs
-        method = self.speculative.method
-        if method is SpeculativeMethod.NGRAM:
-            for i in slots:
-                drafts[i] = self.ngram.propose(chunks[i].request.all_token_ids, chunks[i].num_draft_slots)
-        elif method is SpeculativeMethod.DRAFT_LAYERS:
-            self._draft_with_early_layers(chunks, slots, drafts, probs)
-        elif self.draft is not None:
-            rest = slots
-            if self.speculative.ngram_first:  # the lookup where it matches (no draft forward), the draft elsewhere
-                rest = []
-                for i in slots:
-                    found = self.ngram_first.propose(chunks[i].request.all_token_ids, chunks[i].num_draft_slots)
-                    if found:
-                        drafts[i] = found  # a point mass: probs stay None
-                        self.ngram_proposals += 1
-                    else:
-                        rest.append(i)
-            if rest:  # with the lookup's own limit the slots may exceed k; the draft model still proposes <= k
-                limit = self.speculative.num_speculative_tokens if self.speculative.ngram_first_max_tokens else None
-                self.draft.propose(chunks, rest, drafts, probs, self._sampling_state, limit)
+        if slots and self.proposer is not None:
+            self.proposer.propose(chunks, slots, drafts, probs, self._sampling_state)
         return drafts, probs
-
-    def _draft_with_early_layers(self, chunks: list[ScheduledChunk], slots: list[int],
-                                 drafts: list[list[int]], probs: list[torch.Tensor | None]) -> None:
-        """Run the first L layers autoregressively for k steps over the speculating requests.
-
-        The draft shares the target's paged cache: layers < L of the target *are* the draft, so the
-        context's KV is already there, and the draft writes its own tokens' KV into the reserved draft
-        slots, which the verification forward then overwrites (or truncation gives back).
-        """
-        bs = self.block_size
-        layers = min(self.speculative.draft_layers, self.model.config.num_layers)
-        active = list(slots)
-        step_probs: dict[int, list[torch.Tensor]] = {i: [] for i in slots}
-        # The chunk's own token (the request's last), which need not be an output token: when a prefill chunk
-        # stops one token short of the prompt's end, that last prompt token is scheduled as a decode.
-        last = {i: chunks[i].request.token_slice(chunks[i].start, chunks[i].start + 1)[0] for i in slots}
-        for j in range(max(chunks[i].num_draft_slots for i in slots)):
-            active = [i for i in active if chunks[i].num_draft_slots > j]
-            if not active:
-                break
-            positions = [chunks[i].start + j for i in active]
-            tables = [chunks[i].block_ids[: p // bs + 1] for i, p in zip(active, positions, strict=True)]
-            meta = AttentionMetadata.build([1] * len(active), positions, tables, bs, self.device)
-            hidden = self.model(torch.tensor([last[i] for i in active], device=self.device),
-                                torch.tensor(positions, device=self.device), meta, self.kv_cache,
-                                num_layers=layers)
-            params = [chunks[i].request.params for i in active]
-            p = target_probs(self.model.compute_logits(hidden), params)
-            for row, i in enumerate(active):
-                state = self._sampling_state(chunks[i].request)
-                if params[row].greedy:
-                    token = int(p[row].argmax())
-                else:
-                    token = int(torch.multinomial(p[row], 1, generator=state.generator))
-                drafts[i].append(token)
-                step_probs[i].append(p[row])
-                last[i] = token
-        for i in slots:
-            probs[i] = torch.stack(step_probs[i]) if step_probs[i] else None
 
     def forward(self, output: SchedulerOutput,
                 drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
