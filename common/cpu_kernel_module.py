@@ -51,9 +51,9 @@ def runnable_isas(flags: set[str] | None = None) -> list[str]:
 def best_isa(flags: set[str] | None = None) -> str:
     """The widest instruction set whose build this CPU can run (``TANDEM_CPU_ISA`` forces one)."""
     flags = cpu_flags() if flags is None else flags
-    from common.config.settings import kernel_settings
+    from common.config.settings import kernel_setting
 
-    forced = kernel_settings().cpu_isa  # TANDEM_CPU_ISA: checked against the choices there
+    forced = str(kernel_setting("cpu_isa"))  # TANDEM_CPU_ISA: checked against the choices there
     if forced:
         missing = _REQUIRED[forced] - flags
         if missing:

@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from common.config.settings import kernel_setting
+
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cpu_kv_write.cpp")]
@@ -27,9 +29,7 @@ _state: dict[str, ModuleType | None] = {}
 
 
 def kernels_enabled() -> bool:
-    from common.config.settings import kernel_settings
-
-    return kernel_settings().cpu_kernels  # TANDEM_CPU_KERNELS
+    return bool(kernel_setting("cpu_kernels"))  # TANDEM_CPU_KERNELS, on the hot path: its variable alone
 
 
 def paged_decode_kernel() -> ModuleType | None:

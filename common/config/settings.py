@@ -9,6 +9,7 @@ by construction.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from collections.abc import Mapping
@@ -220,11 +221,11 @@ CPU_ISAS = ("avx512", "avx2", "generic")  # common/cpu_kernel_module.py's builds
 
 @dataclass(frozen=True)
 class KernelSettings:
-    """Which CPU kernels run (docs/cpu-kernels.md): environment variables only, read where the model is
-    prepared (``kernel_settings()``), listed by ``tandem --help``. Modes: auto (where the kernels build and
-    apply), on (that, or a start-up error), off. One error behaviour: a value that is not a choice raises
-    ``ValueError`` naming the variable and the choices; ``on`` where the kernel cannot build raises
-    ``RuntimeError`` at start-up; ``auto`` falls back to PyTorch's ops with a log line."""
+    """Which CPU kernels run (docs/cpu-kernels.md): environment variables only, read here alone
+    (``kernel_setting(name)``, ``kernel_settings()``), listed by ``tandem --help``. Modes: auto (where the
+    kernels build and apply), on (that, or a start-up error), off. One error behaviour: a value that is not a
+    choice raises ``ValueError`` naming the variable and the choices; ``on`` where the kernel cannot build
+    raises ``RuntimeError`` at start-up; ``auto`` falls back to PyTorch's ops with a log line."""
 
     cpu_kernels: bool = True  # the compiled CPU attention and KV-write kernels (off: PyTorch's reference ops)
     cpu_isa: str = ""  # force a kernel build: avx512 | avx2 | generic ("": the widest this CPU runs)
@@ -247,9 +248,33 @@ class KernelSettings:
         object.__setattr__(self, "cpu_isa", isa)
 
 
+_KERNEL_VARIABLES = {f.name: env_name(f.name) for f in dataclasses.fields(KernelSettings)}
+
+
 def kernel_settings(environ: Mapping[str, str] | None = None) -> KernelSettings:
-    """The kernel settings from the environment, read at each call (cheap; tests and benchmarks change them)."""
+    """The kernel settings from the environment, parsed once per value of their variables (a changed variable,
+    as tests and benchmarks set them, is seen at the next call)."""
+    if environ is not None:
+        return load_settings(KernelSettings, environ=environ)
+    return _kernel_settings_of(tuple(os.environ.get(name) for name in _KERNEL_VARIABLES.values()))
+
+
+def kernel_setting(name: str) -> str | bool:
+    """One field of the kernel settings, reading only its own variable: what each kernel switch asks, cheap
+    enough for the hot path (the attention backend asks ``cpu_kernels`` for every layer of every step)."""
+    return _kernel_field(name, os.environ.get(_KERNEL_VARIABLES[name]))
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel_settings_of(values: tuple[str | None, ...]) -> KernelSettings:
+    environ = {name: value for name, value in zip(_KERNEL_VARIABLES.values(), values, strict=True) if value is not None}
     return load_settings(KernelSettings, environ=environ)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_field(name: str, value: str | None) -> str | bool:
+    environ = {} if value is None else {_KERNEL_VARIABLES[name]: value}
+    return getattr(load_settings(KernelSettings, environ=environ), name)  # type: ignore[no-any-return]
 
 
 SPECULATIVE_METHODS = tuple(m.value for m in SpeculativeMethod)
@@ -257,7 +282,7 @@ SPECULATIVE_METHODS = tuple(m.value for m in SpeculativeMethod)
 
 @dataclass(frozen=True)
 class SpeculativeSettings:
-    """Speculative decoding on decode and colocated nodes (docs/speculative.md): flags and ``TANDEM_*``
+    """Speculative decoding on decode and colocated nodes (docs/configuration.md): flags and ``TANDEM_*``
     variables alike, so compose and ``tandem up`` turn it on the way they set everything else."""
 
     speculative: str = "none"  # none | ngram | draft_layers | draft_model

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.config.settings import kernel_settings
+from common.config.settings import kernel_setting
 from common.cpu_kernel_module import cpu_kernels
 from common.quant.cpu_kernels import NO_AMX
 
@@ -48,7 +48,7 @@ _DTYPES = (torch.float32, torch.bfloat16)  # activations (and the KV cache) the 
 
 
 def step_mode() -> str:
-    return kernel_settings().decode_step  # TANDEM_DECODE_STEP
+    return str(kernel_setting("decode_step"))  # TANDEM_DECODE_STEP
 
 
 def step_module(isa: str | None = None) -> ModuleType | None:

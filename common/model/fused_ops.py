@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from common.config.settings import kernel_settings
+from common.config.settings import kernel_setting
 from common.cpu_kernel_module import cpu_kernels
 from common.kv.kv_cache import write_kv
 
@@ -111,7 +111,7 @@ FusedOps = EagerOps | CppOps
 
 
 def fused_mode() -> str:
-    return kernel_settings().fused_ops  # TANDEM_FUSED_OPS
+    return str(kernel_setting("fused_ops"))  # TANDEM_FUSED_OPS
 
 
 def fused_ops_for(device: torch.device, mode: str | None = None) -> FusedOps:

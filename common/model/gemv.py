@@ -28,11 +28,10 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from common.config.settings import kernel_settings
-from common.model.linear import LinearMethod, StepWeights
-from common.model.row_buckets import bucket_rows, linear_bucketed
+from common.config.settings import kernel_setting
+from common.model.linear import LinearMethod, StepWeights, TorchMethod
+from common.model.row_buckets import bucket_rows
 from common.quant.cpu_kernels import NO_AMX, amx_enabled
 from common.quant.cpu_linear import GEMV_MAX_ROWS, TILE_ELEMENTS  # one limit for float and packed weights
 from common.quant.panels import PANEL_ROWS
@@ -49,7 +48,7 @@ _limits: dict[str, int] = {}
 
 
 def gemv_mode() -> str:
-    return kernel_settings().cpu_gemv  # TANDEM_CPU_GEMV
+    return str(kernel_setting("cpu_gemv"))  # TANDEM_CPU_GEMV
 
 
 def gemv_kernels() -> ModuleType | None:
@@ -65,31 +64,25 @@ def gemv_kernels() -> ModuleType | None:
     return _state["ops"]
 
 
-class GemvMethod(LinearMethod):
-    """Float weights, row-major: ``dense_matmul`` up to ``GEMV_MAX_ROWS`` rows of fp32/bf16, ``F.linear``
-    above it (row-bucketed for 16-bit activations: common/model/row_buckets.py)."""
+class GemvMethod(TorchMethod):
+    """Float weights, row-major: ``dense_matmul`` up to ``GEMV_MAX_ROWS`` rows of fp32/bf16, ``TorchMethod``'s
+    ``F.linear`` above it (row-bucketed for 16-bit activations: common/model/row_buckets.py)."""
 
     name = "gemv"
 
     def __init__(self, ops: ModuleType, bucketed: bool) -> None:
+        super().__init__(bucketed)
         self._ops = ops
-        self.bucketed = bucketed
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         weight, bias = layer.weight, layer.bias
         if x.shape[0] <= GEMV_MAX_ROWS and x.dtype in _FLOATS and weight.dtype in _FLOATS and x.device.type == "cpu":
             y = self._ops.dense_matmul(x if x.is_contiguous() else x.contiguous(), weight)
             return y if bias is None else y + bias
-        return linear_bucketed(x, weight, bias) if self.bucketed else nn.functional.linear(x, weight, bias)
+        return super().apply(layer, x)
 
     def process_weights_after_loading(self, layer: Linear, packed: QuantizedWeight | None) -> None:
         layer.weight.data = layer.weight.data.contiguous()  # the GEMV streams rows as they lie
-
-    def rows(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor | None:
-        return layer.weight[ids]
-
-    def describe(self) -> str:
-        return "gemv, row buckets" if self.bucketed else "gemv"
 
 
 PANEL_MAX_ROWS = 256  # up to here the panel kernel; above, oneDNN / MKL on unpacked tiles (measured faster)
@@ -162,13 +155,19 @@ class PanelMethod(LinearMethod):
         return (w.dtype in _FLOATS and w.device.type == "cpu" and layer.out_features % PANEL_ROWS == 0
                 and layer.in_features % 2 == 0)
 
+    _panels: torch.Tensor  # the layer's buffer, held here too: a decode step makes ~120 calls
+
     def process_weights_after_loading(self, layer: Linear, packed: QuantizedWeight | None) -> None:
         panels = pack_panels(layer.weight.detach())
         layer.drop_weight()
         layer.register_buffer("panels", panels, persistent=False)
+        self.refresh(layer)
+
+    def refresh(self, layer: Linear) -> None:
+        self._panels = layer.get_buffer("panels")
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        panels = layer.get_buffer("panels")
+        panels = self._panels
         if x.dtype in _FLOATS and x.shape[0] <= self._max_rows:
             y = self._ops.dense_matmul_panel(x if x.is_contiguous() else x.contiguous(), panels, self._amx_rows,
                                              layer.float_out)
@@ -190,7 +189,7 @@ class PanelMethod(LinearMethod):
         return (out[:m] if rows != m else out).to(torch.float32 if layer.float_out else x.dtype)
 
     def step_weights(self, layer: Linear, dtype: torch.dtype) -> StepWeights | None:
-        panels = layer.get_buffer("panels")
+        panels = self._panels
         if panels.dtype != dtype:
             return None
         empty = torch.empty(0)
@@ -198,8 +197,7 @@ class PanelMethod(LinearMethod):
                            self._max_rows, self._amx_rows)
 
     def rows(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor | None:
-        panels = layer.get_buffer("panels")
-        rows = panels[ids // PANEL_ROWS, :, ids % PANEL_ROWS]  # [n, K/2, 2] or [n, K]
+        rows = self._panels[ids // PANEL_ROWS, :, ids % PANEL_ROWS]  # [n, K/2, 2] or [n, K]
         return rows.reshape(ids.shape[0], layer.in_features)
 
     def describe(self) -> str:
@@ -208,7 +206,7 @@ class PanelMethod(LinearMethod):
 
 def panel_mode() -> bool:
     """``TANDEM_CPU_PANELS=auto|on|off`` (auto = on): float weights in 16-row panels where they fit."""
-    return kernel_settings().cpu_panels != "off"
+    return str(kernel_setting("cpu_panels")) != "off"
 
 
 def wanted(device: torch.device) -> bool:

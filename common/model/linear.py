@@ -107,7 +107,7 @@ class TorchMethod(LinearMethod):
         return layer.weight[ids]
 
     def describe(self) -> str:
-        return "torch, row buckets" if self.bucketed else "torch"
+        return f"{self.name}, row buckets" if self.bucketed else self.name
 
 
 class Linear(nn.Module):

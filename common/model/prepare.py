@@ -25,6 +25,7 @@ from common.model.linear import Linear, TiedEmbedding
 if TYPE_CHECKING:
     from common.model.llama import LlamaForCausalLM
     from common.quant.config import QuantConfig
+    from common.quant.formats import QuantizedWeight
     from common.quant.gguf_blocks import GGUFBlocks
 
 
@@ -37,7 +38,7 @@ def prepare_model(model: LlamaForCausalLM, device: torch.device | str, quant: Qu
     CPU step where it applies."""
     device = torch.device(device)
     dtype = model.dtype
-    packed: dict = {}
+    packed: dict[str, tuple[QuantizedWeight, bool]] = {}
     kernel_name = kernel
     if quant is not None and quant.enabled:
         from common.quant.quantizer import kernel_for, packed_weights

@@ -44,9 +44,9 @@ def linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def wanted(device: torch.device, dtype: torch.dtype) -> bool:
     """auto: on for 16-bit activations on CPU (oneDNN's per-shape kernels); TANDEM_ROW_BUCKETS=on|off."""
-    from common.config.settings import kernel_settings
+    from common.config.settings import kernel_setting
 
-    choice = kernel_settings().row_buckets  # TANDEM_ROW_BUCKETS
+    choice = str(kernel_setting("row_buckets"))  # TANDEM_ROW_BUCKETS
     if choice != "auto":
         return choice == "on"
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)

@@ -52,9 +52,9 @@ _amx_state: dict[str, bool] = {}
 def amx_enabled(ops: ModuleType) -> bool:
     """Whether the AMX loops run (``TANDEM_CPU_AMX=auto|on|off``): auto where the CPU and its kernel grant
     AMX tiles (``ops.dense_panel_path() == "amx"``), on: that or an error, off: never."""
-    from common.config.settings import kernel_settings
+    from common.config.settings import kernel_setting
 
-    mode = kernel_settings().cpu_amx  # TANDEM_CPU_AMX
+    mode = str(kernel_setting("cpu_amx"))  # TANDEM_CPU_AMX
     key = f"{mode}:{ops.__name__}"
     if key not in _amx_state:
         amx = ops.dense_panel_path() == "amx"

@@ -1,6 +1,7 @@
 """Which ``LinearMethod`` runs a layer: by weight format, device and CPU features, or by name.
 
-One table for every format, float included; ``auto`` takes the first entry the device runs.
+Packed formats by a table (``auto`` takes the first entry the device runs, ``--quantization-kernel`` names
+one); float layers by the kernel settings:
 
 - float, CPU: ``panels`` (16-row panels, where out_features is a multiple of 16) and ``gemv`` (row-major)
   where Tandem's CPU kernels build and ``TANDEM_CPU_GEMV`` allows (``TANDEM_CPU_PANELS=off``: no panels),
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 KERNEL_FLAG = "--quantization-kernel"
 # (format, device type) -> method names, preferred first
 KERNELS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("float", "cpu"): ("panels", "gemv", "torch"),
     ("int4", "cpu"): ("tandem_a8", "tandem_cpu", "torch", "reference"),
     ("int8", "cpu"): ("tandem_a8", "tandem_cpu", "torch", "int_mm", "reference"),
     ("fp8", "cpu"): ("reference",),
@@ -43,7 +43,7 @@ __all__ = ["KERNELS", "KERNEL_FLAG", "float_method", "kernel_names", "packed_met
 
 
 def kernel_names(fmt: str, device: torch.device) -> tuple[str, ...]:
-    return KERNELS.get((fmt, device.type), ("torch",) if fmt == "float" else ("reference",))
+    return KERNELS.get((fmt, device.type), ("reference",))
 
 
 def float_method(layer: Linear, device: torch.device, dtype: torch.dtype, panels: bool = True) -> LinearMethod:

@@ -89,7 +89,7 @@ class DraftModelProposer:
                             meta, self.kv_cache)
         last_rows = meta.query_start_loc[1:] - 1
         step_probs: dict[int, list[torch.Tensor]] = {i: [] for i in slots}
-        last = self._sample(chunks, slots, hidden[last_rows], drafts, step_probs, sampling_state)
+        last = sample_drafts(self.model, hidden[last_rows], chunks, slots, drafts, step_probs, sampling_state)
         for i in slots:
             self._computed[chunks[i].request.request_id] = chunks[i].start + 1
             self._fed[chunks[i].request.request_id] = 0
@@ -103,28 +103,11 @@ class DraftModelProposer:
             meta = AttentionMetadata.build([1] * len(active), pos, tables, bs, self.device)
             hidden = self.model(torch.tensor([last[i] for i in active], device=self.device),
                                 torch.tensor(pos, device=self.device), meta, self.kv_cache)
-            last = self._sample(chunks, active, hidden, drafts, step_probs, sampling_state)
+            last = sample_drafts(self.model, hidden, chunks, active, drafts, step_probs, sampling_state)
             for i in active:
                 self._fed[chunks[i].request.request_id] = j
         for i in slots:
             probs[i] = torch.stack(step_probs[i])
-
-    def _sample(self, chunks: list[ScheduledChunk], rows: list[int], hidden: torch.Tensor, drafts: list[list[int]],
-                step_probs: dict[int, list[torch.Tensor]],
-                sampling_state: Callable[[Request], RequestSamplingState]) -> dict[int, int]:
-        """One draft token per row from the draft's distribution (greedy requests: its argmax)."""
-        params = [chunks[i].request.params for i in rows]
-        p = target_probs(self.model.compute_logits(hidden), params)
-        out = {}
-        for row, i in enumerate(rows):
-            if params[row].greedy:
-                token = int(p[row].argmax())
-            else:
-                token = int(torch.multinomial(p[row], 1, generator=sampling_state(chunks[i].request).generator))
-            drafts[i].append(token)
-            step_probs[i].append(p[row])
-            out[i] = token
-        return out
 
     def accept(self, request_id: str, num_accepted: int) -> None:
         """After verification: the target kept ``num_accepted`` drafts; the draft's KV is valid for those it
@@ -136,3 +119,22 @@ class DraftModelProposer:
         """The request ended or lost its blocks (preempted): its draft KV is gone with them."""
         self._computed.pop(request_id, None)
         self._fed.pop(request_id, None)
+
+
+def sample_drafts(model: LlamaForCausalLM, hidden: torch.Tensor, chunks: list[ScheduledChunk], rows: list[int],
+                  drafts: list[list[int]], step_probs: dict[int, list[torch.Tensor]],
+                  sampling_state: Callable[[Request], RequestSamplingState]) -> dict[int, int]:
+    """One draft token for each chunk index in ``rows`` (``hidden``'s rows in that order) from the draft's
+    distribution (greedy requests: its argmax), appended to ``drafts`` and ``step_probs``; returns them."""
+    params = [chunks[i].request.params for i in rows]
+    p = target_probs(model.compute_logits(hidden), params)
+    out = {}
+    for row, i in enumerate(rows):
+        if params[row].greedy:
+            token = int(p[row].argmax())
+        else:
+            token = int(torch.multinomial(p[row], 1, generator=sampling_state(chunks[i].request).generator))
+        drafts[i].append(token)
+        step_probs[i].append(p[row])
+        out[i] = token
+    return out

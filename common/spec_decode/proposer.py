@@ -22,8 +22,8 @@ import torch
 
 from common.attention.metadata import AttentionMetadata
 from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
-from common.sampling.sampler import RequestSamplingState, target_probs
-from common.spec_decode.draft_model import DraftModelProposer
+from common.sampling.sampler import RequestSamplingState
+from common.spec_decode.draft_model import DraftModelProposer, sample_drafts
 from common.spec_decode.ngram import NgramProposer
 
 if TYPE_CHECKING:
@@ -96,16 +96,7 @@ class EarlyLayers(Proposer):
             hidden = self.model(torch.tensor([last[i] for i in active], device=self.device),
                                 torch.tensor(positions, device=self.device), meta, self.kv_cache,
                                 num_layers=self.num_layers)
-            params = [chunks[i].request.params for i in active]
-            p = target_probs(self.model.compute_logits(hidden), params)
-            for row, i in enumerate(active):
-                if params[row].greedy:
-                    token = int(p[row].argmax())
-                else:
-                    token = int(torch.multinomial(p[row], 1, generator=sampling_state(chunks[i].request).generator))
-                drafts[i].append(token)
-                step_probs[i].append(p[row])
-                last[i] = token
+            last.update(sample_drafts(self.model, hidden, chunks, active, drafts, step_probs, sampling_state))
         for i in slots:
             probs[i] = torch.stack(step_probs[i]) if step_probs[i] else None
 
