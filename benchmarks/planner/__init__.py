@@ -1,1 +1,1 @@
-"""`tandem plan`: a cost model fitted on this machine, a simulator of the scheduler, the plan command."""
+"""`tandem plan`: a cost model fitted on this machine, a simulator running the engine's scheduler, the plan command."""

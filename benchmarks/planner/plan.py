@@ -10,7 +10,8 @@
    node spends per token it streams (the engine's output hand-off, protobuf, gRPC), measured on one real
    colocated server (benchmarks/planner/serving_overhead.py) and added to every simulated step.
 2. Every candidate layout of the N nodes is simulated on the workload's requests (the same seeded
-   requests `bench serve` sends; benchmarks/planner/simulator.py): colocated (N replicas), and each
+   requests `bench serve` sends; benchmarks/planner/simulator.py, where each node runs the engine's own
+   scheduler with a serving node's settings and KV cache size): colocated (N replicas), and each
    prefill:decode split, without and with local prefill of prompts up to each ``--thresholds`` value.
 3. The table gives predicted TTFT/TPOT p50/p99, goodput and SLO attainment per candidate; the
    recommendation is the highest goodput, and among candidates within 2% of it the one with the most
@@ -33,13 +34,18 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.planner.cost_model import CostKey, CostModel, CostModelStore, fit
-from benchmarks.planner.simulator import Deployment, NodeLimits, SimResult, simulate
+from benchmarks.planner.simulator import Deployment, SimResult, simulate
 from benchmarks.serve_stats import Distribution
 from benchmarks.slo import SLO, parse_slo
 from benchmarks.workloads import WORKLOADS, Workload
+
+if TYPE_CHECKING:
+    from common.config.engine_config import CacheConfig, SchedulerConfig
+    from common.config.model_config import ModelConfig
+    from common.config.settings import NodeSettings
 
 DEFAULT_THRESHOLDS = (64, 128, 256, 512, 1024)
 DEFAULT_RATE = 1.0  # bench serve's
@@ -165,8 +171,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from benchmarks.bench_serve import configure_workload, cpu_list, resolve_dtype_name
+    from common.config.model_config import ModelConfig
     from common.config.settings import ModelSettings, NodeSettings, load_settings
-    from common.engine.node_setup import step_budget
     from common.model.model_store import resolve_model
 
     if args.nodes < 1:
@@ -180,12 +186,13 @@ def run(args: argparse.Namespace) -> int:
     dtype = resolve_dtype_name(settings.dtype, settings.device)
     threads = threads_per_node(args.nodes, cpus)
     cost, key, fitted = cost_model(model_dir, dtype, threads, settings.home, args.refit, cpus)
-    node = load_settings(NodeSettings)
-    limits = NodeLimits(*step_budget(node, settings.device), node.max_num_seqs, node.block_size,
-                        node.enable_prefix_caching, node.prefill_order)
+    model_config = ModelConfig.from_pretrained(model_dir)
+    # Every simulated node schedules as a serving node would, over a KV cache of a serving node's size.
+    cache, scheduler = node_configs(load_settings(NodeSettings), settings.device, model_config, dtype)
 
-    requests = workload.requests(_vocab_size(model_dir), args.rate)
-    results = [Candidate(simulate(requests, d, cost, limits), slo) for d in candidates(args.nodes, thresholds)]
+    requests = workload.requests(model_config.vocab_size, args.rate)
+    results = [Candidate(simulate(requests, d, cost, scheduler, cache), slo)
+               for d in candidates(args.nodes, thresholds)]
     best = recommend(results)
     print(plan_report(results, best, workload, args, slo, cost, key, fitted))
     document: dict[str, Any] = {
@@ -195,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         "candidates": [_candidate_json(c) for c in results]}
     if args.validate:
         target = best if args.validate == "recommended" else Candidate(
-            simulate(requests, parse_deployment(args.validate, args.nodes), cost, limits), slo)
+            simulate(requests, parse_deployment(args.validate, args.nodes), cost, scheduler, cache), slo)
         document["validation"] = validate(target, args, model_dir, dtype, cpus)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(document, indent=2))
@@ -272,10 +279,21 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1e3 * seconds:.0f}"
 
 
-def _vocab_size(model_dir: Path) -> int:
-    from common.config.model_config import ModelConfig
+def node_configs(node: NodeSettings, device: str, model: ModelConfig,
+                 dtype: str) -> tuple[CacheConfig, SchedulerConfig]:
+    """A serving node's engine configs (``node_setup.engine_configs``), its number of KV blocks and
+    ``max_model_len`` resolved as ``EngineCore`` resolves them for ``model`` in ``dtype``."""
+    from common.engine.node_setup import engine_configs
+    from common.kv.kv_cache import KVCacheSpec
 
-    return ModelConfig.from_pretrained(model_dir).vocab_size
+    cache, scheduler = engine_configs(node, device)
+    spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, cache.block_size, dtype)
+    cache = dataclasses.replace(cache, num_blocks=cache.resolve_num_blocks(
+        spec.bytes_per_block(_KV_ELEMENT_BYTES[dtype])))
+    return cache, dataclasses.replace(scheduler, max_model_len=scheduler.max_model_len or model.max_position_embeddings)
+
+
+_KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the KV cache is in the activations' dtype
 
 
 def _progress(message: str) -> None:

@@ -11,9 +11,10 @@ import pytest
 
 from benchmarks.planner.cost_model import CostKey, CostModel, CostModelStore, StepSample, StepShape, fit
 from benchmarks.planner.plan import candidates, parse_deployment, recommend, threads_per_node
-from benchmarks.planner.simulator import Deployment, NodeLimits, simulate
+from benchmarks.planner.simulator import Deployment, simulate
 from benchmarks.slo import SLO
 from benchmarks.workloads import TimedRequest
+from common.config.engine_config import CacheConfig, SchedulerConfig
 
 # 10 ms a step + 1 ms per prefill token + 2 ms per decoding sequence; KV moves at 0.1 ms a token.
 COST = CostModel(base_s=0.01, per_prefill_token_s=0.001, per_decode_seq_s=0.002, per_context_token_s=0.0,
@@ -45,13 +46,13 @@ def test_a_request_arriving_mid_step_joins_the_next_step_beside_the_decodes() ->
 
 
 def test_the_token_budget_splits_prefills_across_steps() -> None:
-    limits = NodeLimits(max_num_batched_tokens=120, max_prefill_chunk=None)
+    limits = SchedulerConfig(max_num_batched_tokens=120, max_prefill_chunk=None)
     a, b = simulate([req(0, 100, 2, 0.0), req(1, 100, 1, 0.0, first_id=500)], COLOCATED, COST, limits).timings
     # Both arrive at 0, but a step starts when the first arrives: step 1 is A's 100 tokens (0.11).
     # Step 2: A decodes (1) and B gets the remaining budget, 119 >= 100 (0.01 + 0.1 + 0.002 = 0.112).
     assert a.ttft_s == pytest.approx(0.11) and a.finish_s == pytest.approx(0.222)
     assert b.ttft_s == pytest.approx(0.222)
-    tight = NodeLimits(max_num_batched_tokens=60, max_prefill_chunk=None)
+    tight = SchedulerConfig(max_num_batched_tokens=60, max_prefill_chunk=None)
     (c,) = simulate([req(0, 100, 1, 0.0)], COLOCATED, COST, tight).timings
     assert c.ttft_s == pytest.approx(0.07 + 0.05)  # 60 then 40 tokens
 
@@ -98,10 +99,30 @@ def test_prefix_caching_skips_the_cached_full_blocks_and_the_kv_already_on_the_d
     first, second = req(0, 64, 1, 0.0), TimedRequest(1, tuple(range(48)) + (900,) * 16, 1, 1.0, "chat")
     one, two = simulate([first, second], COLOCATED, COST).timings
     assert one.ttft_s == pytest.approx(0.074) and two.ttft_s == pytest.approx(0.026)  # 3 blocks of 16 cached
-    off = simulate([first, second], COLOCATED, COST, NodeLimits(prefix_caching=False)).timings
+    off = simulate([first, second], COLOCATED, COST, cache=CacheConfig(enable_prefix_caching=False)).timings
     assert off[1].ttft_s == pytest.approx(0.074)
     _, disagg = simulate([first, second], Deployment(1, 1), COST).timings
     assert disagg.ttft_s == pytest.approx(0.026 + 16 * 0.0001)  # only the 16 uncached tokens move
+
+
+def test_a_full_kv_cache_makes_requests_wait_for_blocks_on_either_node() -> None:
+    both = [req(0, 100, 3, 0.0), req(1, 50, 2, 0.05, first_id=500)]
+    small = CacheConfig(num_blocks=10)  # 160 tokens: A's 7 blocks leave 3, B needs 4
+    a, b = simulate(both, COLOCATED, COST, cache=small).timings
+    # B is not admitted beside A's decodes (0.11 -> 0.122 -> 0.134) but once A has freed its blocks.
+    assert a.finish_s == pytest.approx(0.134) and b.ttft_s == pytest.approx(0.134 + 0.06 - 0.05)
+    assert b.finish_s == pytest.approx(0.134 + 0.06 + 0.012)
+    # Disaggregated: the decode node cannot reserve B's blocks before A is done (0.144), so B's prefill
+    # starts then: 0.06 of prefill and 0.005 of KV later it has its first token.
+    a, b = simulate([req(0, 100, 3, 0.0), req(1, 50, 2, 0.0, first_id=500)], Deployment(1, 1), COST,
+                    cache=small).timings
+    assert a.finish_s == pytest.approx(0.144) and b.ttft_s == pytest.approx(0.144 + 0.06 + 0.005)
+    # The prefill node frees the blocks it held for the transfer once the KV has landed, so one after another
+    # fits; the decode node's are freed when each request ends.
+    apart = [req(i, 100, 1, float(i), first_id=1000 * i) for i in range(3)]
+    assert [t.ttft_s for t in simulate(apart, Deployment(1, 1), COST, cache=small).timings] == pytest.approx([0.12] * 3)
+    with pytest.raises(ValueError, match="max_model_len = 64"):  # a node refuses such a prompt
+        simulate(both, COLOCATED, COST, SchedulerConfig(max_model_len=64))
 
 
 def test_goodput_of_a_simulated_run() -> None:
