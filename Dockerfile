@@ -18,7 +18,7 @@ ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
 # gcc + libc headers: triton compiles its small launcher stubs at run time; g++ + ninja: the CPU decode
-# attention kernel (common/attention/cpu_decode.cpp) builds on a node's first start, for the CPU it runs
+# attention kernel (common/kernels/cpu/cpu_decode.cpp) builds on a node's first start, for the CPU it runs
 # on (without them the PyTorch path serves); make: the Makefile's targets.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc g++ ninja-build libc6-dev make \
@@ -59,7 +59,7 @@ COPY --chown=tandem:tandem . .
 # with another one builds its own at start-up, within the nodes' health start period).
 RUN python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e . \
     && tandem model prepare \
-    && if [ "$TORCH_FLAVOUR" = cpu ]; then python -m common.kernel_prebuild; fi
+    && if [ "$TORCH_FLAVOUR" = cpu ]; then python -m common.kernels.prebuild; fi
 
 # gRPC: gateway / colocated 50051, prefill nodes 50061+, decode nodes 50071+ (+ their KV store port).
 EXPOSE 50051

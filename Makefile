@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 venv:
 	@PREBUILD_ARGS="$(PREBUILD_ARGS)" bash scripts/setup-venv.sh
 	@bash scripts/gen-protos.sh
-	@$(PY) -m common.kernel_prebuild $(PREBUILD_ARGS)
+	@$(PY) -m common.kernels.prebuild $(PREBUILD_ARGS)
 
 # The test suite checks the next-widest instruction set's kernels too: built with the others, not in a test.
 test test-stress: PREBUILD_ARGS = --next-isa

@@ -66,8 +66,8 @@ def available(device: torch.device) -> tuple[dict[str, AttentionBackend], list[s
     notes = []
     if device.type == "cpu":
         # The torch backend's two CPU decode paths side by side: the compiled kernel and the PyTorch gather.
-        from common.attention.cpu_kernels import paged_decode_kernel
         from common.attention.torch_backend import TorchAttentionBackend
+        from common.kernels.cpu import paged_decode_kernel
 
         if paged_decode_kernel() is None:
             notes.append("torch: the compiled CPU decode kernel is unavailable here (PyTorch path only)")

@@ -42,10 +42,10 @@ from benchmarks.machine import machine_description
 from benchmarks.quant_quality import PROMPTS, TEXT_PATH, agreement, decode_perplexity, greedy_tokens, perplexity
 from common.config.engine_config import CacheConfig, SchedulerConfig
 from common.engine.engine_core import ColocatedEngine
+from common.kernels.isa import best_isa, cpu_flags
 from common.model.linear import Linear
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
-from common.quant.cpu_kernels import best_isa, cpu_flags
 from common.sampling.params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent

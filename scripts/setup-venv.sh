@@ -41,7 +41,7 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-compi
 prebuild_pid=
 if [[ $FLAVOUR == cpu ]]; then
     prebuild_log=$(mktemp)
-    "$VENV/bin/python" -W ignore -m common.kernel_prebuild ${PREBUILD_ARGS:-} >"$prebuild_log" 2>&1 &
+    "$VENV/bin/python" -W ignore -m common.kernels.prebuild ${PREBUILD_ARGS:-} >"$prebuild_log" 2>&1 &
     prebuild_pid=$!
     trap '[[ -n $prebuild_pid ]] && kill "$prebuild_pid" 2>/dev/null; rm -f "$prebuild_log"' EXIT  # pip failed
 fi

@@ -14,7 +14,7 @@ import sys
 
 from common.config.settings import ModelSettings
 
-# Backends and kernels that run Triton code (common/attention/triton_kernels.py, common/quant/triton_kernels.py;
+# Backends and kernels that run Triton code (common/kernels/triton/attention.py, common/kernels/triton/quant.py;
 # flash_attn and flashinfer use the Triton paged-KV helpers too).
 TRITON_ATTENTION = ("triton", "flash_attn", "flashinfer")
 

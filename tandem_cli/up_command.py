@@ -87,7 +87,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     launcher = Launcher(topology, log_dir=log_dir, env=env, restart=RestartPolicy())
     # The CPU kernels once, here, rather than by every node under the launcher's health deadline (a cold
     # build takes minutes; built, this costs the few seconds of importing torch).
-    subprocess.run([sys.executable, "-m", "common.kernel_prebuild"], check=False, stdout=sys.stderr)
+    subprocess.run([sys.executable, "-m", "common.kernels.prebuild"], check=False, stdout=sys.stderr)
     print(f"starting {args.prefill_nodes} prefill + {args.decode_nodes} decode nodes and the gateway...",
           file=sys.stderr)
     if log_dir is not None:

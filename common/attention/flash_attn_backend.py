@@ -110,7 +110,7 @@ class FlashAttnBackend(AttentionBackend):
         """Paged attention through Triton when FA2 cannot page through this cache."""
         assert meta.block_tables is not None
         if self._triton is None:
-            from common.attention import triton_kernels
+            from common.kernels.triton import attention as triton_kernels
 
             self._triton = triton_kernels
         if not self._told_fallback:

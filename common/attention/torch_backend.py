@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from common.attention.backend import AttentionBackend
-from common.attention.cpu_kernels import paged_decode_kernel
 from common.attention.metadata import AttentionMetadata
+from common.kernels.cpu import paged_decode_kernel
 from common.kv.kv_cache import write_kv
 
 # Gathered K+V bytes per decode chunk: small enough to stay in L2/L3, large enough that per-op

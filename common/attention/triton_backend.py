@@ -33,7 +33,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         try:
-            from common.attention import triton_kernels
+            from common.kernels.triton import attention as triton_kernels
         except ImportError as exc:  # triton missing or broken
             raise RuntimeError(
                 f"attention backend 'triton' needs the triton package ({exc}); use 'torch' instead"

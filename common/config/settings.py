@@ -216,7 +216,7 @@ def _coerce(value: Any, hint: Any, label: str) -> Any:
 
 
 KERNEL_MODES = ("auto", "on", "off")
-CPU_ISAS = ("avx512", "avx2", "generic")  # common/cpu_kernel_module.py's builds, widest first
+CPU_ISAS = ("avx512", "avx2", "generic")  # common/kernels/isa.py ISA_FLAGS, widest first
 
 
 @dataclass(frozen=True)

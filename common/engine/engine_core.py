@@ -110,7 +110,7 @@ class EngineCore:
                 self._set_kv_event_sink(command)
                 return None
             case PrepareKernels():
-                from common.attention.cpu_kernels import paged_decode_kernel
+                from common.kernels.cpu import paged_decode_kernel
 
                 return paged_decode_kernel() is not None
         raise TypeError(f"unknown engine command {command!r}")

@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from common.config.settings import kernel_setting
-from common.cpu_kernel_module import cpu_kernels
-from common.quant.cpu_kernels import NO_AMX
+from common.kernels.cpu import NO_AMX, cpu_kernels
 
 if TYPE_CHECKING:
     from common.attention.metadata import AttentionMetadata
@@ -50,11 +49,6 @@ _DTYPES = (torch.float32, torch.bfloat16)  # activations (and the KV cache) the 
 def step_mode() -> str:
     return str(kernel_setting("decode_step"))  # TANDEM_DECODE_STEP
 
-
-def step_module(isa: str | None = None) -> ModuleType | None:
-    """The CPU kernel module for ``isa`` (common/cpu_kernel_module.py: the step is in it), built once; None
-    if unbuildable."""
-    return cpu_kernels(isa)
 
 
 def _step_weights(linear: Linear, dtype: torch.dtype) -> StepWeights | None:
@@ -97,7 +91,7 @@ class DecodeStep:
         backend = layers[0].self_attn.backend
         if not (isinstance(backend, TorchAttentionBackend) and backend.compiled_decode):
             return None
-        from common.attention.cpu_kernels import paged_decode_kernel
+        from common.kernels.cpu import paged_decode_kernel
 
         if paged_decode_kernel() is None:
             return None
@@ -113,7 +107,7 @@ class DecodeStep:
                 max_rows = min(max_rows, weights.max_rows)
         if max_rows < MIN_ROWS:
             return None
-        module = step_module()
+        module = cpu_kernels()
         if module is None:
             if mode == "on":
                 raise RuntimeError("TANDEM_DECODE_STEP=on but the one-call decode step could not be built "
@@ -172,7 +166,7 @@ class DecodeStep:
                 if weights.kind in (4, 8):
                     amx_quant_rows = min(amx_quant_rows, weights.amx_min_rows)
             caches += list(kv_cache.layer(i))
-        from common.attention.cpu_kernels import paged_decode_kernel
+        from common.kernels.cpu import paged_decode_kernel
         from common.model.gemv import amx_min_rows
 
         attention = paged_decode_kernel()  # its own compiled attention (flags of its own): rows equal its rows

@@ -185,8 +185,8 @@ def auto_cpu_dtype(home: Path, shape: tuple[int, int] = DEFAULT_SHAPE) -> str:
     """The measured choice for this machine and shape, from the cache or measured now (and cached)."""
     import torch
 
+    from common.kernels.isa import cpu_flags
     from common.model import gemv
-    from common.quant.cpu_kernels import cpu_flags
 
     flags = cpu_flags()
     threads = torch.get_num_threads()

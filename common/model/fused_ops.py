@@ -14,7 +14,7 @@ and a temporary. ``FusedOps`` does each group in one pass:
 
 ``EagerOps`` is the reference (the same torch ops ``layers.py`` runs) and every kernel is tested against
 it. ``CppOps`` is ``cpu_fused.cpp``, built per instruction set into the CPU kernel module
-(``tandem_cpu_avx512`` / ``_avx2`` / ``_generic``, common/cpu_kernel_module.py). ``torch.compile`` of the
+(``tandem_cpu_avx512`` / ``_avx2`` / ``_generic``, common/kernels/cpu/__init__.py). ``torch.compile`` of the
 same functions was measured too and is slower at decode sizes on CPU (docs/cpu-kernels.md): its per-call guard
 and launch overhead is as large as the ops it replaces.
 
@@ -30,7 +30,7 @@ from types import ModuleType
 import torch
 
 from common.config.settings import kernel_setting
-from common.cpu_kernel_module import cpu_kernels
+from common.kernels.cpu import cpu_kernels
 from common.kv.kv_cache import write_kv
 
 
@@ -119,15 +119,10 @@ def fused_ops_for(device: torch.device, mode: str | None = None) -> FusedOps:
     mode = fused_mode() if mode is None else mode
     if mode == "off" or device.type != "cpu":
         return EagerOps()  # CUDA: eager (CUDA graphs are the lever there, not this)
-    module = cpp_module()
+    module = cpu_kernels()
     if module is None:
         if mode == "on":
             raise RuntimeError("TANDEM_FUSED_OPS=on but the fused CPU kernels could not be built (see the log)")
         return EagerOps()
     return CppOps(module)
 
-
-def cpp_module(isa: str | None = None) -> ModuleType | None:
-    """The CPU kernel module for ``isa`` (common/cpu_kernel_module.py: the fused ops are in it), built once;
-    None if unbuildable."""
-    return cpu_kernels(isa)

@@ -2,13 +2,13 @@
 
 A decode step multiplies each weight matrix by a handful of rows, so it is bound by streaming the weights
 from DRAM; oneDNN's and MKL's GEMVs stream well below the machine's bandwidth (benchmarks/results has the
-figures), so Tandem multiplies float weights with its own kernels there (``common/quant/cpu_gemv.cpp``).
+figures), so Tandem multiplies float weights with its own kernels there (``common/kernels/cpu/cpu_gemv.cpp``).
 
 - ``PanelMethod`` (where out_features is a multiple of 16): the weight held in 16-row panels
   (``pack_panels``), multiplied by ``dense_matmul_panel``: each thread streams whole panels, ``vdpbf16ps``
   on AVX512-BF16. Without AMX, above ``PANEL_MAX_ROWS`` rows (prefill) oneDNN's GEMM is faster, so tiles are
   unpacked for it. Where the CPU grants AMX, from ``AMX_MIN_ROWS`` rows the panels go straight into AMX tiles
-  (``common/quant/cpu_amx.cpp``: the bf16 panel layout is the tile unit's B layout) at every row count.
+  (``common/kernels/cpu/cpu_amx.cpp``: the bf16 panel layout is the tile unit's B layout) at every row count.
   ``TANDEM_CPU_AMX=auto|on|off``. A tied LM head runs panels too and the token lookup reads its rows
   (``TiedEmbedding``): one copy of the matrix. ``TANDEM_CPU_PANELS=off`` keeps row-major weights.
 - ``GemvMethod`` (other shapes): ``dense_matmul``, row-major tiles with software prefetch, up to
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.config.settings import kernel_setting
+from common.kernels.cpu import NO_AMX, amx_enabled
 from common.model.linear import LinearMethod, StepWeights, TorchMethod
 from common.model.row_buckets import bucket_rows
-from common.quant.cpu_kernels import NO_AMX, amx_enabled
 from common.quant.cpu_linear import GEMV_MAX_ROWS, TILE_ELEMENTS  # one limit for float and packed weights
 from common.quant.panels import PANEL_ROWS
 
@@ -54,7 +54,7 @@ def gemv_mode() -> str:
 def gemv_kernels() -> ModuleType | None:
     """The compiled kernels (``dense_matmul``), or None where they cannot be built (decided once)."""
     if "ops" not in _state:
-        from common.quant.cpu_kernels import quant_kernels
+        from common.kernels.cpu import quant_kernels
 
         try:
             _state["ops"] = quant_kernels()

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.kernels.cpu import NO_AMX, amx_enabled, quant_kernels
+from common.kernels.isa import cpu_flags
 from common.model.linear import StepWeights
-from common.quant.cpu_kernels import NO_AMX, amx_enabled, cpu_flags, quant_kernels
 from common.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
 from common.quant.linear import PackedMethod
 from common.quant.panels import (

@@ -36,7 +36,7 @@ class TritonMethod(PackedMethod):
             layer.register_buffer("zeros", weight.zeros.contiguous(), persistent=False)
 
     def matmul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        from common.quant.triton_kernels import weight_only_matmul
+        from common.kernels.triton.quant import weight_only_matmul
 
         zeros = layer.get_buffer("zeros") if self.format == "int4" else None
         return weight_only_matmul(x, layer.get_buffer("q"), layer.get_buffer("scales"), zeros,

@@ -81,7 +81,7 @@ def check_quantization(config: QuantConfig, model: ModelConfig, device: torch.de
             raise QuantizationError(f"{GROUP_FLAG} {config.group_size} does not divide {name}'s {width} input "
                                     f"features; group sizes that fit this model: {', '.join(map(str, fits))}")
     if device.type == "cpu":
-        from common.quant.cpu_kernels import quant_kernels
+        from common.kernels.cpu import quant_kernels
 
         try:
             quant_kernels()

@@ -276,13 +276,13 @@ def test_every_make_target_exists(page: str, target: str) -> None:
 
 
 def test_every_attention_backend_and_kernel_module_is_documented() -> None:
-    """The two lists the README once had stale: the backend registry and the modules kernel_prebuild builds."""
+    """The two lists the README once had stale: the backend registry and the modules common.kernels.prebuild builds."""
     registry = (ROOT / "common" / "attention" / "backend.py").read_text()
     backends = re.findall(r"^\s+\"(\w+)\": \"common\.attention\.", registry, re.M)
     assert "flashinfer" in backends
     configuration = (ROOT / "docs" / "configuration.md").read_text()
     assert all(f"`{name}`" in configuration for name in backends), backends
-    prebuild = (ROOT / "common" / "kernel_prebuild.py").read_text()
+    prebuild = (ROOT / "common" / "kernels" / "prebuild.py").read_text()
     modules = re.findall(r"\"([^\"]+)\": \w+[,}]", prebuild)
     kernels = (ROOT / "docs" / "cpu-kernels.md").read_text().lower()
     assert all(name.lower() in kernels for name in modules), modules

@@ -1,7 +1,7 @@
 """Kernel tests: Triton runs under its CPU interpreter when there is no GPU.
 
 ``TRITON_INTERPRET`` is read when ``triton.jit`` decorates a kernel, i.e. when
-``common.attention.triton_kernels`` is first imported, so it is set here, before any test module
+``common.kernels.triton.attention`` is first imported, so it is set here, before any test module
 of this directory is imported. On a CUDA machine the kernels are compiled for real instead.
 """
 

@@ -20,11 +20,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.attention import triton_kernels
 from common.attention.backend import AttentionBackend, get_backend
-from common.attention.cpu_kernels import paged_decode_kernel
 from common.attention.metadata import AttentionMetadata
 from common.attention.torch_backend import TorchAttentionBackend, reference_paged_attention
+from common.kernels.cpu import paged_decode_kernel
+from common.kernels.triton import attention as triton_kernels
 from common.kv.kv_cache import KVCache, KVCacheSpec, write_kv
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -215,14 +215,14 @@ def test_compiled_decode_kernel_against_reference(dtype: torch.dtype, head_dim: 
 def test_the_avx2_build_of_the_decode_kernel_on_an_avx512_machine() -> None:
     # The kernel module is built for the widest ISA this CPU runs; the AVX2 build's SIMD path (other
     # vector width, other reductions) is checked in a process that forces it, as AVX2 machines run it.
-    from common.quant.cpu_kernels import runnable_isas
+    from common.kernels.isa import runnable_isas
 
     if "avx2" not in runnable_isas() or runnable_isas()[0] == "avx2":
         pytest.skip("this machine runs the AVX2 build in the test above already, or cannot run it")
     script = (
         "import torch, sys; sys.path.insert(0, 'tests/kernels'); sys.path.insert(0, '.');"
         "from test_attention_backends import BATCHES, make_batch, TOLERANCE;"
-        "from common.attention.cpu_kernels import paged_decode_kernel;"
+        "from common.kernels.cpu import paged_decode_kernel;"
         "from common.attention.torch_backend import reference_paged_attention;"
         "from common.kv.kv_cache import write_kv;"
         "k = paged_decode_kernel(); assert k is not None and 'avx2' in k.__name__, k\n"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.attention import triton_kernels
 from common.attention.backend import get_backend
 from common.attention.flashinfer_backend import paged_kv_pages
+from common.kernels.triton import attention as triton_kernels
 from tests.kernels.test_attention_backends import BATCHES, HAS_CUDA, assert_close, check_backend, make_batch
 
 

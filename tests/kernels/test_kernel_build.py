@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from common.kernel_build import build_root, load_kernel_module
+from common.kernels.build import build_root, load_kernel_module
 
 SOURCE = """
 torch::Tensor twice(torch::Tensor x) { return x * 2; }
-"""  # after common/kernel_api.h, as every module's sources
+"""  # after common/kernels/cpu/kernel_api.h, as every module's sources
 
 
 @pytest.mark.slow
@@ -28,7 +28,7 @@ def test_a_build_killed_mid_compile_leaves_nothing_that_blocks_the_next(tmp_path
     source = tmp_path / "twice.cpp"
     source.write_text(SOURCE)
     # A builder process, killed (as a test or a start-up deadline kills a node) while its compiler runs.
-    code = ("from common.kernel_build import load_kernel_module; import sys; "
+    code = ("from common.kernels.build import load_kernel_module; import sys; "
             "from pathlib import Path; "
             "load_kernel_module('tandem_test_twice', [Path(sys.argv[1])], ['twice'], ['-O0'])")
     builder = subprocess.Popen([sys.executable, "-c", code, str(source)], env={**os.environ},

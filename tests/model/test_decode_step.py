@@ -14,8 +14,9 @@ from common.attention.metadata import AttentionMetadata
 from common.config.engine_config import CacheConfig, SchedulerConfig
 from common.engine.engine_core import ColocatedEngine
 from common.engine.model_runner import kv_cache_spec
+from common.kernels.cpu import cpu_kernels
 from common.kv.kv_cache import KVCache
-from common.model.decode_step import MAX_ROWS, MIN_ROWS, DecodeStep, step_mode, step_module
+from common.model.decode_step import MAX_ROWS, MIN_ROWS, DecodeStep, step_mode
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.sampling.params import SamplingParams
@@ -28,7 +29,7 @@ SHAPES = {"head16": {}, "head64": {"hidden_size": 256, "num_attention_heads": 4,
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    if step_module() is None:
+    if cpu_kernels() is None:
         pytest.skip("no C++ compiler / ninja here")
 
 
@@ -79,8 +80,8 @@ def _both_ways(model: LlamaForCausalLM, cache: KVCache, tables: list[list[int]],
 def _set_amx(amx: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 panels through AMX tiles from 2 rows (where the CPU grants them), or never (``vdpbf16ps``, or fp32
     multiply-adds without AVX512-BF16)."""
+    from common.kernels.cpu import NO_AMX
     from common.model import gemv
-    from common.quant.cpu_kernels import NO_AMX
 
     if amx == "amx" and gemv.amx_min_rows() == NO_AMX:
         pytest.skip("no AMX tiles on this CPU")

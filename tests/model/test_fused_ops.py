@@ -11,9 +11,10 @@ import torch
 from common.attention.metadata import AttentionMetadata
 from common.config.engine_config import CacheConfig, SchedulerConfig
 from common.engine.engine_core import ColocatedEngine
-from common.model.fused_ops import CppOps, EagerOps, cpp_module, fused_ops_for
+from common.kernels.cpu import cpu_kernels
+from common.kernels.isa import runnable_isas
+from common.model.fused_ops import CppOps, EagerOps, fused_ops_for
 from common.model.loader import load_model
-from common.quant.cpu_kernels import runnable_isas
 from common.sampling.params import SamplingParams
 
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
@@ -22,7 +23,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture(scope="module", params=runnable_isas()[:2])
 def cpp(request: pytest.FixtureRequest) -> CppOps:
-    module = cpp_module(request.param)
+    module = cpu_kernels(request.param)
     if module is None:
         pytest.skip("no C++ compiler / ninja here")
     return CppOps(module)
@@ -191,9 +192,8 @@ def test_kernels_release_the_gil_while_they_run() -> None:
     import threading
     import time
 
-    from common.model.fused_ops import cpp_module
 
-    module = cpp_module()
+    module = cpu_kernels()
     if module is None:
         pytest.skip("no C++ toolchain: the fused ops are not built")
     rows = torch.randn(2048, 49152)

@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from common.kernels import cpu as cpu_kernels
+from common.kernels.cpu import quant_kernels
+from common.kernels.isa import cpu_flags, runnable_isas
 from common.model import gemv
 from common.model.linear import Linear, TiedEmbedding, TorchMethod
-from common.quant import cpu_kernels
-from common.quant.cpu_kernels import cpu_flags, quant_kernels, runnable_isas
 from common.quant.registry import float_method
 
 ISAS = runnable_isas()[:2]

@@ -1,6 +1,6 @@
 """Quantization tests: Triton runs under its CPU interpreter when there is no GPU.
 
-``TRITON_INTERPRET`` is read when ``triton.jit`` decorates a kernel (``common.quant.triton_kernels`` is
+``TRITON_INTERPRET`` is read when ``triton.jit`` decorates a kernel (``common.kernels.triton.quant`` is
 first imported), so it is set here, before any test module of this directory is imported.
 """
 

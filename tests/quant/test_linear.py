@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.kernels.cpu import amx_enabled, quant_kernels
 from common.model.linear import Linear
 from common.quant import cpu_linear
-from common.quant.cpu_kernels import amx_enabled, quant_kernels
 from common.quant.cpu_linear import AMX_QUANT_MIN_ROWS, GEMV_MAX_ROWS, PANEL_MAX_ROWS_NO_VNNI, A8Method, PackedCPUMethod
 from common.quant.formats import (
     QuantizedWeight,
@@ -185,7 +185,7 @@ def test_unknown_kernel_names_the_flag_and_the_choices() -> None:
 @pytest.mark.parametrize("fmt", ["int4", "int8", "int8-grouped"])
 @pytest.mark.parametrize("m", [1, 20])
 def test_triton_weight_only_matches_reference(fmt: str, m: int) -> None:
-    from common.quant import triton_kernels
+    from common.kernels.triton import quant as triton_kernels
 
     if not HAS_CUDA and not triton_kernels.INTERPRETED:
         pytest.skip("no GPU, and Triton was imported before TRITON_INTERPRET=1 was set")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.quant.cpu_kernels import cpu_flags, quant_kernels, runnable_isas
+from common.kernels.cpu import quant_kernels
+from common.kernels.isa import cpu_flags, runnable_isas
 from common.quant.formats import quantize_int4, quantize_int8, reference_a8_matmul, reference_matmul
 from common.quant.panels import (
     int4_panel_weight,

@@ -84,3 +84,12 @@ def test_the_graph_sees_what_it_checks(graph: ImportGraph) -> None:
 def test_cycle_finder_finds_a_cycle() -> None:
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_kernels_are_a_leaf_of_common(graph: ImportGraph) -> None:
+    """The kernels package (build, ISA detection, CPU and Triton kernels) stands on the settings alone: the
+    model, attention and quantization code call down into it, never the other way."""
+    kernels = graph.in_package("common.kernels")
+    assert "common.kernels.cpu" in kernels and "common.kernels.triton.attention" in kernels
+    settings = graph.closure({"common.config.settings"})  # torch-free: the settings and their enums
+    assert {m for m in graph.closure(kernels) - kernels - settings if m.startswith("common")} == set()

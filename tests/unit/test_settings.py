@@ -45,7 +45,7 @@ def test_kernel_settings_are_read_in_one_place_and_listed_by_help() -> None:
     import dataclasses
 
     from common.config.settings import CPU_ISAS, KernelSettings, kernel_settings
-    from common.cpu_kernel_module import ISA_FLAGS
+    from common.kernels.isa import ISA_FLAGS
     from tandem_cli.cli import build_parser
 
     assert tuple(ISA_FLAGS) == CPU_ISAS  # the builds the kernel module knows

@@ -1,6 +1,6 @@
-// The headers of every kernel file common/model/cpu_step.cpp's module wraps in a namespace
+// The headers of every kernel file common/kernels/cpu/cpu_step.cpp's module wraps in a namespace
 // (common/model/decode_step.py): included here first, unwrapped, so the files' own includes are no-ops.
-// torch: common/kernel_api.h, which common/kernel_build.py puts first
+// torch: common/kernels/cpu/kernel_api.h, which common/kernels/build.py puts first
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <omp.h>

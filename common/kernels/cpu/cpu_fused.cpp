@@ -5,7 +5,7 @@
 //
 // Rows (tokens) are split over torch's intra-op threads; within a row the loops are plain and
 // `omp simd`, vectorised by the compiler for the instruction set named by the module's build flags.
-// torch: common/kernel_api.h, which common/kernel_build.py puts first
+// torch: common/kernels/cpu/kernel_api.h, which common/kernels/build.py puts first
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -205,7 +205,7 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin, torch::Ten
   });
 }
 
-// The paged K/V write of common/attention/cpu_kv_write.cpp, compiled into this module after this file
+// The paged K/V write of common/kernels/cpu/cpu_kv_write.cpp, compiled into this module after this file
 // (common/model/fused_ops.py's sources), so both modules share one definition.
 void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
               torch::Tensor slot_mapping);

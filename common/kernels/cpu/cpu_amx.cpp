@@ -151,7 +151,7 @@ inline void amx_rows(const uint16_t* xa, const uint16_t* xb, int64_t K, const ui
 // out [M, N] = x [M, K] bf16 (K a multiple of 32) times ``panels`` bf16 panels [K/2, 16, 2] that
 // ``source(p0, p1, scratch)`` gives (a pointer to panels p0 .. p1: the weights themselves, or a chunk
 // dequantized into ``scratch``), for the panel pairs [t0, t1) on the calling thread (``amx_panels`` splits
-// the pairs over its threads; common/model/cpu_step.cpp's one-call step over its own). Rows go in groups of
+// the pairs over its threads; common/kernels/cpu/cpu_step.cpp's one-call step over its own). Rows go in groups of
 // 32, then 16; the rows past the last multiple of 16 come from ``tail``: 16 zero-padded rows
 // (``amx_tail``). A thread takes its panel pairs in chunks of ``kAmxChunkBytes`` of bf16 weights: the
 // first row group pulls a chunk into L2 (from DRAM, prefetching, or as the source writes it), the others

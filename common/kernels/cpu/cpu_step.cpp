@@ -44,7 +44,7 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
-// common/attention/cpu_decode.cpp's decode_rows<scalar_t>, in the attention module: attention is that
+// common/kernels/cpu/cpu_decode.cpp's decode_rows<scalar_t>, in the attention module: attention is that
 // module's compiled code (its own flags: -ffast-math's vector exp), so the rows equal paged_decode's.
 template <typename scalar_t>
 using AttentionFn = void (*)(const scalar_t*, const scalar_t*, const scalar_t*, const int64_t*, const int64_t*,

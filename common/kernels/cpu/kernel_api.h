@@ -1,5 +1,5 @@
 // The part of torch's C++ API that Tandem's CPU kernels use: tensors, two factory ops, at::parallel_for and
-// the pybind11 casters for each module's bindings. common/kernel_build.py puts this file first in every
+// the pybind11 casters for each module's bindings. common/kernels/build.py puts this file first in every
 // kernel module. <torch/extension.h> would bring torch's whole C++ frontend (nn, optim, autograd, data
 // loaders) that no kernel uses, and compiling it takes about 2.5 times as long (docs/cpu-kernels.md).
 #pragma once

@@ -22,7 +22,7 @@
 // int64 (the metadata's own int32 tensor is read as it is: no conversion per layer).
 //
 // The module is this file followed by cpu_kv_write.cpp (``write_kv``), in one translation unit.
-// torch: common/kernel_api.h, which common/kernel_build.py puts first
+// torch: common/kernels/cpu/kernel_api.h, which common/kernels/build.py puts first
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -253,7 +253,7 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
                            const int64_t* lens, scalar_t* out, int64_t H, int64_t Hkv, int64_t block_size,
                            float scale, int64_t begin, int64_t end, int64_t h_begin = 0, int64_t h_end = -1) {
   // KV heads [h_begin, h_end) of each sequence (default: all): a head's output depends only on its own
-  // reads, so a batch-1 step can split the heads over threads (common/model/cpu_step.cpp).
+  // reads, so a batch-1 step can split the heads over threads (common/kernels/cpu/cpu_step.cpp).
   if (h_end < 0) h_end = Hkv;
   static_assert(ND % 2 == 0, "head_dim must be a multiple of 2W");
   constexpr int64_t D = W * ND;
@@ -342,7 +342,7 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
 
 }  // namespace
 
-// For common/model/cpu_step.cpp's one-call decode step (another module): attention of sequences
+// For common/kernels/cpu/cpu_step.cpp's one-call decode step (another module): attention of sequences
 // [begin, end), KV heads [h_begin, h_end), fp32 or bf16 (q, caches and out of one dtype), through this
 // module's own code and flags (-ffast-math: glibc's vector exp in the softmax), so the step's rows equal
 // paged_decode's bit for bit. A head range other than all heads needs a SIMD head size

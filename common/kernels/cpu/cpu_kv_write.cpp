@@ -1,6 +1,6 @@
 // ``write_kv`` scatters new tokens' K/V into their cache slots: one call per layer instead of the index
 // arithmetic and two advanced-indexing writes of the PyTorch path (eight dispatches). Compiled after
-// cpu_decode.cpp, in the same module (common/attention/cpu_kernels.py), and after cpu_fused.cpp into the
+// cpu_decode.cpp, in the same module (common/kernels/cpu/__init__.py), and after cpu_fused.cpp into the
 // fused ops' module (common/model/fused_ops.py), whose rotary_write_kv_ calls it.
 
 // key, value: [T, H_kv, D] (any strides over tokens and heads, unit over D), the caches' dtype;

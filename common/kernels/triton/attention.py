@@ -215,7 +215,7 @@ def _check_device(query: torch.Tensor) -> None:
     if query.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
             "Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
-            "common.attention.triton_kernels is imported (CPU, slow: tests only)"
+            "common.kernels.triton.attention is imported (CPU, slow: tests only)"
         )
 
 

@@ -2,14 +2,14 @@
 // primitives, the row tiling shared by the GEMVs, x read as fp32 and the output written in x's dtype.
 // The module is this file followed by cpu_quant.cpp (weight-only int4/int8 with float activations, and
 // dequantization), cpu_quant_a8.cpp (int4/int8 on int8-rounded activations) and cpu_gemv.cpp (float
-// weights), concatenated in that order into one translation unit (common/quant/cpu_kernels.py).
+// weights), concatenated in that order into one translation unit (common/kernels/cpu/__init__.py).
 //
 // The same sources are compiled once per instruction set (-mavx512f..., -mavx2 -mfma, or plain C++) into
-// separate extension modules; common/quant/cpu_kernels.py picks one at run time from the CPU's flags.
+// separate extension modules; common/kernels/cpu/__init__.py picks one at run time from the CPU's flags.
 // At decode batch sizes a linear layer is bound by streaming its weights from DRAM, so every GEMV reads the
 // weights once, widens them in registers and multiply-adds against x (held in L1).
 
-// torch: common/kernel_api.h, which common/kernel_build.py puts first
+// torch: common/kernels/cpu/kernel_api.h, which common/kernels/build.py puts first
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 

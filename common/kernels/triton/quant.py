@@ -57,7 +57,7 @@ def weight_only_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, z
     """x: [M, K] -> fp32 [M, N]; int4 when ``zeros`` is given (q uint8 [N, K/2]), else int8 (q [N, K])."""
     if x.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError("the Triton quantized matmul needs CUDA tensors, or TRITON_INTERPRET=1 set before "
-                           "common.quant.triton_kernels is imported (CPU, slow: tests only)")
+                           "common.kernels.triton.quant is imported (CPU, slow: tests only)")
     int4 = zeros is not None
     m, k = x.shape
     n = q.shape[0]

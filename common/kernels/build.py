@@ -11,7 +11,7 @@ Builds live under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions`
 the Python and torch versions: torch's own versioner hashes only the sources and flags, so a module built
 against another torch would otherwise load and crash.
 
-``python -m common.kernel_prebuild`` builds every kernel module this CPU runs ahead of time.
+``python -m common.kernels.prebuild`` builds every kernel module this CPU runs ahead of time.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def build_root() -> Path:
 
 
 # The torch API every module's sources use, first in each (not <torch/extension.h>: see the file).
-_API = Path(__file__).with_name("kernel_api.h")
+_API = Path(__file__).parent / "cpu" / "kernel_api.h"
 
 # A source: a file, or (namespace, file): the file wrapped in that namespace.
 Source = Path | tuple[str, Path]
@@ -47,7 +47,7 @@ Source = Path | tuple[str, Path]
 
 def load_kernel_module(name: str, sources: Sequence[Source], functions: Sequence[str],
                        cflags: Sequence[str]) -> ModuleType:
-    """Compile (once) and import the extension ``name``: common/kernel_api.h, then ``sources`` joined, in
+    """Compile (once) and import the extension ``name``: common/kernels/cpu/kernel_api.h, then ``sources`` joined, in
     order, into one translation unit, linked with OpenMP (at::parallel_for shares torch's libgomp pool). A
     ``(namespace, path)`` source is wrapped in ``namespace {namespace} { ... }``, so files whose internals
     share names (each kernel file's vector helpers) can meet in one unit; the headers they include must come
@@ -116,20 +116,20 @@ def _source_text(item: Source) -> str:
 
 class OptionalModules:
     """An optional kernel module built per instruction set (``{prefix}_{isa}``), once each: None, with a
-    warning naming ``fallback``, where it cannot be built (no compiler or ninja). Flags: -O3, -fopenmp
-    (at::parallel_for shares torch's OpenMP pool), -fno-math-errno (exp vectorises through glibc's vector
-    math without -ffast-math's reassociation of the dtype roundings), and the ISA's own."""
+    warning naming ``fallback``, where it cannot be built (no compiler or ninja). Flags: ``cflags`` (with
+    -fopenmp: at::parallel_for shares torch's OpenMP pool), then the ISA's own."""
 
-    def __init__(self, prefix: str, sources: Sequence[Source], functions: Sequence[str], what: str,
-                 fallback: str) -> None:
+    def __init__(self, prefix: str, sources: Sequence[Source], functions: Sequence[str], cflags: Sequence[str],
+                 what: str, fallback: str) -> None:
         self._prefix, self._sources, self._functions = prefix, list(sources), list(functions)
+        self._cflags = list(cflags)
         self._what, self._fallback = what, fallback
         self._lock = threading.Lock()
         self._modules: dict[str, ModuleType | None] = {}
         self._errors: dict[str, str] = {}
 
     def get(self, isa: str, isa_flags: Sequence[str]) -> ModuleType | None:
-        """The module for ``isa`` (compiled with ``isa_flags``: common.quant.cpu_kernels.ISA_FLAGS[isa]),
+        """The module for ``isa`` (compiled with ``isa_flags``: common.kernels.isa.ISA_FLAGS[isa]),
         built on first use."""
         if isa not in self._modules:
             with self._lock:
@@ -139,7 +139,7 @@ class OptionalModules:
 
     def _build(self, isa: str, isa_flags: Sequence[str]) -> ModuleType | None:
         try:
-            flags = ["-O3", "-fopenmp", "-fno-math-errno", *isa_flags]
+            flags = [*self._cflags, *isa_flags]
             return load_kernel_module(f"{self._prefix}_{isa}", self._sources, self._functions, flags)
         except Exception as exc:  # no compiler or ninja: the caller's slower path serves
             self._errors[isa] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -177,7 +177,7 @@ bool cpu_has_bf16_dot() {
 }
 
 // y [M, N] fp32 = x [M, K] bf16 times the panel pairs [t0, t1) of bf16 panels (``vdpbf16ps``), on the calling
-// thread: what ``dense_matmul_panel`` runs per thread, and common/model/cpu_step.cpp's step over its own split
+// thread: what ``dense_matmul_panel`` runs per thread, and common/kernels/cpu/cpu_step.cpp's step over its own split
 // (a panel's sums do not depend on which thread takes it).
 constexpr int kDenseNV = 2;  // panels a tile
 void dense_bf16_pairs(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, float* y, int64_t N,

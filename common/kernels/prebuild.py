@@ -1,4 +1,4 @@
-"""Builds every CPU kernel module this CPU runs, ahead of time: ``python -m common.kernel_prebuild``.
+"""Builds every CPU kernel module this CPU runs, ahead of time: ``python -m common.kernels.prebuild``.
 
 ``make venv`` (so ``make demo`` and ``make test``) runs it, so that no node and no test compiles under a
 start-up deadline; a module already built loads in well under a second. ``--next-isa`` also builds the
@@ -17,10 +17,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from common.attention.cpu_kernels import paged_decode_kernel
-from common.cpu_kernel_module import cpu_kernels
-from common.kernel_build import build_root
-from common.quant.cpu_kernels import best_isa, runnable_isas
+from common.kernels.build import build_root
+from common.kernels.cpu import cpu_kernels, paged_decode_kernel
+from common.kernels.isa import best_isa, runnable_isas
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ def build_all(next_isa: bool = False) -> list[tuple[str, bool, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.kernel_prebuild", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m common.kernels.prebuild", description=__doc__.split("\n")[0])
     parser.add_argument("--next-isa", action="store_true",
                         help="also build the next-widest instruction set's module (the test suite checks it)")
     args = parser.parse_args(argv)
