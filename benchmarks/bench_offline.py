@@ -134,7 +134,7 @@ def run_tandem(model_dir: Path, dtype: str, workload: Workload, setting: EngineS
         note = "decode attention: PyTorch path (TANDEM_CPU_KERNELS=0)"
     if compile_scope is not None:
         compile_model(model, compile_scope)
-    # The whole workload fits in the cache (no preemption), sized to it rather than the 2 GB default.
+    # The whole workload fits in the cache (no preemption), sized to it rather than the default KV memory.
     blocks_per_seq = math.ceil((workload.prompt_len + workload.output_len) / BLOCK_SIZE)
     cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=(workload.num_prompts + 2) * blocks_per_seq + 16)
     scheduler = SchedulerConfig(max_num_seqs=workload.num_prompts,

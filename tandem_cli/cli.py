@@ -13,15 +13,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.config.settings import (
+    DTYPES,
+    PARALLEL_COLLECTIVES,
+    QUANTIZATION_METHODS,
     SPECULATIVE_METHODS,
     ModelSettings,
     NodeSettings,
     SecuritySettings,
     SpeculativeSettings,
     env_name,
+    flag_name,
     load_settings,
 )
 from common.errors import EXIT_ADDRESS_IN_USE, AddressInUseError
+from common.quant.config import INT4_GROUP_SIZES
 
 if TYPE_CHECKING:
     from common.config.engine_config import SpeculativeConfig
@@ -33,15 +38,15 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (flags override TANDEM_* environment variables)")
     g.add_argument("--model", help="local Hugging Face directory or the bundled model's name "
                    "[TANDEM_MODEL, default SmolLM2-135M-Instruct]")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="[TANDEM_DTYPE, auto]")
+    g.add_argument("--dtype", choices=DTYPES, help="[TANDEM_DTYPE, auto]")
     g.add_argument("--device", help="torch device [TANDEM_DEVICE, cpu]")
     g.add_argument("--attention-backend", dest="attention_backend", help="torch | triton | flash_attn | flashinfer "
                    "[TANDEM_ATTENTION_BACKEND, torch]")
     g.add_argument("--home", type=Path, help="Tandem's cache directory [TANDEM_HOME, ~/.cache/tandem]")
     g.add_argument("--threads", dest="num_threads", type=int, help="torch threads [TANDEM_NUM_THREADS]")
-    g.add_argument("--quantization", choices=["none", "auto", "int8", "int4", "w8a8", "fp8"],
+    g.add_argument("--quantization", choices=QUANTIZATION_METHODS,
                    help="packed weights; auto: a GGUF source keeps its own [TANDEM_QUANTIZATION, none]")
-    g.add_argument("--quantization-group-size", dest="quantization_group_size", type=int, choices=[32, 64, 128],
+    g.add_argument("--quantization-group-size", dest="quantization_group_size", type=int, choices=INT4_GROUP_SIZES,
                    help="int4 weights per scale/zero group [TANDEM_QUANTIZATION_GROUP_SIZE, 32]")
     g.add_argument("--quantization-kernel", dest="quantization_kernel",
                    help="auto | tandem_cpu | torch | int_mm | triton | scaled_mm | reference "
@@ -50,7 +55,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="split each layer over T rank processes [TANDEM_TENSOR_PARALLEL_SIZE, 1]")
     g.add_argument("--pipeline-parallel-size", "-pp", dest="pipeline_parallel_size", type=int,
                    help="split the layer stack into P stages [TANDEM_PIPELINE_PARALLEL_SIZE, 1]")
-    g.add_argument("--parallel-collective", dest="parallel_collective", choices=["shm", "gloo"],
+    g.add_argument("--parallel-collective", dest="parallel_collective", choices=PARALLEL_COLLECTIVES,
                    help="tensor-parallel all-reduce between ranks on one host [TANDEM_PARALLEL_COLLECTIVE, shm]")
 
 
@@ -158,27 +163,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def add_settings_flags(p: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = (),
                        helps: dict[str, str] | None = None) -> None:
     """One flag per settings field (``--kv-timeout-s`` for ``kv_timeout_s``), default None so that
-    TANDEM_* variables and the field defaults apply when a flag is not given; ``helps``: text before the
+    TANDEM_* variables and the field defaults apply when a flag is not given. Its help: ``helps``'s text or
+    the field's own (``help`` in its metadata, as the engine configs' knobs carry it), its choices, then its
     variable's name."""
     import dataclasses
+    import types
     import typing
 
     hints = typing.get_type_hints(cls)
     group = p.add_argument_group(title)
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        flag = flag_name(f.name)
+        if f.name in skip or flag in p._option_string_actions:  # a field two settings classes share: one flag
             continue
-        flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        help_text = f"{(helps or {}).get(f.name, '')} [{env_name(f.name, cls)}]".lstrip()
-        if flag in p._option_string_actions:  # a field two settings classes share: one flag fills both
-            continue
+        if isinstance(hint, types.UnionType):  # X | None: the flag takes an X
+            hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+        text = (helps or {}).get(f.name) or f.metadata.get("help", "")
+        help_text = f"{text} [{env_name(f.name, cls)}{_default_text(f)}]".lstrip()
+        choices = f.metadata.get("choices") or None
         if hint is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif hint in (int, float):
-            group.add_argument(flag, dest=f.name, type=hint, default=None, help=help_text)
+            group.add_argument(flag, dest=f.name, type=hint, choices=choices, default=None, help=help_text)
         else:
-            group.add_argument(flag, dest=f.name, default=None, help=help_text)
+            group.add_argument(flag, dest=f.name, choices=choices, default=None, help=help_text)
+
+
+def _default_text(f: Any) -> str:
+    """A field's default as ``--help`` shows it after its variable (nothing for an empty or unset one)."""
+    import dataclasses
+
+    if f.metadata.get("by_device"):
+        return ", by device"
+    if f.default is dataclasses.MISSING or f.default in (None, ""):
+        return ""
+    if isinstance(f.default, bool):
+        return ", on" if f.default else ", off"
+    return f", {f.default}"
 
 
 def _pick(args: argparse.Namespace, cls: type) -> dict[str, Any]:

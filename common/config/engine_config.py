@@ -1,20 +1,33 @@
-"""Engine settings: KV cache size and scheduling limits, as frozen dataclasses."""
+"""Engine settings: KV cache size and scheduling limits, as frozen dataclasses.
+
+These fields are where the engine's defaults live. A field made with ``knob`` is also a setting: nodes and
+the offline ``LLM`` read it from the flag ``--<field>`` and the variable ``TANDEM_<FIELD>``, generated from the
+field (``common.config.settings.EngineSettings``) with its default, help and choices. The step budget's
+default depends on the device; ``scheduler_config`` resolves it, for every entry point.
+"""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 PREFILL_ORDERS = ("shortest", "fcfs")
 
 
+def knob(default: Any, help: str, choices: tuple[Any, ...] = ()) -> Any:
+    """A config field that is also a setting: its default, the text ``--help`` shows, its choices (checked
+    where the setting is read, named by flag and variable)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    # Blocks in the paged cache. None: derive from kv_cache_memory_gb and the model's bytes per block.
-    num_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
-    enable_prefix_caching: bool = True
+    block_size: int = knob(16, "tokens per KV block (a power of two)")
+    num_blocks: int | None = knob(None, "blocks in the paged KV cache (unset or 0: derived from "
+                                        "--kv-cache-memory-gb and the model's bytes per block)")
+    kv_cache_memory_gb: float = knob(1.0, "GiB of KV cache when --num-blocks is unset")
+    enable_prefix_caching: bool = knob(True, "reuse cached full blocks of a prompt's prefix")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -32,11 +45,12 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128  # running sequences per step
-    max_num_batched_tokens: int = 2048  # tokens per forward: decode tokens + prefill chunks
+    max_num_seqs: int = knob(128, "running requests (sequences per step)")
+    # The step budget: what a GPU gets by default; other devices' defaults are DEVICE_STEP_BUDGETS'.
+    max_num_batched_tokens: int = knob(2048, "tokens per step: decode tokens + prefill chunks")
     # A single prefill chunk takes at most this many tokens, so one long prompt cannot hold decodes back
     # for a whole step (Sarathi-Serve's stall-free batching). None: limited by the step budget only.
-    max_prefill_chunk: int | None = 512
+    max_prefill_chunk: int | None = knob(512, "tokens per prefill chunk")
     # Load-aware: (tokens per step, prefill chunk) for the steps that find more than that many prompt tokens
     # still to prefill (queued or part-done). A backlog waits in the queue whatever the step size, and larger
     # steps drain it faster (bigger matmuls); a light load keeps the small steps its streams' TPOT needs.
@@ -44,14 +58,17 @@ class SchedulerConfig:
     backlog_budget: tuple[int, int] | None = None
     # Which prefill gets the step's budget first (common/engine/scheduler.py): "shortest" (fewest uncomputed
     # tokens; a prompt passed over max_prefill_skips steps in a row by later arrivals goes first) or "fcfs".
-    prefill_order: str = "shortest"
+    prefill_order: str = knob("shortest", "which prompt's prefill goes first: shortest (fewest tokens left; one "
+                              "passed over too many steps in a row goes first) | fcfs (arrival order)",
+                              PREFILL_ORDERS)
     max_prefill_skips: int = 8
     # Keep this fraction of blocks free when admitting new work, so running requests can grow without
     # preempting each other straight away.
     watermark: float = 0.01
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # Requests queued for admission (a decode node's pending reservations included); one more is refused.
-    max_waiting: int = 1024
+    max_waiting: int = knob(1024, "requests queued for admission (a decode node's reservations included); one "
+                            "more is refused (RESOURCE_EXHAUSTED)")
     # A request that waited this long for KV from another node is aborted and its blocks freed: its servicer
     # gave up long before (its own timeouts are shorter), so nobody will ever fill or read them.
     kv_lease_s: float = 900.0
@@ -77,6 +94,37 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+# The step budget by device where none is set (max_num_batched_tokens, max_prefill_chunk). On a CPU core a step
+# with 2,048 tokens of prefill takes well past a TPOT SLO (SmolLM2, bf16), and every stream on the node waits
+# for it: 512 / 256 kept the mixed workload's TPOT p99 under its 200 ms SLO and cut short chats' TTFT under
+# issue 16's burst, at the same throughput (benchmarks/results/2026-12-02-srpt/RESULTS.md). Other devices
+# (GPUs) take SchedulerConfig's defaults, vLLM's 2,048 (their step time is flat well past it).
+DEVICE_STEP_BUDGETS: dict[str, tuple[int, int]] = {"cpu": (512, 256)}
+# ... and while a backlog of prompt tokens waits (SchedulerConfig.backlog_budget), a larger one: with 48
+# requests of 384 -> 128 tokens at once (SmolLM2 fp32, 2 AVX2 cores, vLLM's client), 2,048 / 512 served more
+# output tokens a second than 512 / 256 (2026-12-03: benchmarks/results/2026-12-03-serve-vllm/RESULTS.md,
+# benchmarks/results/figures-from-code.md). A budget that is set is used as it is, whatever the load.
+DEVICE_BACKLOG_BUDGETS: dict[str, tuple[int, int]] = {"cpu": (2048, 512)}
+
+
+def scheduler_config(device: str, max_num_batched_tokens: int | None = None, max_prefill_chunk: int | None = None,
+                     **fields: Any) -> SchedulerConfig:
+    """The scheduler's config for an engine on ``device`` (``cpu``, ``cuda:1``, ...): the one place the step
+    budget's default is resolved, for nodes, ``tandem serve colocated``, the offline ``LLM`` and the planner.
+
+    A budget field that is given is used as given; one that is not (None) is the device's
+    (``DEVICE_STEP_BUDGETS``, else SchedulerConfig's default); and when neither is given, the device's load-aware
+    backlog budget applies too (``DEVICE_BACKLOG_BUDGETS``). ``fields``: SchedulerConfig's other fields.
+    """
+    kind = device.split(":")[0]
+    tokens, chunk = DEVICE_STEP_BUDGETS.get(kind, (SchedulerConfig.max_num_batched_tokens,
+                                                   SchedulerConfig.max_prefill_chunk))
+    if max_num_batched_tokens is None and max_prefill_chunk is None:
+        fields.setdefault("backlog_budget", DEVICE_BACKLOG_BUDGETS.get(kind))
+    return SchedulerConfig(max_num_batched_tokens=tokens if max_num_batched_tokens is None else max_num_batched_tokens,
+                           max_prefill_chunk=chunk if max_prefill_chunk is None else max_prefill_chunk, **fields)
 
 
 class SpeculativeMethod(enum.Enum):

@@ -3,7 +3,9 @@
 Every settings class is a frozen dataclass. ``load_settings(Cls, overrides)`` fills each field from,
 in order of precedence: an explicit override (a CLI flag that was given), the environment variable
 ``TANDEM_<FIELD>``, the field's default. So flags and environment variables map onto the same fields
-by construction.
+by construction. The engine's knobs (``EngineSettings``, which ``NodeSettings`` extends) are not restated
+here: they are ``CacheConfig``'s and ``SchedulerConfig``'s fields, with their defaults, help and choices
+(``engine_knobs``). A field with choices takes them from one tuple (``choice``, ``check_choices``).
 """
 
 from __future__ import annotations
@@ -11,13 +13,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from common.config.engine_config import PREFILL_ORDERS, SpeculativeConfig, SpeculativeMethod
+from common.config.engine_config import (
+    CacheConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    SpeculativeMethod,
+    scheduler_config,
+)
 from common.quant.config import INT4_GROUP_SIZES, QuantMethod
 
 T = TypeVar("T")
@@ -25,7 +34,10 @@ T = TypeVar("T")
 ENV_PREFIX = "TANDEM_"
 
 
+# Choice lists, each in one place: the settings check them and the flags offer them.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = tuple(m.value for m in QuantMethod)  # common/quant/config.py (no torch: the gateway reads this)
+PARALLEL_COLLECTIVES = ("shm", "gloo")  # common/parallel/: the tensor-parallel all-reduce on one host
 KV_TRANSPORTS = ("auto", "shm", "socket")  # kv_transfer/transport.py
 
 
@@ -33,45 +45,50 @@ def default_home() -> Path:
     return Path.home() / ".cache" / "tandem"
 
 
+def choice(default: Any, choices: tuple[Any, ...], help: str = "") -> Any:
+    """A settings field whose value is one of ``choices`` (``check_choices`` checks it; the flag offers them)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def check_choices(settings: Any) -> None:
+    """Every field of ``settings`` with ``choices`` holds one of them; else a ValueError naming its flag and
+    variable and the choices."""
+    for f in dataclasses.fields(settings):
+        value, choices = getattr(settings, f.name), f.metadata.get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"{flag_name(f.name)} ({env_name(f.name, type(settings))}) must be one of "
+                             f"{', '.join(map(str, choices))}; got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """Which model to run and how."""
 
     model: str = "SmolLM2-135M-Instruct"  # a local Hugging Face directory or the bundled model's name
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = choice("auto", DTYPES)
     device: str = "cpu"
     attention_backend: str = "torch"  # torch | triton | flash_attn | flashinfer
     home: Path = field(default_factory=default_home)  # Tandem's cache (converted models, ...)
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
-    # Packed weights (common/quant/config.py): none | auto (a GGUF source keeps its own) | int8 | int4 | w8a8 | fp8
-    quantization: str = "none"
-    quantization_group_size: int = 32  # int4: weights per scale/zero group, 32 | 64 | 128
+    # Packed weights (common/quant/config.py): none | auto (a GGUF source keeps its own) | int8 | int4 | w8a8 | fp8.
+    # The names only here (no torch import: the gateway reads these settings); the hardware checks run when
+    # the model loads.
+    quantization: str = choice("none", QUANTIZATION_METHODS)
+    quantization_group_size: int = choice(32, INT4_GROUP_SIZES)  # int4: weights per scale/zero group
     quantization_kernel: str = "auto"  # auto | tandem_cpu | torch | int_mm | triton | scaled_mm | reference
     # One node's model over T x P rank processes (common/parallel/): T splits each layer, P the layer stack.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    parallel_collective: str = "shm"  # the tensor-parallel all-reduce on one host: shm | gloo
+    parallel_collective: str = choice("shm", PARALLEL_COLLECTIVES)  # the tensor-parallel all-reduce on one host
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
-        # The names only (no torch import here: the gateway reads these settings); the hardware checks run
-        # when the model loads.
-        if self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"--quantization (TANDEM_QUANTIZATION) must be one of {', '.join(QUANTIZATION_METHODS)}; "
-                             f"got {self.quantization!r}")
-        if self.quantization_group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"--quantization-group-size (TANDEM_QUANTIZATION_GROUP_SIZE) must be one of "
-                             f"{', '.join(map(str, INT4_GROUP_SIZES))}; got {self.quantization_group_size}")
+        check_choices(self)
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         for flag, value in (("--tensor-parallel-size", self.tensor_parallel_size),
                             ("--pipeline-parallel-size", self.pipeline_parallel_size)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-        if self.parallel_collective not in ("shm", "gloo"):
-            raise ValueError(f"--parallel-collective (TANDEM_PARALLEL_COLLECTIVE) must be shm or gloo; "
-                             f"got {self.parallel_collective!r}")
 
     @property
     def parallel(self) -> bool:
@@ -79,9 +96,85 @@ class ModelSettings:
         return self.tensor_parallel_size * self.pipeline_parallel_size > 1
 
 
+class _EngineDefault:
+    def __init__(self, by_device: bool) -> None:
+        self.by_device = by_device
+
+    def __repr__(self) -> str:
+        return "DEVICE_DEFAULT" if self.by_device else "ENGINE_DEFAULT"
+
+
+# Markers for ``engine_knobs``: a field that is the engine config's field of the same name, with its default,
+# or unset (None) for the device's default (``scheduler_config``).
+ENGINE_DEFAULT: Any = _EngineDefault(by_device=False)
+DEVICE_DEFAULT: Any = _EngineDefault(by_device=True)
+
+
+def engine_knobs(*configs: type) -> Callable[[type[T]], type[T]]:
+    """Class decorator, under ``@dataclass``: each field marked ``ENGINE_DEFAULT`` or ``DEVICE_DEFAULT`` is the
+    field of that name of one of ``configs``, a ``knob`` there: it takes that field's default (or None: the
+    device's), help and choices, and its name and type are checked against it here, at import."""
+    knobs = {f.name: (config, f) for config in configs for f in dataclasses.fields(config) if "help" in f.metadata}
+
+    def apply(cls: type[T]) -> type[T]:
+        for name, hint in cls.__annotations__.items():
+            marker = cls.__dict__.get(name)
+            if not isinstance(marker, _EngineDefault):
+                continue
+            if name not in knobs:
+                names = ", ".join(c.__name__ for c in configs)
+                raise TypeError(f"{cls.__name__}.{name}: no knob of that name in {names}")
+            config, f = knobs[name]
+            allowed = {f.type, f"{f.type} | None"} if marker.by_device else {f.type}
+            if hint not in allowed:
+                raise TypeError(f"{cls.__name__}.{name}: {hint} is not {config.__name__}.{name}'s type ({f.type})")
+            setattr(cls, name, field(default=None if marker.by_device else f.default,
+                                     metadata={**f.metadata, "config": config, "by_device": marker.by_device}))
+        return cls
+
+    return apply
+
+
 @dataclass(frozen=True)
-class NodeSettings:
-    """A prefill or decode node: where it listens and how big its KV cache and batches are."""
+@engine_knobs(CacheConfig, SchedulerConfig)
+class EngineSettings:
+    """The engine's knobs, read by nodes and by the offline ``LLM``: fields of ``CacheConfig`` and
+    ``SchedulerConfig`` (common/config/engine_config.py), whose defaults, help and choices they are
+    (``engine_knobs``). ``configs(device)`` builds the engine's configs from them."""
+
+    block_size: int = ENGINE_DEFAULT
+    num_blocks: int | None = ENGINE_DEFAULT
+    kv_cache_memory_gb: float = ENGINE_DEFAULT
+    enable_prefix_caching: bool = ENGINE_DEFAULT
+    max_num_seqs: int = ENGINE_DEFAULT
+    # The step budget: unset, the device's (CPU 512 / 256, load-aware; GPU 2048 / 512: scheduler_config).
+    max_num_batched_tokens: int | None = DEVICE_DEFAULT
+    max_prefill_chunk: int | None = DEVICE_DEFAULT
+    prefill_order: str = ENGINE_DEFAULT
+    max_waiting: int = ENGINE_DEFAULT
+
+    def __post_init__(self) -> None:
+        # 0 reads as unset, as these flags and variables have always been documented ("0: derive", "0: by device").
+        for f in dataclasses.fields(self):
+            if "config" in f.metadata and getattr(self, f.name) == 0 and f.default is None:
+                object.__setattr__(self, f.name, None)
+        check_choices(self)
+        self.configs("cpu")  # the engine's own checks (block size a power of two, limits >= 1), at start-up
+
+    def configs(self, device: str) -> tuple[CacheConfig, SchedulerConfig]:
+        """The engine's configs on ``device`` (``cpu``, ``cuda:0``, ...): the knobs that are set, the device's
+        step budget where it is not (``scheduler_config``)."""
+        values: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}}
+        for f in dataclasses.fields(self):
+            if "config" in f.metadata:
+                values[f.metadata["config"]][f.name] = getattr(self, f.name)
+        return CacheConfig(**values[CacheConfig]), scheduler_config(device, **values[SchedulerConfig])
+
+
+@dataclass(frozen=True)
+class NodeSettings(EngineSettings):
+    """A prefill or decode node: the engine's knobs (``EngineSettings``), and where it listens, how it moves
+    KV and how long it waits."""
 
     host: str = "127.0.0.1"  # binding to other interfaces is an explicit choice
     port: int = 0  # 0: pick a free port (printed at start-up)
@@ -90,48 +183,30 @@ class NodeSettings:
     # decode: the host prefill nodes dial for KV (the reservation's kv_endpoint); "" = host. Set it when
     # host is a wildcard (0.0.0.0 in a container): the wildcard is no address another machine can dial.
     advertise_host: str = ""
-    num_blocks: int = 0  # 0: derive from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
-    block_size: int = 16
-    max_num_seqs: int = 128
-    # tokens per step (decodes + prefill chunks) and per prefill chunk; 0: by device (step_budget: CPU
-    # 512 / 256, so a step with prefill chunks stays near a TPOT SLO's 200 ms on one core, and 2048 / 512
-    # while a backlog of prompt tokens waits; GPU 2048 / 512). Set: used as set, whatever the load.
-    max_num_batched_tokens: int = 0
-    max_prefill_chunk: int = 0
-    # which prompt's prefill goes first: shortest (fewest uncomputed tokens; bounded delay for long ones) | fcfs
-    prefill_order: str = "shortest"
-    enable_prefix_caching: bool = True
     # how long a transfer may take once its first chunk arrived (a decode node); how long a push may take
     kv_timeout_s: float = 30.0
-    # KV data plane between prefill and decode nodes: auto (shared memory / CUDA IPC when both are on one
-    # host, sockets otherwise) | shm (same host only) | socket (gloo / NCCL pair groups)
-    kv_transport: str = "auto"
+    # shm: shared memory / CUDA IPC, same host only; socket: gloo / NCCL pair groups
+    kv_transport: str = choice("auto", KV_TRANSPORTS, "KV data plane between prefill and decode nodes: auto "
+                               "(shared memory on one host, sockets otherwise) | shm | socket")
     # Admission queues instead of refusing: requests beyond free KV (a decode node's reservations included)
-    # wait, at most max_waiting of them, each at most queue_timeout_s (then RESOURCE_EXHAUSTED).
-    max_waiting: int = 1024
+    # wait, at most max_waiting (an engine knob) of them, each at most queue_timeout_s (then RESOURCE_EXHAUSTED).
     queue_timeout_s: float = 300.0
     grace_s: float = 5.0  # graceful shutdown: drain in-flight calls this long
     metrics_port: int = 0  # Prometheus /metrics; 0: off
 
     def __post_init__(self) -> None:
-        for name in ("port", "kv_store_port", "num_blocks", "metrics_port"):
-            if not 0 <= getattr(self, name) <= (65535 if "port" in name else 2**31):
+        super().__post_init__()
+        for name in ("port", "kv_store_port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
-        for name in ("block_size", "max_num_seqs", "max_waiting"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_num_batched_tokens", "max_prefill_chunk"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 1, or 0 for the device's default; got {getattr(self, name)}")
-        if self.kv_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.grace_s < 0 or self.kv_cache_memory_gb <= 0:
-            raise ValueError("kv_timeout_s, queue_timeout_s and kv_cache_memory_gb must be > 0, grace_s >= 0")
-        if self.prefill_order not in PREFILL_ORDERS:
-            raise ValueError(f"--prefill-order (TANDEM_PREFILL_ORDER) must be one of {', '.join(PREFILL_ORDERS)}; "
-                             f"got {self.prefill_order!r}")
-        if self.kv_transport not in KV_TRANSPORTS:
-            raise ValueError(f"--kv-transport (TANDEM_KV_TRANSPORT) must be one of {', '.join(KV_TRANSPORTS)}; "
-                             f"got {self.kv_transport!r}")
+        if self.kv_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.grace_s < 0:
+            raise ValueError("kv_timeout_s and queue_timeout_s must be > 0, grace_s >= 0")
+
+    def configs(self, device: str) -> tuple[CacheConfig, SchedulerConfig]:
+        cache, scheduler = super().configs(device)
+        # A decode servicer waits at most queue_timeout_s for the first chunk, then kv_timeout_s: past both
+        # (and a minute's slack) a reservation has leaked.
+        return cache, dataclasses.replace(scheduler, kv_lease_s=self.queue_timeout_s + self.kv_timeout_s + 60.0)
 
 
 @dataclass(frozen=True)
@@ -173,6 +248,11 @@ class SecuritySettings:
         return self.tls_ca is not None
 
 
+def flag_name(field_name: str) -> str:
+    """``--<field-name>``: the flag ``add_settings_flags`` (tandem_cli/cli.py) makes for a field."""
+    return "--" + field_name.replace("_", "-")
+
+
 def env_name(field_name: str, cls: type | None = None) -> str:
     """``TANDEM_<FIELD>``; a field ``cls`` lists in ``ROLE_FIELDS`` (a name that means something else to
     another role reading the same environment) is ``TANDEM_<ROLE>_<FIELD>``."""
@@ -198,6 +278,10 @@ def load_settings(cls: type[T], overrides: Mapping[str, Any] | None = None,
 def _coerce(value: Any, hint: Any, label: str) -> Any:
     if not isinstance(value, str):
         return value
+    if isinstance(hint, types.UnionType) and type(None) in hint.__args__:  # X | None: "" is None, else an X
+        if not value.strip():
+            return None
+        hint = next(arg for arg in hint.__args__ if arg is not type(None))
     try:
         if hint is bool:
             lowered = value.strip().lower()

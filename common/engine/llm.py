@@ -11,13 +11,12 @@
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from common.config.settings import ModelSettings, NodeSettings, env_name, load_settings
+from common.config.settings import EngineSettings, ModelSettings, load_settings
 from common.detokenizer import IncrementalDetokenizer
 from common.engine.engine_core import ColocatedEngine
 from common.engine.node_setup import load_draft_model
@@ -61,16 +60,18 @@ class LLM:
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
                  parallel_collective: str | None = None) -> None:
         """``tensor_parallel_size`` / ``pipeline_parallel_size``: run the model in T x P rank processes
-        (common/parallel/); ``close()`` (or the end of a ``with`` block) stops them. Without ``cache``, the KV
-        cache takes ``TANDEM_KV_CACHE_MEMORY_GB`` where it is set (as a node's does), else 2 GB."""
+        (common/parallel/); ``close()`` (or the end of a ``with`` block) stops them. Without ``cache`` or
+        ``scheduler``, the engine's knobs are a node's: their ``TANDEM_*`` variables where set, else their
+        defaults, the step budget by device (``EngineSettings``)."""
         self.settings = load_settings(ModelSettings, {
             "model": None if model is None else str(model), "dtype": dtype, "device": device,
             "attention_backend": attention_backend, "quantization": quantization,
             "quantization_group_size": quantization_group_size, "quantization_kernel": quantization_kernel,
             "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
             "parallel_collective": parallel_collective})
-        if cache is None and env_name("kv_cache_memory_gb") in os.environ:  # as a node reads it
-            cache = CacheConfig(kv_cache_memory_gb=load_settings(NodeSettings).kv_cache_memory_gb)
+        if cache is None or scheduler is None:  # as a node reads them
+            knobs = load_settings(EngineSettings).configs(self.settings.device)
+            cache, scheduler = cache or knobs[0], scheduler or knobs[1]
         model_dir = resolve_model(self.settings.model, self.settings.home, progress=True)
         self.tokenizer = Tokenizer(model_dir)
         s = self.settings

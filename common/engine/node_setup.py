@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
-
 if TYPE_CHECKING:
     import torch
 
+    from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
     from common.config.settings import ModelSettings, NodeSettings
     from common.engine.async_engine import AsyncEngine
     from common.model.llama import LlamaForCausalLM
@@ -81,40 +80,10 @@ async def prepare_decode_attention(settings: ModelSettings, engine: AsyncEngine)
     log.info("CPU decode attention: %s", "compiled kernel" if compiled else "PyTorch path")
 
 
-# A serving node's step budget by device when not set (max_num_batched_tokens, max_prefill_chunk). On a CPU
-# core a step with 2,048 tokens of prefill takes well past a TPOT SLO (SmolLM2, bf16), and every stream on
-# the node waits for it: 512 / 256 kept the mixed workload's TPOT p99 under its 200 ms SLO and cut short
-# chats' TTFT under issue 16's burst, at the same throughput (benchmarks/results/2026-12-02-srpt/RESULTS.md).
-# GPUs keep vLLM's 2,048 (their step time is flat well past it).
-DEVICE_STEP_BUDGETS = {"cpu": (512, 256)}
-DEFAULT_STEP_BUDGET = (2048, 512)
-# ... and while a backlog of prompt tokens waits (SchedulerConfig.backlog_budget), a larger one: with 48
-# requests of 384 -> 128 tokens at once (SmolLM2 fp32, 2 AVX2 cores, vLLM's client), 2,048 / 512 served more
-# output tokens a second than 512 / 256 (2026-12-03: benchmarks/results/2026-12-03-serve-vllm/RESULTS.md,
-# benchmarks/results/figures-from-code.md). A budget set by flag is used as it is, always.
-DEVICE_BACKLOG_BUDGETS = {"cpu": (2048, 512)}
-
-
-def step_budget(node: NodeSettings, device: str) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_prefill_chunk) for ``node`` on ``device``: its settings, 0 by device."""
-    tokens, chunk = DEVICE_STEP_BUDGETS.get(device.split(":")[0], DEFAULT_STEP_BUDGET)
-    return node.max_num_batched_tokens or tokens, node.max_prefill_chunk or chunk
-
-
 def engine_configs(node: NodeSettings, device: str) -> tuple[CacheConfig, SchedulerConfig]:
-    cache = CacheConfig(block_size=node.block_size, num_blocks=node.num_blocks or None,
-                        kv_cache_memory_gb=node.kv_cache_memory_gb, enable_prefix_caching=node.enable_prefix_caching)
-    max_num_batched_tokens, max_prefill_chunk = step_budget(node, device)
-    by_device = not node.max_num_batched_tokens and not node.max_prefill_chunk
-    backlog = DEVICE_BACKLOG_BUDGETS.get(device.split(":")[0]) if by_device else None
-    scheduler = SchedulerConfig(max_num_seqs=node.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_prefill_chunk=max_prefill_chunk, backlog_budget=backlog,
-                                prefill_order=node.prefill_order,
-                                max_waiting=node.max_waiting,
-                                # a decode servicer waits at most queue_timeout_s for the first chunk, then
-                                # kv_timeout_s: past both (and a minute's slack) a reservation has leaked
-                                kv_lease_s=node.queue_timeout_s + node.kv_timeout_s + 60.0)
-    return cache, scheduler
+    """A node's engine configs on ``device``: ``NodeSettings.configs`` (the step budget's default by device is
+    resolved in ``common.config.engine_config.scheduler_config``)."""
+    return node.configs(device)
 
 
 def load_draft_model(spec: SpeculativeConfig | None, settings: ModelSettings,

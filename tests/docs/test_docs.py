@@ -30,8 +30,8 @@ RESULT_PAGES = [ROOT / "benchmarks" / "RESULTS.md", *sorted((ROOT / "benchmarks"
 
 # Classes whose fields ``load_settings`` (common/config/settings.py) reads as TANDEM_<FIELD>.
 SETTINGS_CLASSES = {
-    "common.config.settings": ("ModelSettings", "NodeSettings", "SecuritySettings", "KernelSettings",
-                               "SpeculativeSettings"),
+    "common.config.settings": ("ModelSettings", "EngineSettings", "NodeSettings", "SecuritySettings",
+                               "KernelSettings", "SpeculativeSettings"),
     "gateway.settings": ("GatewaySettings",),
     "common.telemetry.settings": ("TelemetrySettings",),
     "tandem_cli.client": ("ClientSecurity",),

@@ -23,22 +23,73 @@ def test_bad_env_value_names_the_variable() -> None:
 
 
 def test_a_serving_node_s_step_budget_defaults_by_device() -> None:
+    from common.config.engine_config import scheduler_config
     from common.config.settings import NodeSettings
-    from common.engine.node_setup import engine_configs, step_budget
+    from common.engine.node_setup import engine_configs
 
-    assert step_budget(NodeSettings(), "cpu") == (512, 256)
-    assert step_budget(NodeSettings(), "cuda:0") == (2048, 512)
-    assert step_budget(NodeSettings(max_num_batched_tokens=4096), "cpu") == (4096, 256)  # set: kept
-    scheduler = engine_configs(load_settings(NodeSettings, environ={"TANDEM_PREFILL_ORDER": "fcfs"}), "cpu")[1]
-    assert (scheduler.max_num_batched_tokens, scheduler.max_prefill_chunk) == (512, 256)
-    assert scheduler.prefill_order == "fcfs"
-    assert scheduler.backlog_budget == (2048, 512)  # by device: load-aware on CPU
-    assert engine_configs(NodeSettings(max_num_batched_tokens=1024), "cpu")[1].backlog_budget is None  # as set
-    assert engine_configs(NodeSettings(), "cuda:0")[1].backlog_budget is None
-    with pytest.raises(ValueError, match="max_prefill_chunk must be >= 1, or 0"):
+    def budget(node: NodeSettings, device: str) -> tuple[int, int | None, tuple[int, int] | None]:
+        scheduler = engine_configs(node, device)[1]
+        return scheduler.max_num_batched_tokens, scheduler.max_prefill_chunk, scheduler.backlog_budget
+
+    assert budget(NodeSettings(), "cpu") == (512, 256, (2048, 512))  # by device: load-aware on CPU
+    assert budget(NodeSettings(), "cuda:0") == (2048, 512, None)
+    assert budget(NodeSettings(max_num_batched_tokens=4096), "cpu") == (4096, 256, None)  # set: kept, as set
+    assert budget(NodeSettings(max_prefill_chunk=16), "cuda:1") == (2048, 16, None)
+    # 0 reads as unset, as documented before these fields were optional
+    env = {"TANDEM_MAX_NUM_BATCHED_TOKENS": "0", "TANDEM_NUM_BLOCKS": "0", "TANDEM_PREFILL_ORDER": "fcfs"}
+    node = load_settings(NodeSettings, environ=env)
+    assert (node.max_num_batched_tokens, node.num_blocks) == (None, None)
+    cache, scheduler = engine_configs(node, "cpu")
+    assert scheduler.prefill_order == "fcfs" and scheduler.backlog_budget == (2048, 512)
+    assert cache.num_blocks is None and scheduler.kv_lease_s == node.queue_timeout_s + node.kv_timeout_s + 60
+    # every entry point resolves the budget in one function: the offline LLM and the planner call it too
+    assert engine_configs(NodeSettings(), "cpu")[1] == scheduler_config("cpu", kv_lease_s=scheduler.kv_lease_s)
+    with pytest.raises(ValueError, match="max_prefill_chunk must be >= 1, got -1"):
         NodeSettings(max_prefill_chunk=-1)
-    with pytest.raises(ValueError, match="TANDEM_PREFILL_ORDER"):
+    with pytest.raises(ValueError, match=r"--prefill-order \(TANDEM_PREFILL_ORDER\) must be one of shortest, fcfs"):
         NodeSettings(prefill_order="lifo")
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        load_settings(NodeSettings, environ={"TANDEM_BLOCK_SIZE": "12"})
+
+
+def test_node_settings_are_the_engine_configs_knobs() -> None:
+    """The engine's knobs are CacheConfig's and SchedulerConfig's fields: same names, types, defaults (the
+    step budget's: by device), help and choices; the flags are generated from them."""
+    import dataclasses
+
+    from common.config.engine_config import PREFILL_ORDERS, CacheConfig, SchedulerConfig
+    from common.config.settings import EngineSettings, NodeSettings
+    from tandem_cli.cli import build_parser
+
+    knobs = {f.name: f for f in dataclasses.fields(EngineSettings)}
+    engine = {f.name: f for config in (CacheConfig, SchedulerConfig) for f in dataclasses.fields(config)
+              if "help" in f.metadata}
+    assert knobs.keys() == engine.keys()
+    for name, f in knobs.items():
+        source = engine[name]
+        assert f.metadata["help"] == source.metadata["help"] and f.metadata["choices"] == source.metadata["choices"]
+        if f.metadata["by_device"]:
+            assert f.default is None and name in ("max_num_batched_tokens", "max_prefill_chunk")
+        else:
+            assert (f.type, f.default) == (source.type, source.default)
+    assert set(knobs) <= {f.name for f in dataclasses.fields(NodeSettings)}
+    assert NodeSettings().kv_cache_memory_gb == CacheConfig().kv_cache_memory_gb
+    prefill = build_parser().parse_args(["serve", "prefill", "--prefill-order", "fcfs", "--num-blocks", "64",
+                                         "--no-enable-prefix-caching"])
+    assert (prefill.prefill_order, prefill.num_blocks, prefill.enable_prefix_caching) == ("fcfs", 64, False)
+    with pytest.raises(SystemExit):  # the flag offers PREFILL_ORDERS and nothing else
+        build_parser().parse_args(["serve", "prefill", "--prefill-order", "lifo"])
+    assert PREFILL_ORDERS == ("shortest", "fcfs")
+
+
+def test_the_offline_llm_reads_the_engine_knobs_as_a_node_does() -> None:
+    from common.config.settings import EngineSettings, NodeSettings
+
+    env = {"TANDEM_KV_CACHE_MEMORY_GB": "0.5", "TANDEM_MAX_NUM_SEQS": "8", "TANDEM_PORT": "not a port"}
+    cache, scheduler = load_settings(EngineSettings, environ=env).configs("cpu")
+    assert (cache.kv_cache_memory_gb, scheduler.max_num_seqs) == (0.5, 8)  # the node's variables, not its port
+    assert (scheduler.max_num_batched_tokens, scheduler.backlog_budget) == (512, (2048, 512))
+    assert EngineSettings().configs("cuda")[0] == NodeSettings().configs("cuda")[0]
 
 
 def test_kernel_settings_are_read_in_one_place_and_listed_by_help() -> None:
