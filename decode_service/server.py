@@ -38,7 +38,8 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
     credentials = server_credentials(security, internal=True)  # fails fast on a bad TLS setup, before the model loads
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node, model_settings.device)
-    core = EngineCore(loaded.model, cache, scheduler, speculative=speculative, connector=KVConsumer(),
+    consumer = KVConsumer()
+    core = EngineCore(loaded.model, cache, scheduler, speculative=speculative, connector=consumer,
                       draft_model=load_draft_model(speculative, model_settings, loaded.model_dir),
                       parallel=loaded.parallel)
     engine = AsyncEngine(core, name="decode-engine")
@@ -47,7 +48,8 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
     node_id = node.node_id or f"decode-{node.port}"
     # Same-host transport: the receiver moves the KV tensor into shared memory (before the engine's first step).
     receiver = KVReceiver(core.runner.kv_cache, layout, node_id, host=node.host, store_port=node.kv_store_port,
-                          group_timeout_s=node.kv_timeout_s, transport=node.kv_transport)
+                          group_timeout_s=node.kv_timeout_s, transport=node.kv_transport,
+                          on_finished=consumer.load_finished)
     # The KV endpoint is this very server (KVTransfer is registered beside Decode); with port 0 its
     # address is known only once bound, so it is filled in below.
     status = StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})

@@ -20,7 +20,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Link
 
-from common.engine.commands import AbortRequest, AddRequest, KVArrived, Reservation, ReserveKV
+from common.engine.commands import AbortRequest, AddRequest, ReserveKV
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.protocol import finish_reason_to_proto, logprob_to_proto, sampling_from_proto, stats_to_proto
 from common.serving.errors import ResourceExhaustedError
@@ -106,18 +106,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         stream = self.engine.open_stream(engine_id)
         with _tracer.start_as_current_span(spans.DECODE_RESERVE) as reserve_span:
             try:
-                allocation = await self._reserve(engine_id, prompt, params, eos, stream)
+                block_ids, num_cached = await self._reserve(engine_id, prompt, params, eos, transfer_id, stream)
             except BaseException:
                 self.engine.close_stream(engine_id)
                 raise
             if reserve_span.is_recording():
-                reserve_span.set_attributes({spans.RESERVED_BLOCKS: len(allocation.block_ids),
-                                             spans.CACHED_TOKENS: allocation.num_cached_tokens})
-        self.receiver.expect(transfer_id, list(allocation.block_ids), allocation.num_cached_tokens)
+                reserve_span.set_attributes({spans.RESERVED_BLOCKS: len(block_ids), spans.CACHED_TOKENS: num_cached})
+        # The transfer's end is reported to the engine's KVConsumer by the receiver (the next step starts the
+        # request or aborts it); here it is only awaited, for the trace, the metrics and the client's error.
+        self.receiver.expect(transfer_id, list(block_ids), num_cached)
         try:
             yield decode_pb2.DecodeResponse(reservation=decode_pb2.Reservation(
-                transfer_id=transfer_id, block_ids=allocation.block_ids,
-                num_cached_tokens=allocation.num_cached_tokens, kv_endpoint=self.kv_endpoint, node_id=self.node_id))
+                transfer_id=transfer_id, block_ids=block_ids, num_cached_tokens=num_cached,
+                kv_endpoint=self.kv_endpoint, node_id=self.node_id))
             waited_from = time.monotonic()
             with _tracer.start_as_current_span(spans.DECODE_WAIT_KV) as wait_span:
                 # The KV timeout runs from the prefill's first chunk: its node's queue does not count.
@@ -133,13 +134,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise
         self.metrics.transfer_done(result.bytes, result.seconds)
         if span.is_recording():  # (wait_span has ended: it records no more)
-            num_blocks = len(allocation.block_ids) - allocation.num_cached_tokens // self.block_size
+            num_blocks = len(block_ids) - num_cached // self.block_size
             _record_receive(result, num_blocks, transfer_id, wait_span)
-
-        first = await self.engine.call(KVArrived(engine_id, result.first_token))
-        if first.finished:  # the prefill's token was the last one
-            self.engine.close_stream(engine_id)
-        async for response in self._relay(engine_id, stream, span, arrival, first):
+        async for response in self._relay(engine_id, stream, span, arrival, remote=True):
             yield response
 
     async def _generate_local(self, request: decode_pb2.DecodeRequest, span: trace.Span,
@@ -169,34 +166,35 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield response
 
     async def _relay(self, rid: str, stream: asyncio.Queue[RequestOutput | Exception], span: trace.Span,
-                     arrival: float, first: RequestOutput | None = None,
-                     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
-        """Stream the request's outputs as token deltas (``first``: the remote prefill's token, already in)."""
+                     arrival: float, remote: bool = False) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
+        """Stream the request's outputs as token deltas. ``remote``: the first output is the remote prefill's
+        token (its KV landed), which the gateway already has: only its finish, if it ends the request, is sent."""
         num_steps, num_tokens, last = 0, 0, time.monotonic()
         reason = counters = None
-        cached = first.num_cached_tokens if first is not None else 0
+        cached = 0
         with _tracer.start_as_current_span(spans.DECODE_STREAM) as stream_span:
             try:
-                if first is not None:
-                    num_tokens, reason, counters = 1, first.finish_reason, first.counters
-                    if first.finished:
-                        yield decode_pb2.DecodeResponse(delta=decode_pb2.TokenDelta(
-                            finish_reason=finish_reason_to_proto(first.finish_reason)))
-                if first is None or not first.finished:
-                    async for out in self.engine.stream(rid, stream):
-                        now = time.monotonic()
-                        delta = _delta(out)
-                        if num_tokens == 0:  # a local prefill's first token
-                            cached = delta.num_cached_tokens = out.num_cached_tokens
-                            scheduled = out.counters.first_scheduled_time if out.counters else None
-                            delta.queue_seconds = max(0.0, (scheduled or arrival) - arrival)
-                        else:
-                            self.metrics.inter_token_latency.observe(now - last)
-                        last = now
-                        num_steps += 1
-                        num_tokens += len(out.new_token_ids)
-                        reason, counters = out.finish_reason, out.counters or counters
-                        yield decode_pb2.DecodeResponse(delta=delta)
+                async for out in self.engine.stream(rid, stream):
+                    now = time.monotonic()
+                    if remote and num_tokens == 0:
+                        num_tokens, cached, last = 1, out.num_cached_tokens, now
+                        reason, counters = out.finish_reason, out.counters
+                        if out.finished:  # the prefill's token was the last one
+                            yield decode_pb2.DecodeResponse(delta=decode_pb2.TokenDelta(
+                                finish_reason=finish_reason_to_proto(out.finish_reason)))
+                        continue
+                    delta = _delta(out)
+                    if num_tokens == 0:  # a local prefill's first token
+                        cached = delta.num_cached_tokens = out.num_cached_tokens
+                        scheduled = out.counters.first_scheduled_time if out.counters else None
+                        delta.queue_seconds = max(0.0, (scheduled or arrival) - arrival)
+                    else:
+                        self.metrics.inter_token_latency.observe(now - last)
+                    last = now
+                    num_steps += 1
+                    num_tokens += len(out.new_token_ids)
+                    reason, counters = out.finish_reason, out.counters or counters
+                    yield decode_pb2.DecodeResponse(delta=delta)
             finally:
                 self.metrics.generation_tokens.inc(num_tokens)
                 if stream_span.is_recording():
@@ -208,26 +206,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                  spans.CACHED_TOKENS: cached})
 
     async def _reserve(self, rid: str, prompt: list[int], params: SamplingParams, eos: tuple[int, ...],
-                       stream: asyncio.Queue[RequestOutput | Exception]) -> Reservation:
-        """The request's blocks: at once when they are free, else after waiting for them in the engine's
-        admission queue (at most ``queue_timeout_s``; a cancelled call leaves the queue)."""
-        reservation = await self.engine.call(ReserveKV(rid, tuple(prompt), params, eos))
-        if not reservation.queued:
-            return reservation
+                       transfer_id: str, stream: asyncio.Queue[RequestOutput | Exception],
+                       ) -> tuple[tuple[int, ...], int]:
+        """The request's blocks and cached tokens, as the engine announces them on the stream: at once when
+        they are free, else after waiting in its admission queue (at most ``queue_timeout_s``; a cancelled
+        call leaves the queue)."""
+        await self.engine.call(ReserveKV(rid, tuple(prompt), params, transfer_id, eos))
         try:
             item = await asyncio.wait_for(stream.get(), self.queue_timeout_s)
         except BaseException as exc:
             await asyncio.shield(self.engine.call(AbortRequest(rid)))
             if isinstance(exc, TimeoutError):
+                needed = -(-len(prompt) // self.block_size)
                 raise ResourceExhaustedError(
                     f"no KV room on {self.node_id} within queue_timeout_s = {self.queue_timeout_s:g}s: the prompt "
-                    f"needs {reservation.blocks_needed} blocks, {reservation.free_blocks} were free") from None
+                    f"needs {needed} blocks, {self._engine_stats().free_blocks} are free") from None
             raise
         if isinstance(item, Exception):
             raise item
-        assert item.reserved_block_ids is not None, "a queued reservation's first output announces its blocks"
-        return Reservation(item.reserved_block_ids, item.num_cached_tokens, reservation.blocks_needed,
-                           reservation.free_blocks)
+        assert item.reserved_block_ids is not None, "a reservation's first output announces its blocks"
+        return item.reserved_block_ids, item.num_cached_tokens
 
     async def Stats(
         self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext

@@ -20,7 +20,7 @@ import itertools
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from kv_transfer.errors import TransferFailed
@@ -55,8 +55,12 @@ class KVReceiver:
         store_port: int = 0,
         group_timeout_s: float = 30.0,
         transport: str = "auto",
+        on_finished: Callable[[str, int | None, str | None], None] | None = None,
     ) -> None:
         """``transport``: auto (shared memory for same-host senders, sockets otherwise) | shm | socket.
+
+        ``on_finished(transfer_id, first_token, error)``: each expected transfer's end, reported once no recv
+        for it is in flight and its blocks are the caller's again (the decode engine's ``KVConsumer``).
 
         Unless it is ``socket``, the KV tensor is moved into shared memory here (CPU; see KVCache.share_memory),
         so build the receiver before anything keeps a view of ``kv_cache.data``. ``shm`` fails when shared
@@ -72,6 +76,7 @@ class KVReceiver:
         self.node_id = node_id
         self.host = host
         self.group_timeout_s = group_timeout_s
+        self._on_finished = on_finished
         self._table = TransferTable(kv_cache, node_id)
         self._pairs: set[ReceiverPair] = set()
         # Lost pairs whose threads may still be dropping their group. close() waits for them as well: a
@@ -143,6 +148,7 @@ class KVReceiver:
                     await self._shared.revoke(transfer_id, transfer.allowed, self.group_timeout_s)
         finally:
             self._table.release(transfer)
+            self._report(transfer)
         if transfer.error is not None:
             raise TransferFailed(transfer_id, transfer.error)
         return transfer.result()
@@ -155,6 +161,16 @@ class KVReceiver:
             await self._drain(transfer)
             if self._shared is not None:
                 await self._shared.revoke(transfer_id, transfer.allowed, self.group_timeout_s)
+            self._report(transfer)
+
+    def _report(self, transfer: ExpectedTransfer) -> None:
+        """The transfer's end, to whoever tracks it (the consumer ignores a second report)."""
+        if self._on_finished is None:
+            return
+        if transfer.error is None and transfer.complete is not None:
+            self._on_finished(transfer.transfer_id, transfer.complete.first_token, None)
+        else:
+            self._on_finished(transfer.transfer_id, None, transfer.error or "ended before it completed")
 
     async def close(self) -> None:
         """Fail every transfer, drop every pair, stop the store, revoke every grant and unlink the segment."""

@@ -102,6 +102,7 @@ class TransferHandle:
         self._error: str | None = None
         self._done: asyncio.Future[TransferStats] = self._loop.create_future()
         self._done.add_done_callback(_consume_exception)
+        self._on_finished: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ engine thread
 
@@ -155,7 +156,18 @@ class TransferHandle:
             self._aborted = True
             self._post(self._fail, f"aborted by prefill node: {reason}", reason)
 
+    def when_finished(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the event loop) once the transfer ended, succeeded or failed, and no send
+        reads the blocks any more; at once if it has. Thread-safe: the prefill engine's connector asks."""
+        self._post(self._add_finished_callback, callback)
+
     # ------------------------------------------------------------------ event loop
+
+    def _add_finished_callback(self, callback: Callable[[], None]) -> None:
+        if self._done.done():
+            callback()
+        else:
+            self._on_finished.append(callback)
 
     async def wait(self, timeout_s: float) -> TransferStats:
         """Resolve once every chunk was acked and TransferComplete was written; raise TransferFailed otherwise.
@@ -262,6 +274,9 @@ class TransferHandle:
         else:
             return
         self._pair.release(self.transfer_id)
+        callbacks, self._on_finished = self._on_finished, []
+        for callback in callbacks:
+            callback()
 
 
 def _consume_exception(fut: asyncio.Future[TransferStats]) -> None:

@@ -31,17 +31,21 @@ class KVProducer(KVConnector):
     ends_at_first_token = True
 
     def __init__(self, block_size: int) -> None:
+        super().__init__()
         self.block_size = block_size
         self._pushes: dict[str, _Push] = {}
         # Traced requests only: the servicer owns each list and reads it once the first token is out.
         self._chunk_timings: dict[str, list[ChunkTiming]] = {}
 
     def request_finished(self, request: Request) -> bool:
-        return True  # the KV transfer reads the blocks after the first token; ReleaseKV frees them
+        return True  # the KV transfer reads the blocks after the first token; its end frees them
 
     def attach(self, request_id: str, destination: KVDestination,
                chunk_timings: list[ChunkTiming] | None) -> None:
         self._pushes[request_id] = _Push(destination)
+        # Once every send ended (the blocks are read, or the transfer failed and nothing is in flight), the
+        # next step frees the held blocks; a request still computing is the servicer's to abort.
+        destination.target.when_finished(lambda: self.finished.sent(request_id))
         if chunk_timings is not None:
             self._chunk_timings[request_id] = chunk_timings
 

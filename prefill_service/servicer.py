@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 from opentelemetry import trace
 
-from common.engine.commands import AbortRequest, AddRequest, ChunkTiming, KVDestination, ReleaseKV
+from common.engine.commands import AbortRequest, AddRequest, ChunkTiming, KVDestination
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.errors import InvalidRequestError
 from common.protocol import logprob_to_proto, sampling_from_proto, stats_to_proto
@@ -147,7 +147,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def _transfer(self, handle: TransferHandle, rid: str, reply: prefill_pb2.PrefillResponse,
                         num_blocks: int, send_span: trace.Span) -> TransferStats:
-        """Tell the decode node the first token and wait until every send ended; then free the blocks."""
+        """Tell the decode node the first token and wait until every send ended. The blocks held for the
+        transfer are freed by the engine once it ends (its connector hears it from the handle); a failed one's
+        request is aborted here."""
         finished = False
         try:
             first_logprob = reply.first_logprob if reply.HasField("first_logprob") else None
@@ -161,8 +163,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise
         finally:
             self.engine.close_stream(rid)
-            # No send is in flight any more: the blocks can go (they stay in the prefix cache).
-            self.engine.submit(ReleaseKV(rid) if finished else AbortRequest(rid))
+            if not finished:  # no send is in flight any more (or the group timed out): the blocks can go
+                self.engine.submit(AbortRequest(rid))
         self.metrics.transfer_done(stats.bytes, stats.seconds)
         if send_span.is_recording():
             send_span.set_attributes(spans.transfer_attributes(stats.bytes, stats.seconds, num_blocks))

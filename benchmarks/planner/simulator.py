@@ -167,6 +167,14 @@ class _KVPush:
     prompt_len: int
     block_size: int
     landed_s: float | None = None  # when the prompt's last block has landed
+    on_finished: list[Callable[[], None]] = field(default_factory=list)
+
+    def when_finished(self, callback: Callable[[], None]) -> None:
+        self.on_finished.append(callback)
+
+    def finish(self) -> None:
+        for callback in self.on_finished:
+            callback()
 
     def push(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
         bs = self.block_size
@@ -289,11 +297,10 @@ class _Simulation:
     def _reserve(self, leg: _Leg) -> None:
         """``EngineCore.reserve``: blocks now when they are free beside the queue's, else queued for them."""
         request = self._request(leg.request, remote_prefill=True)
-        allocation = leg.node.scheduler.admit_now(request)
-        if allocation is None:
-            leg.node.scheduler.add_request(request)  # the reservation answers when admitted (update's outputs)
-        else:
-            self._send_prefill(leg, allocation.num_cached_tokens)
+        if leg.node.scheduler.admit_now(request) is None:
+            leg.node.scheduler.add_request(request)
+        # The reservation is announced once, as an output: now (take_announced), or by the step that admits it.
+        self._handle(leg.node, leg.node.scheduler.take_announced())
 
     def _kv_landed(self, prefill: _Leg, first_token: int) -> None:
         """The prefill's last block is on the decode node: the first token goes out, the blocks are released."""
@@ -302,9 +309,12 @@ class _Simulation:
         node.prefill_backlog -= prefill.backlog  # the Prefill call answers
         del node.legs[rid]
 
-        def release() -> None:
-            node.connector.forget(rid)
-            node.scheduler.free_held(rid)
+        def release() -> None:  # the transfer's end reaches the producer; the next step frees the blocks
+            assert prefill.push is not None
+            prefill.push.finish()
+            for sent in node.connector.get_finished().sent:
+                node.connector.forget(sent)
+                node.scheduler.free_held(sent)
 
         self._command(node, release)
         leg.first_token_s = self.now

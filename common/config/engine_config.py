@@ -69,9 +69,6 @@ class SchedulerConfig:
     # Requests queued for admission (a decode node's pending reservations included); one more is refused.
     max_waiting: int = knob(1024, "requests queued for admission (a decode node's reservations included); one "
                             "more is refused (RESOURCE_EXHAUSTED)")
-    # A request that waited this long for KV from another node is aborted and its blocks freed: its servicer
-    # gave up long before (its own timeouts are shorter), so nobody will ever fill or read them.
-    kv_lease_s: float = 900.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -88,8 +85,6 @@ class SchedulerConfig:
             raise ValueError(f"max_prefill_skips must be >= 1, got {self.max_prefill_skips}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.kv_lease_s <= 0:
-            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.max_model_len is not None and self.max_model_len < 2:

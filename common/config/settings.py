@@ -202,12 +202,6 @@ class NodeSettings(EngineSettings):
         if self.kv_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.grace_s < 0:
             raise ValueError("kv_timeout_s and queue_timeout_s must be > 0, grace_s >= 0")
 
-    def configs(self, device: str) -> tuple[CacheConfig, SchedulerConfig]:
-        cache, scheduler = super().configs(device)
-        # A decode servicer waits at most queue_timeout_s for the first chunk, then kv_timeout_s: past both
-        # (and a minute's slack) a reservation has leaked.
-        return cache, dataclasses.replace(scheduler, kv_lease_s=self.queue_timeout_s + self.kv_timeout_s + 60.0)
-
 
 @dataclass(frozen=True)
 class SecuritySettings:

@@ -1,9 +1,10 @@
 """Runs an engine in its own thread and talks to asyncio servicers through queues.
 
-The engine thread owns the engine outright: every mutation (add, abort, reserve, release...) is a typed
-command (``common.engine.commands``) queued to it and applied between steps by ``EngineCore.handle``, so
-the scheduler and block pool need no locks. Outputs go back to per-request ``asyncio.Queue``s on the
-servicer's event loop.
+The engine thread owns the engine outright: every mutation (add, abort, reserve...) is a typed command
+(``common.engine.commands``) queued to it and applied between steps by ``EngineCore.handle``, so the
+scheduler and block pool need no locks. KV transfers that end are reported into the engine's connector by
+the transfer layer, which wakes the thread; its next step applies them. Outputs go back to per-request
+``asyncio.Queue``s on the servicer's event loop.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -30,8 +30,6 @@ log = logging.getLogger(__name__)
 
 # How long the idle engine thread sleeps waiting for a command before re-checking for shutdown.
 _IDLE_POLL_S = 0.05
-# How often the engine thread looks for reservations whose KV never came (EngineCore.reap).
-_REAP_INTERVAL_S = 1.0
 
 
 class AsyncEngine:
@@ -44,6 +42,8 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        # A transfer reported into the connector wakes an idle thread (None: no command, just a look).
+        engine.connector.finished.wake = lambda: self._commands.put(None)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -118,7 +118,6 @@ class AsyncEngine:
     # ---- engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_reap = time.monotonic() + _REAP_INTERVAL_S
         trimmer = HeapTrimmer()  # freed forward temporaries go back to the OS (common/engine/heap.py)
         try:
             while not self._stop.is_set():
@@ -126,9 +125,6 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
                 trimmer.maybe_trim()
-                if time.monotonic() >= next_reap:
-                    self._deliver(self.engine.reap())
-                    next_reap = time.monotonic() + _REAP_INTERVAL_S
         except BaseException as exc:  # the thread must report, not vanish
             log.exception("engine thread crashed")
             self._error = exc
@@ -159,6 +155,7 @@ class AsyncEngine:
             return
         if reply is not None:
             reply(result, None)
+        self._deliver(self.engine.take_announced())  # a reservation made now: its blocks, on its stream
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -8,10 +8,9 @@ generic parameter of ``EngineCommand``, so ``await engine.call(ReserveKV(...))``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
-
-from common.engine.request import RequestOutput
 
 if TYPE_CHECKING:
     from common.kv.kv_events import KVEventBatch
@@ -42,9 +41,12 @@ class KVEventSink(Protocol):
 
 
 class KVPushTarget(Protocol):
-    """Where a prefill node's written blocks go (kv_transfer's TransferHandle); ``push`` must not block."""
+    """Where a prefill node's written blocks go (kv_transfer's TransferHandle); neither call blocks."""
 
     def push(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None: ...
+
+    def when_finished(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from any thread) once the transfer ended and no send reads the blocks."""
 
 
 @dataclass(frozen=True)
@@ -81,47 +83,18 @@ class AbortRequest(EngineCommand[bool]):
 
 
 @dataclass(frozen=True)
-class Reservation:
-    """A decode node's answer to ``ReserveKV``: the blocks to fill, or (``queued``) none yet.
-
-    A queued request's blocks come later, as a ``RequestOutput`` with ``reserved_block_ids`` on its stream.
-    """
-
-    block_ids: tuple[int, ...]
-    num_cached_tokens: int
-    blocks_needed: int
-    free_blocks: int
-
-    @property
-    def queued(self) -> bool:
-        return not self.block_ids
-
-
-@dataclass(frozen=True)
-class ReserveKV(EngineCommand[Reservation]):
-    """Decode node: a request whose prompt KV a remote prefill will push into blocks reserved for it, now
-    if they are free and nobody queues before it, else once they are (it waits in the admission queue).
-    Raises ``QueueFullError`` when the queue is at ``SchedulerConfig.max_waiting``."""
+class ReserveKV(EngineCommand[None]):
+    """Decode node: a request whose prompt KV a remote prefill will push by ``transfer_id`` into blocks
+    reserved for it, now if they are free and nobody queues before it, else once they are (it waits in the
+    admission queue). Its blocks are announced once, on its stream: a ``RequestOutput`` with
+    ``reserved_block_ids``; the transfer's end (reported by the connector) starts it. Raises
+    ``InvalidRequestError`` on bad input, ``QueueFullError`` when the queue is at ``max_waiting``."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    transfer_id: str
     eos_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class KVArrived(EngineCommand[RequestOutput]):
-    """Decode node: the prompt's KV has landed and the prefill sampled ``first_token``; start decoding."""
-
-    request_id: str
-    first_token: int
-
-
-@dataclass(frozen=True)
-class ReleaseKV(EngineCommand[None]):
-    """Prefill node: the KV transfer finished (or was abandoned); free the blocks held for it."""
-
-    request_id: str
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,13 @@ from common.engine.commands import (
     AbortRequest,
     AddRequest,
     EngineCommand,
-    KVArrived,
     PrepareKernels,
-    ReleaseKV,
-    Reservation,
     ReserveKV,
     SetKVEventSink,
 )
 from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner, kv_cache_spec
-from common.engine.request import FinishReason, Request, RequestOutput
+from common.engine.request import Request, RequestOutput
 from common.engine.scheduler import Scheduler
 from common.errors import InvalidRequestError, QueueFullError
 from common.kv.kv_cache_manager import KVCacheManager
@@ -99,12 +96,7 @@ class EngineCore:
             case AbortRequest():
                 return self.abort(command.request_id)
             case ReserveKV():
-                return self.reserve(command)
-            case KVArrived():
-                return self.scheduler.kv_arrived(command.request_id, command.first_token)
-            case ReleaseKV():
-                self.connector.forget(command.request_id)
-                self.scheduler.free_held(command.request_id)
+                self.reserve(command)
                 return None
             case SetKVEventSink():
                 self._set_kv_event_sink(command)
@@ -136,21 +128,23 @@ class EngineCore:
         self._check_new_id(request_id)
         self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params, tuple(eos_token_ids)))
 
-    def reserve(self, command: ReserveKV) -> Reservation:
+    def reserve(self, command: ReserveKV) -> None:
         """Blocks for a prompt whose KV another node computes (reusing this node's prefix cache) now, when
-        they are free beside those the queued requests need; else the request queues for them (``queued``)."""
+        they are free beside those the queued requests need; else the request queues for them. Either way
+        they are announced on the request's stream (``take_announced``, or the step that admits it)."""
         prompt = list(command.prompt_token_ids)
         self.validate(prompt, command.params)
         self._check_new_id(command.request_id)
         request = Request(command.request_id, prompt, command.params, tuple(command.eos_token_ids),
                           remote_prefill=True)
-        needed = self.kv.blocks_needed(len(prompt))
-        allocation = self.scheduler.admit_now(request)  # ahead of the queue only where nobody waits longer
-        if allocation is None:
+        if self.scheduler.admit_now(request) is None:  # ahead of the queue only where nobody waits longer
             self._check_queue()
             self.scheduler.add_request(request)
-            return Reservation((), 0, needed, self.kv.num_free_blocks)
-        return Reservation(tuple(allocation.block_ids), allocation.num_cached_tokens, needed, self.kv.num_free_blocks)
+        self.connector.track_load(command.request_id, command.transfer_id)
+
+    def take_announced(self) -> list[RequestOutput]:
+        """Reservations made outside a step (by ``ReserveKV``): their outputs, for the requests' streams."""
+        return self.scheduler.take_announced()
 
     def _check_new_id(self, request_id: str) -> None:
         if self.kv.has_request(request_id) or any(r.request_id == request_id for r in self.scheduler.waiting):
@@ -172,6 +166,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run the model and sample -> append tokens and stop."""
         start_ns = time.time_ns()
+        arrived = self._finish_transfers()
         scheduled = self.scheduler.schedule()
         sampled = None
         if not scheduled.is_empty:
@@ -179,12 +174,27 @@ class EngineCore:
             sampled = self.runner.execute(scheduled)
             self._count_step(scheduled, time.perf_counter() - started)
         self.connector.save_kv(scheduled, start_ns)
-        outputs = self.scheduler.update(scheduled, sampled)
+        outputs = arrived + self.scheduler.update(scheduled, sampled)
         for out in outputs:
             if out.finished:
                 self.runner.forget(out.request_id)
         self._publish_kv_events()
         return outputs
+
+    def _finish_transfers(self) -> list[RequestOutput]:
+        """Apply the transfers the connector saw end since the last step: a send's held blocks are freed, a
+        failed load's request aborted, a landed one starts decoding (its output: the prefill's first token)."""
+        done = self.connector.get_finished()
+        if not done:
+            return []
+        for rid in done.sent:
+            self.connector.forget(rid)
+            self.scheduler.free_held(rid)
+        for rid, reason in done.failed:
+            log.info("request %s: its KV transfer failed (%s); aborted, blocks freed", rid, reason)
+            self.abort(rid)
+        return [self.scheduler.kv_arrived(rid, token) for rid, token in done.loaded
+                if rid in self.scheduler.waiting_for_kv]
 
     def _count_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """The step counters (``tandem:engine_*``): forwards, their seconds, and the tokens they computed
@@ -210,21 +220,12 @@ class EngineCore:
         else:
             self.kv.enable_events(command.capacity)
 
-    def reap(self, now: float | None = None) -> list[RequestOutput]:
-        """Abort requests whose remote KV never came within ``kv_lease_s`` (the reaper of leaked reservations)."""
-        outputs = []
-        for rid in self.scheduler.expired_kv_waits(time.monotonic() if now is None else now):
-            log.warning("request %s waited longer than kv_lease_s for its KV: aborted, blocks freed", rid)
-            self.abort(rid)
-            outputs.append(RequestOutput(rid, [], True, FinishReason.ABORT))
-        return outputs
-
     def close(self) -> None:
         """Stop what the engine started (a parallel node's rank processes)."""
         self.runner.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.connector.finished)
 
     def stats(self) -> EngineStats:
         kv = self.kv

@@ -9,7 +9,13 @@ vLLM v1's ``KVConnectorBase`` shape. The scheduler is role-agnostic; it asks its
   KV transfer has read them), to be freed later by ``Scheduler.free_held``;
 - ``ends_at_first_token``: whether requests end once their prompt is computed and one token sampled.
 
-and the engine calls the worker side, ``save_kv``, after every forward, once the step's KV is written.
+and the engine calls the worker side: ``save_kv`` after every forward, once the step's KV is written, and
+``get_finished`` at the start of every step: the transfers that ended since the last one (vLLM's
+``get_finished``). The KV transfer layer reports each transfer's end into the connector's ``FinishedTransfers``
+inbox from its own threads, once nothing of it is in flight, and wakes the engine; the engine thread then
+starts the requests whose KV landed, frees the blocks a finished send held, and aborts the requests whose
+transfer failed. So KV arrival and release stay on the engine thread, and every transfer a connector
+tracks ends in exactly one report: nothing needs a timer to stay leak-free.
 
 The base class is the colocated role: everything computed here, nothing held, nothing sent. The prefill
 node's producer lives in ``prefill_service.kv_producer``, the decode node's consumer in
@@ -18,6 +24,9 @@ node's producer lives in ``prefill_service.kv_producer``, the decode node's cons
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,11 +35,62 @@ if TYPE_CHECKING:
     from common.engine.scheduler_output import SchedulerOutput
 
 
+@dataclass
+class Finished:
+    """What ended since the last step: ``loaded`` (request id, the remote prefill's first token), ``sent``
+    (request ids whose send is over: their held blocks can go), ``failed`` (request id, why: abort it)."""
+
+    loaded: list[tuple[str, int]] = field(default_factory=list)
+    sent: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loaded or self.sent or self.failed)
+
+
+class FinishedTransfers:
+    """The inbox the transfer layer reports into (any thread) and the engine thread drains each step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending = Finished()
+        # Set by the engine's loop (AsyncEngine): wakes it when it idles, so a landed KV starts decoding now.
+        self.wake: Callable[[], None] = lambda: None
+
+    def loaded(self, request_id: str, first_token: int) -> None:
+        with self._lock:
+            self._pending.loaded.append((request_id, first_token))
+        self.wake()
+
+    def sent(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.sent.append(request_id)
+        self.wake()
+
+    def failed(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            self._pending.failed.append((request_id, reason))
+        self.wake()
+
+    def take(self) -> Finished:
+        if not self._pending:  # the common case, read without the lock: a report racing it is taken next step
+            return Finished()
+        with self._lock:
+            taken, self._pending = self._pending, Finished()
+        return taken
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+
 class KVConnector:
     """The colocated role: a request's KV is computed here and freed when it finishes."""
 
     role = "colocated"
     ends_at_first_token = False
+
+    def __init__(self) -> None:
+        self.finished = FinishedTransfers()
 
     # ---- scheduler side --------------------------------------------------------------------------
 
@@ -49,8 +109,16 @@ class KVConnector:
         """Send the request's KV to ``destination`` as it is computed (prefill nodes only)."""
         raise ValueError(f"a {self.role} node does not send KV; the request's destination must be empty")
 
+    def track_load(self, request_id: str, transfer_id: str) -> None:
+        """The request's prompt KV comes by ``transfer_id`` (decode nodes only): its end is reported here."""
+        raise ValueError(f"a {self.role} node does not receive KV")
+
     def save_kv(self, scheduled: SchedulerOutput, step_start_ns: int) -> None:
         """After a forward: the scheduled chunks' KV is in the cache (the step began at ``step_start_ns``)."""
+
+    def get_finished(self) -> Finished:
+        """Before a step: the loads and sends that ended since the last one."""
+        return self.finished.take()
 
     def forget(self, request_id: str) -> None:
         """The request left the engine (finished and released, or aborted): drop what is kept for it."""

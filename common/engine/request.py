@@ -44,7 +44,6 @@ class Request:
     arrival_seq: int = 0  # the scheduler's arrival order (add_request)
     prefill_skips: int = 0  # steps in a row it got no prefill chunk while a later arrival got one
     first_scheduled_time: float | None = None
-    waiting_for_kv_since: float | None = None  # time.monotonic() when it began to wait for remote KV
     first_token_time: float | None = None
     # Speculative decoding: running acceptance-rate estimate (drives adaptive k) and counters.
     spec_acceptance: float = 0.6

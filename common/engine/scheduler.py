@@ -105,12 +105,26 @@ class Scheduler:
         request.num_computed_tokens = allocation.num_cached_tokens
         if self._start(request) is RequestStatus.RUNNING:
             self.running.append(request)
+        else:
+            self._announce(request)
         return allocation
 
     def blocks_waiting(self) -> int:
         """Blocks the requests waiting for admission need for their tokens so far (cached prefixes not
         subtracted: an upper bound)."""
         return sum(self.kv.blocks_needed(len(r.all_token_ids)) for r in self.waiting)
+
+    def _announce(self, request: Request) -> None:
+        """A request now waits for its remote KV in blocks reserved for it: say which, on its stream (once)."""
+        self._reserved.append(RequestOutput(
+            request.request_id, [], False, num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            reserved_block_ids=tuple(self.kv.block_table(request.request_id))))
+
+    def take_announced(self) -> list[RequestOutput]:
+        """The reservations announced since the last step (``update`` returns them too)."""
+        announced, self._reserved = self._reserved, []
+        return announced
 
     def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput:
         """The KV of a request in ``waiting_for_kv`` has landed, and the remote prefill sampled ``first_token``."""
@@ -183,10 +197,7 @@ class Scheduler:
                     continue
                 self.waiting.remove(request)
                 if self._start(request) is RequestStatus.WAITING_FOR_KV:
-                    self._reserved.append(RequestOutput(
-                        request.request_id, [], False, num_prompt_tokens=request.num_prompt_tokens,
-                        num_cached_tokens=request.num_cached_tokens,
-                        reserved_block_ids=tuple(self.kv.block_table(request.request_id))))
+                    self._announce(request)
                     continue
                 self.running.append(request)
             n = self._chunk_size(request, budget)
@@ -282,12 +293,6 @@ class Scheduler:
         if self.held.pop(request_id, None) is not None:
             self.kv.free(request_id)
             self._stalled = False
-
-    def expired_kv_waits(self, now: float) -> list[str]:
-        """Requests in ``waiting_for_kv`` for longer than ``kv_lease_s``: nobody will fill their blocks."""
-        lease = self.config.kv_lease_s
-        return [rid for rid, r in self.waiting_for_kv.items()
-                if r.waiting_for_kv_since is not None and now - r.waiting_for_kv_since > lease]
 
     @property
     def num_waiting(self) -> int:
@@ -390,7 +395,6 @@ class Scheduler:
         """An admitted request runs, or waits for the KV its connector says comes from elsewhere."""
         if self.connector.get_num_new_matched_tokens(request, request.num_computed_tokens) > 0:
             request.status = RequestStatus.WAITING_FOR_KV
-            request.waiting_for_kv_since = time.monotonic()
             self.waiting_for_kv[request.request_id] = request
         else:
             request.status = RequestStatus.RUNNING

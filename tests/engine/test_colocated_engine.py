@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -201,12 +200,13 @@ def test_reserve_queues_beyond_free_blocks_and_refuses_past_max_waiting(tiny: Ll
     engine = EngineCore(tiny, CacheConfig(num_blocks=4, block_size=16), SchedulerConfig(max_waiting=1, watermark=0.0),
                         connector=KVConsumer())
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    first = engine.handle(ReserveKV("a", tuple(range(3, 50)), params))  # 3 of 4 blocks
-    assert not first.queued and len(first.block_ids) == 3
-    queued = engine.handle(ReserveKV("b", tuple(range(3, 40)), params))
-    assert queued.queued and queued.blocks_needed == 3 and queued.free_blocks == 1
+    assert engine.handle(ReserveKV("a", tuple(range(3, 50)), params, "t-a")) is None  # 3 of 4 blocks
+    (announced,) = engine.take_announced()  # the reservation answers once: on the stream
+    assert announced.request_id == "a" and len(announced.reserved_block_ids or ()) == 3
+    engine.handle(ReserveKV("b", tuple(range(3, 40)), params, "t-b"))
+    assert engine.take_announced() == [] and engine.stats().num_waiting == 2  # b queues
     with pytest.raises(QueueFullError, match="max_waiting = 1"):
-        engine.handle(ReserveKV("c", tuple(range(3, 10)), params))
+        engine.handle(ReserveKV("c", tuple(range(3, 10)), params, "t-c"))
     with pytest.raises(QueueFullError):
         engine.handle(AddRequest("d", (3, 4, 5), params))
     assert engine.handle(AbortRequest("a"))
@@ -215,18 +215,30 @@ def test_reserve_queues_beyond_free_blocks_and_refuses_past_max_waiting(tiny: Ll
     assert engine.stats().num_waiting == 1 and engine.kv.num_used_blocks == 3
 
 
-def test_reap_aborts_a_reservation_whose_kv_never_came(tiny: LlamaForCausalLM) -> None:
+def test_finished_loads_reach_the_engine_through_its_connector(tiny: LlamaForCausalLM) -> None:
+    """The receiver reports each transfer's end into the KVConsumer (any thread); the engine's next step
+    starts a landed request with the prefill's token, aborts a failed one, and ignores a late report."""
     from common.engine.commands import ReserveKV
-    from common.engine.request import FinishReason
     from decode_service.kv_consumer import KVConsumer
 
-    engine = EngineCore(tiny, CacheConfig(num_blocks=8, block_size=16), SchedulerConfig(kv_lease_s=5.0),
-                        connector=KVConsumer())
-    assert not engine.handle(ReserveKV("a", tuple(range(3, 40)), SamplingParams(max_tokens=4))).queued
-    assert engine.reap() == [] and engine.kv.num_used_blocks == 3
-    (reaped,) = engine.reap(now=time.monotonic() + 6.0)
-    assert (reaped.request_id, reaped.finished, reaped.finish_reason) == ("a", True, FinishReason.ABORT)
-    assert engine.kv.num_used_blocks == 0 and engine.stats().num_waiting == 0
+    consumer = KVConsumer()
+    engine = EngineCore(tiny, CacheConfig(num_blocks=8, block_size=16), connector=consumer)
+    woken: list[bool] = []
+    consumer.finished.wake = lambda: woken.append(True)
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    engine.handle(ReserveKV("a", tuple(range(3, 40)), params, "t-a"))
+    engine.handle(ReserveKV("b", tuple(range(50, 70)), params, "t-b"))
+    assert engine.kv.num_used_blocks == 5 and not engine.has_unfinished()  # both wait for their KV
+    consumer.load_finished("t-a", 7, None)
+    consumer.load_finished("t-b", None, "aborted by prefill node: boom")
+    consumer.load_finished("t-b", None, "reported twice")  # ignored: nobody waits for t-b any more
+    assert woken == [True, True] and engine.has_unfinished()
+    first = engine.step()
+    assert [(o.request_id, o.new_token_ids) for o in first][:1] == [("a", [7])]
+    assert engine.kv.num_used_blocks == 3 and engine.stats().num_waiting == 0  # b's 2 blocks are free
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.num_used_blocks == 0
 
 
 def test_a_request_id_in_use_is_refused_not_fatal(tiny: LlamaForCausalLM) -> None:
@@ -242,7 +254,7 @@ def test_a_request_id_in_use_is_refused_not_fatal(tiny: LlamaForCausalLM) -> Non
         engine.handle(AddRequest("a", (3, 4, 5), params))  # still queued
     engine.step()
     with pytest.raises(InvalidRequestError, match="already in use"):
-        engine.handle(ReserveKV("a", (3, 4, 5), params))  # now running, with blocks
+        engine.handle(ReserveKV("a", (3, 4, 5), params, "t-a"))  # now running, with blocks
     while engine.has_unfinished():
         engine.step()
     engine.handle(AddRequest("a", (3, 4, 5), params))  # finished: the id is free again

@@ -308,14 +308,22 @@ def test_request_scope_is_task_local() -> None:
 class _Target:
     def __init__(self) -> None:
         self.pushed: list[list[int]] = []
+        self.on_finished: list[Callable[[], None]] = []
 
     def push(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
         self.pushed.append(list(dst_block_ids))
 
+    def when_finished(self, callback: Callable[[], None]) -> None:
+        self.on_finished.append(callback)
+
+    def finish(self) -> None:
+        for callback in self.on_finished:
+            callback()
+
 
 def test_prefill_engine_times_each_chunk(tiny_model_factory: Callable[..., Path]) -> None:
     from common.config.engine_config import CacheConfig, SchedulerConfig
-    from common.engine.commands import AddRequest, ChunkTiming, KVDestination, ReleaseKV
+    from common.engine.commands import AddRequest, ChunkTiming, KVDestination
     from common.engine.engine_core import EngineCore
     from common.model.loader import load_model
     from common.sampling.params import SamplingParams
@@ -329,7 +337,8 @@ def test_prefill_engine_times_each_chunk(tiny_model_factory: Callable[..., Path]
     params = SamplingParams(max_tokens=1)
     engine.handle(AddRequest("a", tuple(range(3, 43)), params, (), KVDestination(target, (100, 101, 102), 0), timed))
     # not traced: nothing recorded
-    engine.handle(AddRequest("b", tuple(range(3, 23)), params, (), KVDestination(_Target(), (200, 201), 0)))
+    other = _Target()
+    engine.handle(AddRequest("b", tuple(range(3, 23)), params, (), KVDestination(other, (200, 201), 0)))
     while engine.has_unfinished():
         engine.step()
     assert [(t.start_token, t.num_tokens) for t in timed] == [(0, 16), (16, 16), (32, 8)]
@@ -337,9 +346,11 @@ def test_prefill_engine_times_each_chunk(tiny_model_factory: Callable[..., Path]
     assert all(t.step_tokens >= t.num_tokens for t in timed)
     assert set(producer._chunk_timings) == {"a"}
     assert [b for push in target.pushed for b in push] == [100, 101, 102]
-    assert engine.kv.num_used_blocks == 3 + 2  # held for the transfers until released
-    engine.handle(ReleaseKV("a"))
-    engine.handle(ReleaseKV("b"))
+    assert engine.kv.num_used_blocks == 3 + 2  # held for the transfers until they end
+    target.finish()
+    other.finish()  # the transfers' ends, reported into the connector; the next step frees the blocks
+    assert engine.has_unfinished()
+    engine.step()
     assert producer._chunk_timings == {} and engine.kv.num_used_blocks == 0
 
 

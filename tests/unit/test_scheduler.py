@@ -227,6 +227,7 @@ def test_decode_role_queued_reservation_is_announced_when_blocks_free() -> None:
     """Load beyond free KV queues: the reservation waits FCFS and update() announces its blocks later."""
     s = make(connector=KVConsumer(), num_blocks=3)
     assert s.admit_now(req("a", 6, remote=True)) is not None  # 2 of 3 blocks
+    assert [o.request_id for o in s.take_announced()] == ["a"]
     b = req("b", 6, first=50, remote=True)
     s.add_request(b)  # needs 2 blocks, 1 free: it queues
     out = s.schedule()
@@ -263,15 +264,18 @@ def test_decode_role_computes_a_local_request_itself() -> None:
     assert step(s) == [("a", 0, 6)] and not s.waiting_for_kv
 
 
-def test_reservations_past_their_lease_are_reported_for_reaping() -> None:
-    s = make(connector=KVConsumer(), kv_lease_s=10.0)
-    r = req("a", 6, remote=True)
-    assert s.admit_now(r) is not None and r.waiting_for_kv_since is not None
-    since = r.waiting_for_kv_since
-    assert s.expired_kv_waits(since + 9.9) == []
-    assert s.expired_kv_waits(since + 10.1) == ["a"]
-    s.kv_arrived("a", 42)
-    assert s.expired_kv_waits(since + 100) == []  # its KV came: no longer waiting
+def test_a_reservation_is_announced_once_whether_admitted_now_or_later() -> None:
+    s = make(connector=KVConsumer(), num_blocks=16)
+    assert s.admit_now(req("a", 40, remote=True)) is not None  # 10 blocks of 16
+    (now,) = s.take_announced()
+    assert now.request_id == "a" and now.reserved_block_ids is not None and len(now.reserved_block_ids) == 10
+    b = req("b", 30, first=100, remote=True)  # 8 blocks: 6 are free
+    assert s.admit_now(b) is None
+    s.add_request(b)
+    assert s.take_announced() == [] and s.schedule().is_empty
+    s.abort("a")
+    later = s.schedule()
+    assert [o.request_id for o in s.update(later, None)] == ["b"] and s.take_announced() == []
 
 
 def test_shortest_prefill_first_a_short_prompt_is_not_stuck_behind_long_ones() -> None:
