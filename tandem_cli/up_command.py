@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.config.settings import ModelSettings, load_settings
+from common.config.settings import ModelSettings, flag_name, load_settings
 
 
 def _model_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -48,7 +48,7 @@ def settings_args(args: argparse.Namespace, cls: type) -> tuple[str, ...]:
     out: list[str] = []
     for f in dataclasses.fields(cls):
         value = getattr(args, f.name, None)
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_name(f.name)
         if value is None:
             continue
         if isinstance(value, bool):

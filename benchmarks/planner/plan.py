@@ -41,6 +41,7 @@ from benchmarks.planner.simulator import Deployment, SimResult, simulate
 from benchmarks.serve_stats import Distribution
 from benchmarks.slo import SLO, parse_slo
 from benchmarks.workloads import WORKLOADS, Workload
+from common.config.settings import DTYPES
 
 if TYPE_CHECKING:
     from common.config.engine_config import CacheConfig, SchedulerConfig
@@ -159,7 +160,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thresholds", default=",".join(map(str, DEFAULT_THRESHOLDS)),
                    help=f"local-prefill thresholds to try, tokens [{','.join(map(str, DEFAULT_THRESHOLDS))}]")
     p.add_argument("--model", help="local Hugging Face directory or the bundled model's name [TANDEM_MODEL]")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="[TANDEM_DTYPE]")
+    p.add_argument("--dtype", choices=DTYPES, help="[TANDEM_DTYPE]")
     p.add_argument("--cpus", help="cores the deployment would use, e.g. 0-3 [every core this process may use]")
     p.add_argument("--refit", action="store_true", help="measure the cost model again, even if one is stored")
     p.add_argument("--validate", nargs="?", const="recommended", metavar="CONFIG",
