@@ -131,7 +131,7 @@ class SpeculativeMethod(enum.Enum):
 
 @dataclass(frozen=True)
 class DraftEconomics:
-    """What adaptive k assumes about a proposer's drafts (``common.engine.scheduling_policy.adaptive_num_drafts``)."""
+    """What adaptive k assumes about a proposer's drafts (``common.spec_decode.policy.adaptive_num_drafts``)."""
 
     # One more draft in a step, relative to a plain decode step at small batch.
     cost: float

@@ -70,7 +70,7 @@ class EngineCore:
             from common.parallel.executor import ParallelModelRunner
 
             self.runner: ModelRunner = ParallelModelRunner(parallel, model, cache.block_size, num_blocks,
-                                                           scheduler.max_num_seqs, speculative)
+                                                           scheduler.max_num_seqs, speculative, draft_model)
         else:
             self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative, draft_model)
         self._kv_event_sink: KVEventSink | None = None  # set by SetKVEventSink while someone subscribes

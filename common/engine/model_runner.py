@@ -12,8 +12,10 @@ ride along in the same forward, and the target's logits at every draft position 
 
 from __future__ import annotations
 
+import itertools
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -100,6 +102,21 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> StepResult | None:
         """Run the step's forward; return tokens for the chunks that reach their request's end."""
         self.num_steps += 1
+        self._begin_step(output)
+        step_start = start = time.perf_counter()
+        drafts, draft_probs = self._propose(output.chunks)
+        self.draft_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        hidden, meta = self.forward(output, drafts)
+        ends = meta.query_start_loc.tolist()[1:]
+        result = self._sample(output.chunks, drafts, draft_probs, ends,
+                              lambda rows: self.model.compute_logits(hidden[rows]))
+        end = time.perf_counter()
+        self.forward_seconds += end - start
+        return self._priced(output.chunks, drafts, result, end - step_start)
+
+    def _begin_step(self, output: SchedulerOutput) -> None:
+        """The step's block copies (in the KV cache and a proposer's own) and the preempted requests' drafts."""
         proposer = self.proposer
         if output.block_copies:
             self.kv_cache.copy_blocks(output.block_copies)
@@ -108,36 +125,40 @@ class ModelRunner:
         if proposer is not None:
             for request_id in output.preempted:  # its blocks, and a draft's KV in them, are gone
                 proposer.forget(request_id)
-        step_start = start = time.perf_counter()
-        drafts, draft_probs = self._propose(output.chunks)
-        self.draft_seconds += time.perf_counter() - start
-        start = time.perf_counter()
-        hidden, meta = self.forward(output, drafts)
-        ends = meta.query_start_loc.tolist()[1:]
-        sampling = [i for i, c in enumerate(output.chunks) if c.samples]
+
+    def _sample(self, chunks: list[ScheduledChunk], drafts: list[list[int]],
+                draft_probs: list[torch.Tensor | None], ends: list[int],
+                logits_of: Callable[[list[int]], torch.Tensor]) -> StepResult | None:
+        """Sample the chunks that reach their request's end, verifying drafts where they rode along.
+
+        ``ends[i]``: the end of chunk i's rows in the step's flat batch (drafts included); ``logits_of(rows)``:
+        the target's fp32 logits ``[len(rows), vocab]`` at those rows, which are always among
+        ``sample_rows(chunks, drafts, ends)``. Tells the proposer how many drafts the target kept."""
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
-            self.forward_seconds += time.perf_counter() - start
             return None
         if not any(drafts[i] for i in sampling):
-            logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sampling]])
-            result = StepResult.from_samples(
-                self.sampler(logits, [self._sampling_state(output.chunks[i].request) for i in sampling]))
-        else:
-            result = self._verify(output.chunks, sampling, drafts, draft_probs, hidden, ends)
-            assert proposer is not None  # drafts came from it
-            for row, i in enumerate(sampling):
-                if drafts[i]:
-                    proposer.accept(output.chunks[i].request.request_id, result.num_accepted[row])
-        end = time.perf_counter()
-        self.forward_seconds += end - start
-        chunks = output.chunks
-        if self.speculative.enabled and len(chunks) == 1 and chunks[0].num_tokens == 1:  # a batch-1 decode step
-            self.draft_cost.record(end - step_start, len(drafts[0]))
-            result = replace(result, draft_cost=self.draft_cost.cost)
+            logits = logits_of([ends[i] - 1 for i in sampling])
+            return StepResult.from_samples(
+                self.sampler(logits, [self._sampling_state(chunks[i].request) for i in sampling]))
+        result = self._verify(chunks, sampling, drafts, draft_probs, logits_of, ends)
+        assert self.proposer is not None  # drafts came from it
+        for row, i in enumerate(sampling):
+            if drafts[i]:
+                self.proposer.accept(chunks[i].request.request_id, result.num_accepted[row])
         return result
 
+    def _priced(self, chunks: list[ScheduledChunk], drafts: list[list[int]], result: StepResult | None,
+                seconds: float) -> StepResult | None:
+        """A batch-1 decode step times a draft's cost (proposing + verifying); the result carries the estimate."""
+        if result is None or not self.speculative.enabled or len(chunks) != 1 or chunks[0].num_tokens != 1:
+            return result
+        self.draft_cost.record(seconds, len(drafts[0]))
+        return replace(result, draft_cost=self.draft_cost.cost)
+
     def _verify(self, chunks: list[ScheduledChunk], sampling: list[int], drafts: list[list[int]],
-                draft_probs: list[torch.Tensor | None], hidden: torch.Tensor, ends: list[int]) -> StepResult:
+                draft_probs: list[torch.Tensor | None], logits_of: Callable[[list[int]], torch.Tensor],
+                ends: list[int]) -> StepResult:
         """Plain sampling for chunks without drafts, exact verification for the others, in chunk order."""
         plain = [i for i in sampling if not drafts[i]]
         spec = [i for i in sampling if drafts[i]]
@@ -145,14 +166,14 @@ class ModelRunner:
         logprobs: dict[int, list[tuple[float, list[tuple[int, float]]]] | None] = {}
         accepted: dict[int, int] = {}
         if plain:
-            logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in plain]])
+            logits = logits_of([ends[i] - 1 for i in plain])
             sampled = StepResult.from_samples(
                 self.sampler(logits, [self._sampling_state(chunks[i].request) for i in plain]))
             for j, i in enumerate(plain):
                 tokens[i], logprobs[i], accepted[i] = sampled.token_ids[j], sampled.logprobs[j], 0
         # request i scores its last k_i + 1 positions: the token before the drafts and each draft
         rows = [r for i in spec for r in range(ends[i] - len(drafts[i]) - 1, ends[i])]
-        result = verify(self.model.compute_logits(hidden[rows]), [drafts[i] for i in spec],
+        result = verify(logits_of(rows), [drafts[i] for i in spec],
                         [draft_probs[i] for i in spec], [self._sampling_state(chunks[i].request) for i in spec])
         for j, i in enumerate(spec):
             tokens[i], logprobs[i], accepted[i] = result.token_ids[j], None, result.num_accepted[j]
@@ -171,13 +192,37 @@ class ModelRunner:
     def forward(self, output: SchedulerOutput,
                 drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
         """The forward alone: hidden states ``[num_tokens, hidden]`` and the batch metadata."""
+        batch = FlatBatch.of(output.chunks, drafts, self.block_size)
+        meta = AttentionMetadata.build(batch.query_lens, batch.context_lens, batch.tables, self.block_size,
+                                       self.device)
+        hidden = self.model(
+            torch.tensor(batch.input_ids, device=self.device),
+            torch.tensor(batch.positions, device=self.device),
+            meta,
+            self.kv_cache,
+        )
+        return hidden, meta
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """A step's chunks laid end to end, each followed by its drafts: what one forward takes (here, or in
+    every rank of a parallel node: common/parallel/executor.py)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]  # chunk tokens + drafts, per chunk
+    context_lens: list[int]  # tokens before the chunk (with KV already), per chunk
+    tables: list[list[int]]  # the blocks each chunk's positions reach
+
+    @classmethod
+    def of(cls, chunks: list[ScheduledChunk], drafts: list[list[int]] | None, block_size: int) -> FlatBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
         tables: list[list[int]] = []
-        bs = self.block_size
-        for i, chunk in enumerate(output.chunks):
+        for i, chunk in enumerate(chunks):
             extra = drafts[i] if drafts else []
             end = chunk.start + chunk.num_tokens + len(extra)
             input_ids.extend(chunk.request.token_slice(chunk.start, chunk.start + chunk.num_tokens))
@@ -185,12 +230,16 @@ class ModelRunner:
             positions.extend(range(chunk.start, end))
             query_lens.append(end - chunk.start)
             context_lens.append(chunk.start)
-            tables.append(chunk.block_ids[: -(-end // bs)])
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, bs, self.device)
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            meta,
-            self.kv_cache,
-        )
-        return hidden, meta
+            tables.append(chunk.block_ids[: -(-end // block_size)])
+        return cls(input_ids, positions, query_lens, context_lens, tables)
+
+    @property
+    def ends(self) -> list[int]:
+        """Where each chunk's rows end in the flat batch."""
+        return list(itertools.accumulate(self.query_lens))
+
+
+def sample_rows(chunks: list[ScheduledChunk], drafts: list[list[int]], ends: list[int]) -> list[int]:
+    """The flat-batch rows whose logits a step samples or verifies, ascending: a sampling chunk's last row,
+    and with k drafts its last k + 1 (the token before the drafts and each draft)."""
+    return [r for i, c in enumerate(chunks) if c.samples for r in range(ends[i] - len(drafts[i]) - 1, ends[i])]

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING
 from common.engine.kv_connector import KVConnector
 from common.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from common.engine.scheduler_output import ScheduledChunk, SchedulerOutput, StepResult
-from common.engine.scheduling_policy import adaptive_num_drafts, count_prefill_skips, prefill_priority
+from common.engine.scheduling_policy import count_prefill_skips, prefill_priority
+from common.spec_decode.policy import SpeculationPolicy
 
 if TYPE_CHECKING:
     from common.config.engine_config import SchedulerConfig, SpeculativeConfig
@@ -54,12 +55,10 @@ class Scheduler:
         self.config = config
         self.connector = connector or KVConnector()
         self.speculative = speculative if speculative is not None and speculative.enabled else None
+        # draft slots per request and step, acceptance estimates and counters (common/spec_decode/policy.py)
+        self.speculation = SpeculationPolicy(self.speculative, max_model_len) if self.speculative else None
         self._pending_copies: list[BlockCopy] = []
         self._chunk_limit: int | None = config.max_prefill_chunk  # this step's (``_step_budget``)
-        self.num_spec_steps = 0  # request-steps that verified at least one draft
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.draft_cost: float | None = None  # the runner's measured cost of a draft (StepResult.draft_cost)
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -164,7 +163,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
 
-        speculate = self._speculation_on()
+        speculation = self.speculation if self.speculation and self.speculation.speculates(self.running) else None
         prefilling: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
@@ -173,7 +172,7 @@ class Scheduler:
             if request.num_tokens - request.num_computed_tokens > 1:
                 prefilling.append(request)  # its chunk is given out below, in prefill order
                 continue
-            k = self._num_drafts(request, budget - 1) if speculate else 0
+            k = speculation.num_drafts(request, budget - 1) if speculation else 0
             if not self._grow(request, 1 + k, preempted):
                 break  # `request` itself was preempted: everything after it already was
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, 1,
@@ -223,10 +222,8 @@ class Scheduler:
         output with their ``reserved_block_ids`` and no tokens.
         """
         outputs, self._reserved = self._reserved, []
-        # The measured price of a draft replaces the default economics' (a config that names its own keeps it).
-        if (result is not None and result.draft_cost is not None and self.speculative is not None
-                and self.speculative.economics is None):
-            self.draft_cost = result.draft_cost
+        if result is not None and self.speculation is not None:
+            self.speculation.record_cost(result.draft_cost)
         row = 0
         block_size = self.kv.block_size
         for chunk in output.chunks:
@@ -241,7 +238,8 @@ class Scheduler:
             # Accepted drafts' KV is valid; rejected drafts' slots are given back below.
             self._advance(request, chunk.num_tokens + accepted, block_size)
             if chunk.num_draft_slots:
-                self._account_speculation(request, drafts, accepted)
+                assert self.speculation is not None  # it granted the slots
+                self.speculation.record(request, drafts, accepted)
                 copies = self.kv.truncate(request.request_id, request.num_computed_tokens)
                 assert copies is not None  # shrinking never needs a free block
                 self._pending_copies.extend(copies)
@@ -303,49 +301,19 @@ class Scheduler:
         """Whether a step can make progress: something runs, or queued requests may be admitted now."""
         return bool(self.running) or (bool(self.waiting) and not self._stalled)
 
-    # ---- speculative decoding ----------------------------------------------------------------------
+    # ---- speculative decoding: the counters the metrics read (SpecCounters), kept by the policy ----------
 
-    def _speculation_on(self) -> bool:
-        """Speculate only while the batch is small: a big decode batch is compute-bound already."""
-        if self.speculative is None:
-            return False
-        decoding = sum(1 for r in self.running if r.num_computed_tokens == r.num_tokens - 1)
-        return 0 < decoding <= self.speculative.max_batch_size
+    @property
+    def num_spec_steps(self) -> int:
+        return self.speculation.num_spec_steps if self.speculation else 0
 
-    def _num_drafts(self, request: Request, budget: int) -> int:
-        """How many draft slots a decoding request gets this step (0: plain decode)."""
-        spec = self.speculative
-        p = request.params
-        if (spec is None or request.num_computed_tokens != request.num_tokens - 1 or not p.can_speculate
-                or len(request.output_token_ids) < p.min_tokens):
-            return 0
-        k = p.num_speculative_tokens if p.num_speculative_tokens is not None else spec.max_drafts_per_step
-        if spec.adaptive:
-            k = adaptive_num_drafts(request, k, spec.draft_economics, self.draft_cost)
-        # No drafts past the end: the last token is the target's own.
-        remaining = min(p.max_tokens - len(request.output_token_ids), self.max_model_len - request.num_tokens) - 1
-        return max(0, min(k, remaining, budget))
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.speculation.num_draft_tokens if self.speculation else 0
 
-    def _account_speculation(self, request: Request, drafts: int, accepted: int) -> None:
-        if drafts == 0:
-            return
-        request.num_draft_tokens += drafts
-        request.num_accepted_tokens += accepted
-        # The estimate is of the first draft's acceptance (see adaptive_num_drafts). accepted / drafts would
-        # also count the drafts after a rejection, never judged, as failures, and shrink k when it was generous.
-        request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * (1.0 if accepted else 0.0)
-        # After an accepted first draft, drafts 2..accepted continued the run and the next one (if any was
-        # proposed) broke it: the continuation h's observations in this step.
-        if accepted and drafts > 1:
-            kept, broke = accepted - 1, int(accepted < drafts)
-            if kept + broke:
-                prior = self.speculative.draft_economics.continuation if self.speculative else None
-                h = request.spec_continuation if request.spec_continuation is not None else prior
-                if h is not None:
-                    request.spec_continuation = h + 0.3 * (kept / (kept + broke) - h)
-        self.num_spec_steps += 1
-        self.num_draft_tokens += drafts
-        self.num_accepted_tokens += accepted
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.speculation.num_accepted_tokens if self.speculation else 0
 
     # ---- internals -------------------------------------------------------------------------------
 

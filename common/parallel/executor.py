@@ -18,10 +18,17 @@ same-host shared-memory transport) therefore see one complete cache whatever T a
 between nodes of any two layouts (prefill T = 1 -> decode T = 3, T = 3 -> T = 1) unchanged: each decode rank
 finds exactly its heads in the blocks the transfer filled. The same holds for the logits.
 
+Speculative decoding: the node proposes (the proposer needs the requests' tokens, or a draft model of its
+own, never the target's weights), the drafts ride along in the step's ``WorkerStep`` as more query tokens
+(their KV lands in the draft slots the scheduler reserved), the ranks return the logits of every row a
+verification reads (``sample_rows``), and the node verifies and samples exactly as one process does
+(``ModelRunner._sample``: one code path). ``--speculative ngram`` and ``draft_model`` (the draft runs in the
+node process, on its own KV) work across ranks; ``draft_layers`` is refused at start-up: the target's early
+layers live in the ranks, so each draft token would be one more round trip through every rank.
+
 A rank that dies (or fails) fails the node: the step raises ``RankFailed``, the engine thread ends every
 request with an engine error (UNAVAILABLE at the node's API) and the node exits for its supervisor
-(``tandem up``, compose) to restart it. Speculative decoding is not supported across ranks yet (refused at
-start-up).
+(``tandem up``, compose) to restart it.
 """
 
 from __future__ import annotations
@@ -38,12 +45,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.config.engine_config import SpeculativeConfig
-from common.engine.model_runner import ModelRunner, kv_cache_spec
+from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
+from common.engine.model_runner import FlatBatch, ModelRunner, kv_cache_spec, sample_rows
 from common.engine.scheduler_output import StepResult
 from common.kv.kv_cache import KVCache
 from common.kv.shared_segment import SharedSegment
 from common.parallel.channel import ChannelClosed, read_frame, write_frame
+from common.sampling.params import MAX_SPECULATIVE_TOKENS
 from common.serving.port_reservation import reserve_port
 from tandem.v1 import worker_pb2
 
@@ -97,15 +105,24 @@ class ParallelModelRunner(ModelRunner):
     (the meta device: config and dtype only)."""
 
     def __init__(self, launch: ParallelLaunch, skeleton: LlamaForCausalLM, block_size: int, num_blocks: int,
-                 max_rows: int, speculative: SpeculativeConfig | None = None) -> None:
-        if speculative is not None and speculative.enabled:
-            raise ValueError("--speculative is not supported with --tensor-parallel-size or "
-                             "--pipeline-parallel-size > 1 yet")
-        super().__init__(skeleton, block_size, num_blocks,
+                 max_rows: int, speculative: SpeculativeConfig | None = None,
+                 draft_model: LlamaForCausalLM | None = None) -> None:
+        """``max_rows``: the most sequences a step samples (max_num_seqs); a speculating step's draft rows are
+        added to it here."""
+        if speculative is not None and speculative.method is SpeculativeMethod.DRAFT_LAYERS:
+            raise ValueError("--speculative draft_layers is not supported with --tensor-parallel-size or "
+                             "--pipeline-parallel-size > 1: the early layers that draft are split across the rank "
+                             "processes, so every draft token would take one more round trip through all of them; "
+                             "use --speculative ngram or draft_model")
+        super().__init__(skeleton, block_size, num_blocks, speculative, draft_model,
                          kv_cache=KVCache(kv_cache_spec(skeleton, block_size), num_blocks, "cpu", shared=True))
         self.launch = launch
         self.collective_seconds = 0.0  # the slowest rank's time in collectives, summed over steps
         self.rank_seconds = 0.0  # the slowest rank's whole step, summed over steps
+        if self.speculative.enabled:
+            # verification reads k + 1 rows per speculating request: at most max_batch_size of them (the
+            # scheduler's rule), each with at most MAX_SPECULATIVE_TOKENS drafts
+            max_rows += min(max_rows, self.speculative.max_batch_size) * MAX_SPECULATIVE_TOKENS
         self.max_rows = max_rows
         self.vocab_size = skeleton.config.vocab_size
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -205,28 +222,21 @@ class ParallelModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult | None:
-        if output.block_copies:
-            self.kv_cache.copy_blocks(output.block_copies)
+        """Propose here, run the forward (drafts riding along) in the ranks, verify and sample here."""
+        self._begin_step(output)
+        step_start = start = time.perf_counter()
+        drafts, draft_probs = self._propose(output.chunks)
+        self.draft_seconds += time.perf_counter() - start
         start = time.perf_counter()
-        step = worker_pb2.WorkerStep()
-        sampling = []
-        row = 0
-        for i, chunk in enumerate(output.chunks):
-            n = chunk.num_tokens
-            end = chunk.start + n
-            step.input_ids.extend(chunk.request.token_slice(chunk.start, end))
-            step.positions.extend(range(chunk.start, end))
-            step.query_lens.append(n)
-            step.context_lens.append(chunk.start)
-            table = chunk.block_ids[: -(-end // self.block_size)]
-            step.table_lens.append(len(table))
-            step.block_ids.extend(table)
-            row += n
-            if chunk.samples:
-                sampling.append(i)
-                step.sample_rows.append(row - 1)
-        if len(sampling) > self.max_rows:
-            raise RankFailed(f"{len(sampling)} sampled rows exceed the logits buffer ({self.max_rows})")
+        batch = FlatBatch.of(output.chunks, drafts, self.block_size)
+        ends = batch.ends
+        rows = sample_rows(output.chunks, drafts, ends)
+        if len(rows) > self.max_rows:
+            raise RankFailed(f"{len(rows)} sampled rows exceed the logits buffer ({self.max_rows})")
+        step = worker_pb2.WorkerStep(input_ids=batch.input_ids, positions=batch.positions,
+                                     query_lens=batch.query_lens, context_lens=batch.context_lens,
+                                     table_lens=[len(t) for t in batch.tables],
+                                     block_ids=[b for t in batch.tables for b in t], sample_rows=rows)
         self._step_id += 1
         step.step_id = self._step_id
         command = worker_pb2.WorkerCommand(step=step)
@@ -240,14 +250,13 @@ class ParallelModelRunner(ModelRunner):
         self.collective_seconds += max(r.collective_seconds for r in replies)
         self.rank_seconds += max(r.forward_seconds for r in replies)
         self.num_steps += 1
-        if not sampling:
-            self.forward_seconds += time.perf_counter() - start
-            return None
-        logits = self._logits[: len(sampling)].clone()  # the next step overwrites the buffer
-        result = StepResult.from_samples(
-            self.sampler(logits, [self._sampling_state(output.chunks[i].request) for i in sampling]))
-        self.forward_seconds += time.perf_counter() - start
-        return result
+        # the ranks wrote row j of the buffer for flat row rows[j]; indexing copies (the next step overwrites)
+        index = {r: j for j, r in enumerate(rows)}
+        result = self._sample(output.chunks, drafts, draft_probs, ends,
+                              lambda wanted: self._logits[[index[r] for r in wanted]])
+        end = time.perf_counter()
+        self.forward_seconds += end - start
+        return self._priced(output.chunks, drafts, result, end - step_start)
 
     def _wait_replies(self, step_id: int, timeout_s: float, doing: str) -> list[worker_pb2.WorkerReply]:
         """Every rank's reply to ``step_id``; RankFailed when one exits, reports an error or times out."""

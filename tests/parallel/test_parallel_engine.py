@@ -1,6 +1,7 @@
 """Nodes whose model spans T x P rank processes (common/parallel/executor.py, worker.py): real processes,
-real shared memory, gloo; greedy fp32 outputs equal to one rank's, a dead rank fails the node, bad layouts
-fail at start-up, and KV moves between disaggregated nodes of different layouts."""
+real shared memory, gloo; greedy fp32 outputs equal to one rank's (with and without speculative decoding), a
+dead rank fails the node, bad layouts fail at start-up, and KV moves between disaggregated nodes of different
+layouts."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
 from common.engine.llm import LLM
 from common.parallel.executor import ParallelModelRunner, RankFailed, rank_cpus
 from common.parallel.worker import micro_batches
@@ -125,12 +127,76 @@ def test_bad_layouts_fail_at_start_naming_the_flag(three_kv_heads_dir: Path, lay
         LLM(three_kv_heads_dir, dtype="float32", **layout)  # type: ignore[arg-type]
 
 
-def test_speculative_decoding_is_refused_with_ranks(three_kv_heads_dir: Path) -> None:
-    from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
+def spec_batch() -> list[list[int]]:
+    """Prompts that repeat a motif (the n-gram lookup drafts, and the target accepts drafts) and random ones
+    (where it also drafts, from single-token matches, and the target rejects drafts)."""
+    return [(p * 5)[: 4 * len(p)] for p in prompts(3, seed=8)] + prompts(3, seed=9)
 
-    with pytest.raises(ValueError, match="--speculative is not supported"):
+
+NGRAM = SpeculativeConfig(method=SpeculativeMethod.NGRAM, num_speculative_tokens=4, max_batch_size=16)
+GREEDY_24 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_served_model_dir: Path) -> list[list[int]]:
+    """One process, no speculation."""
+    return outputs(tiny_served_model_dir, spec_batch(), GREEDY_24)
+
+
+def speculating(model_dir: Path, batch: list[list[int]], params: list[SamplingParams], spec: SpeculativeConfig,
+                **layout: object) -> tuple[list[list[int]], int, int]:
+    """Outputs with ``spec`` across ranks, and the drafts proposed and accepted; every block freed."""
+    with LLM(model_dir, dtype="float32", speculative=spec, **layout) as llm:  # type: ignore[arg-type]
+        assert isinstance(llm.engine.runner, ParallelModelRunner)
+        got = [c.token_ids for c in llm.generate(batch, params)]
+        scheduler, kv = llm.engine.scheduler, llm.engine.kv
+        kv.check_integrity()
+        assert kv.num_used_blocks == 0
+        return got, scheduler.num_draft_tokens, scheduler.num_accepted_tokens
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                                    {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}],
+                         ids=["T2", "P2", "T2xP2"])
+def test_ngram_speculation_across_ranks_equals_plain_greedy(tiny_served_model_dir: Path,
+                                                            plain_greedy: list[list[int]],
+                                                            layout: dict[str, object]) -> None:
+    """The node proposes, the ranks run the drafts as more query tokens and return every verified row's
+    logits, the node verifies: greedy output is plain decoding's, and drafts were accepted, not only rejected."""
+    batch = spec_batch()
+    got, drafts, accepted = speculating(tiny_served_model_dir, batch, [GREEDY_24] * len(batch), NGRAM, **layout)
+    assert got == plain_greedy
+    assert drafts > accepted > 0
+
+
+def test_sampled_and_greedy_requests_speculate_together_across_ranks(tiny_served_model_dir: Path,
+                                                                     plain_greedy: list[list[int]]) -> None:
+    """Seeded sampled requests verify by speculative sampling beside greedy ones (a mixed batch, drafts and
+    plain rows in one step): the greedy ones keep plain decoding's output, the sampled ones run to length."""
+    batch = spec_batch()
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    params = [GREEDY_24, sampled, GREEDY_24, sampled, GREEDY_24, sampled]
+    got, drafts, _ = speculating(tiny_served_model_dir, batch, params, NGRAM, tensor_parallel_size=2)
+    assert got[::2] == plain_greedy[::2]
+    assert [len(g) for g in got[1::2]] == [24, 24, 24] and drafts > 0
+
+
+def test_a_draft_model_speculates_for_ranks(tiny_served_model_dir: Path, plain_greedy: list[list[int]]) -> None:
+    """The draft model runs in the node process on its own KV (the target's own copy starts from the prompt
+    K/V the ranks wrote into the shared cache): greedy output is plain decoding's, nearly every draft kept."""
+    spec = SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL, draft_model=str(tiny_served_model_dir),
+                             num_speculative_tokens=4, max_batch_size=16)
+    batch = spec_batch()
+    got, drafts, accepted = speculating(tiny_served_model_dir, batch, [GREEDY_24] * len(batch), spec,
+                                        tensor_parallel_size=2)
+    assert got == plain_greedy
+    assert drafts > 0 and accepted >= 0.9 * drafts
+
+
+def test_early_layer_drafts_are_refused_with_ranks(three_kv_heads_dir: Path) -> None:
+    with pytest.raises(ValueError, match="--speculative draft_layers is not supported with --tensor-parallel-size"):
         LLM(three_kv_heads_dir, dtype="float32", tensor_parallel_size=3,
-            speculative=SpeculativeConfig(method=SpeculativeMethod.NGRAM))
+            speculative=SpeculativeConfig(method=SpeculativeMethod.DRAFT_LAYERS))
 
 
 def test_micro_batches_and_core_placement() -> None:

@@ -1,4 +1,5 @@
-"""Adaptive k with exact expectations: slots per step from the acceptance estimate, pausing and probing again."""
+"""The speculation policy the scheduler calls (common/spec_decode/policy.py), with exact expectations: adaptive
+k's slots per step from the acceptance estimate, pausing and probing again, the measured price of a draft."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from common.config.engine_config import DraftEconomics, SchedulerConfig, Specula
 from common.engine.request import Request
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_output import SchedulerOutput, StepResult
-from common.engine.scheduling_policy import adaptive_num_drafts
 from common.kv.kv_cache_manager import KVCacheManager
 from common.sampling.params import SamplingParams
+from common.spec_decode.policy import SpeculationPolicy, adaptive_num_drafts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
@@ -104,7 +105,7 @@ def test_a_measured_draft_cost_replaces_the_default_economics() -> None:
     (chunk,) = out.chunks
     assert chunk.num_draft_slots == 16  # the default cost 0.03
     s.update(out, StepResult([[7]], [None], [chunk.num_draft_slots], [0], draft_cost=0.2))
-    assert s.draft_cost == 0.2
+    assert s.speculation is not None and s.speculation.draft_cost == 0.2
     # a = 0.42, h = 0.9, c = 0.2: 0.42 * 0.9**7 = 0.201 > 0.2, the 9th draft's 0.18 is not
     assert s.schedule().chunks[0].num_draft_slots == 8
     # A config that names its own economics keeps them.
@@ -115,7 +116,7 @@ def test_a_measured_draft_cost_replaces_the_default_economics() -> None:
     decoding(pinned)
     out = pinned.schedule()
     pinned.update(out, StepResult([[7]], [None], [out.chunks[0].num_draft_slots], [0], draft_cost=0.2))
-    assert pinned.draft_cost is None
+    assert pinned.speculation is not None and pinned.speculation.draft_cost is None
 
 
 def test_draft_layers_pause_when_drafts_do_not_pay_and_probe_again() -> None:
@@ -127,3 +128,33 @@ def test_draft_layers_pause_when_drafts_do_not_pay_and_probe_again() -> None:
     assert 0 in slots and slots.count(1) >= 2  # paused, then probed again
     assert s.num_draft_tokens == sum(slots) and s.num_accepted_tokens == 0
     assert request.spec_acceptance < 0.3
+
+
+def test_the_policy_speculates_for_a_small_decode_batch_and_never_past_the_end() -> None:
+    """The policy alone, without a scheduler: when a step speculates, and the slots' limits (k, the step's
+    budget, the request's last token, a request that still prefills or uses penalties)."""
+    spec = SpeculativeConfig(method=SpeculativeMethod.NGRAM, num_speculative_tokens=8, max_batch_size=2,
+                             adaptive=False)
+    policy = SpeculationPolicy(spec, max_model_len=256)
+
+    def decoding(outputs: int, params: SamplingParams = GREEDY) -> Request:
+        request = Request("r", [1, 2, 3], params, output_token_ids=[5] * outputs)
+        request.num_computed_tokens = request.num_tokens - 1
+        return request
+
+    a, b, c = decoding(1), decoding(1), decoding(1)
+    prefilling = Request("p", [1, 2, 3], GREEDY)
+    assert policy.speculates([a, b, prefilling]) and not policy.speculates([a, b, c])
+    assert not policy.speculates([prefilling])
+    assert policy.num_drafts(a, budget=100) == 8
+    assert policy.num_drafts(a, budget=3) == 3
+    assert policy.num_drafts(decoding(196), budget=100) == 3  # 4 tokens left: the last is the target's own
+    near_max_len = Request("x", list(range(253)), GREEDY, num_computed_tokens=252)
+    assert policy.num_drafts(near_max_len, budget=100) == 2  # 3 positions left in max_model_len
+    assert policy.num_drafts(prefilling, budget=100) == 0
+    penalised = SamplingParams(temperature=0.0, max_tokens=200, repetition_penalty=1.2)
+    assert policy.num_drafts(decoding(1, penalised), budget=100) == 0
+    policy.record(a, drafts=8, accepted=3)
+    policy.record(b, drafts=0, accepted=0)  # no drafts verified: nothing learnt, nothing counted
+    assert (policy.num_spec_steps, policy.num_draft_tokens, policy.num_accepted_tokens) == (1, 8, 3)
+    assert (a.num_draft_tokens, a.num_accepted_tokens, b.spec_acceptance) == (8, 3, 0.6)
