@@ -1,5 +1,5 @@
 """The scheduler's pure prefill policies (no state of their own): the ``shortest`` prefill order's key and
-pass-over count, shared with the planner's simulator (benchmarks/planner/simulator.py). The scheduler itself:
+pass-over count. The scheduler itself (which the planner's simulator runs as it is):
 common/engine/scheduler.py; its speculation policy: common/spec_decode/policy.py."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class _Prefill(Protocol):
 
 def count_prefill_skips(candidates: Sequence[_Prefill], scheduled: Sequence[_Prefill]) -> None:
     """After a step: a prefill without a chunk while one that arrived after it got one was passed over once
-    more; one with a chunk starts counting again (shared with the planner's simulator)."""
+    more; one with a chunk starts counting again."""
     latest = max((r.arrival_seq for r in scheduled), default=-1)
     done = {id(r) for r in scheduled}
     for request in candidates:
