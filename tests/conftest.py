@@ -82,17 +82,19 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
     }[model_type]
     model_cls: Any = {
         "llama": transformers.LlamaForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
     }[model_type]
     kwargs = {**TINY_LLAMA, **overrides}
     torch.manual_seed(seed)
     config = cfg_cls(**kwargs)
     model = model_cls(config).to(torch.float32)
-    # Random init leaves norms at 1 and biases at 0: perturb them so the test sees them.
+    # Random init leaves norms (Qwen3's q/k norms too) at 1 and biases at 0: perturb them so the test sees them.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):

@@ -1,8 +1,9 @@
 """Model architecture read from a Hugging Face ``config.json``, as frozen dataclasses.
 
-Supported: Llama (1/2/3, including Llama-3 rope scaling), Mistral and Qwen2 (q/k/v bias). Both
-transformers layouts of RoPE settings are read: the old top-level ``rope_theta`` / ``rope_scaling`` and
-transformers 5's ``rope_parameters``.
+The families and what each turns on live in one registry (common/model/families.py): Llama (1/2/3, including
+Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norms). This module reads the fields they
+share. Both transformers layouts of RoPE settings are read: the old top-level ``rope_theta`` / ``rope_scaling``
+and transformers 5's ``rope_parameters``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from common.model.families import SUPPORTED_MODEL_TYPES, family
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -62,7 +64,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a Llama-family decoder-only model."""
+    """The architecture of a decoder-only model of one of the families (common/model/families.py)."""
 
     model_type: str
     vocab_size: int
@@ -80,6 +82,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before rotary (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -116,17 +119,15 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(raw: dict[str, Any], name: str = "") -> ModelConfig:
+        """The fields every family shares, read here; the family's options and refusals (common/model/families.py)."""
         model_type = raw.get("model_type", "")
+        fam = family(model_type)
+        options = fam.read(raw)
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         rope_theta, rope_scaling = _read_rope(raw)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
-        else:
-            # Llama's `attention_bias` puts a bias on q, k, v and o alike.
-            qkv_bias = o_bias = bool(raw.get("attention_bias", False))
         return ModelConfig(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
@@ -135,15 +136,16 @@ class ModelConfig:
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
+            head_dim=int(raw.get("head_dim") or fam.head_dim or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", fam.rms_norm_eps)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qkv_bias=options.qkv_bias,
+            o_bias=options.o_bias,
+            mlp_bias=options.mlp_bias,
+            qk_norm=options.qk_norm,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,

@@ -15,7 +15,7 @@ it), the KV cache has the activations' dtype, attention is the compiled CPU deco
 is up to ``max_rows`` tokens (the fewest rows up to which every projection's op-by-op kernel is the panel
 loop the step runs; at most ``MAX_ROWS``) that attention reads as decode rows: a decode step, or short
 chunks over a cached prefix (speculative verification, a draft model's catch-up); anything else
-(prefill, long chunks, other kernels, parallel ranks) takes the op-by-op path.
+(prefill, long chunks, other kernels, parallel ranks, a model with q/k norms) takes the op-by-op path.
 ``TANDEM_DECODE_STEP=auto|on|off`` (auto: where it builds and applies; on: a start-up error if it cannot
 build; off: never).
 """
@@ -84,6 +84,10 @@ class DecodeStep:
 
         # bit-identical to the op-by-op path with the C++ fused ops (the kernels it is compiled from)
         if mode == "off" or not isinstance(model.fused_ops, CppOps) or model.dtype not in _DTYPES:
+            return None
+        # cpu_step.cpp runs the Llama layer as it is: it has no q/k norms (Qwen3), so such a model keeps the
+        # op-by-op path rather than a step that would skip them.
+        if model.config.qk_norm:
             return None
         layers = list(model.layers)  # decoder layers: norms, self_attn (qkv, o, rotary, backend), mlp
         if not layers:

@@ -6,6 +6,8 @@ and a temporary. ``FusedOps`` does each group in one pass:
 
 - ``add_rms_norm(x, residual, weight, eps)``: ``residual += x`` then RMSNorm of it (the residual stream
   is carried beside the hidden state, as vLLM's layers do, so the add costs no extra pass);
+- ``rms_norm(x, weight, eps)``: RMSNorm over the last dimension of any ``[..., d]`` tensor or view, into a new
+  contiguous tensor (Qwen3's q/k norms over each head of the qkv projection's views);
 - ``silu_mul(gate_up)``: ``silu(gate) * up`` over the fused gate/up projection's output;
 - ``rotary_(q, k, cos_sin, positions)``: rotary embedding in place on the qkv projection's views;
 - ``rotary_write_kv_(q, k, v, cos_sin, positions, kv, slot_mapping)``: the same, then the new tokens' K/V
@@ -47,6 +49,10 @@ class EagerOps:
         r32 = r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps)
         return weight * r32.to(res.dtype), res
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # x: [..., d] (any strides) -> weight * norm(x): a new contiguous [..., d]; weight: [d]
+        return self.add_rms_norm(x, None, weight, eps)[0]
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [n, 2 * inter] -> [n, inter]
         gate, up = gate_up.chunk(2, dim=-1)
@@ -86,6 +92,12 @@ class CppOps:
             return self._m.add_rms_norm(residual, residual, weight, eps, False), residual
         # residual is the stream this model owns (made above), so updating it in place is safe.
         return self._m.add_rms_norm(x.contiguous(), residual, weight, eps, True), residual
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # The kernel takes contiguous rows: a [n, heads, d] view of the qkv output is gathered into [n * heads, d]
+        # (add=False only reads its residual argument, so the rows may be a view of x).
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return self._m.add_rms_norm(rows, rows, weight, eps, False).view(x.shape)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._m.silu_mul(gate_up)

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) over a flat, ragged batch of tokens.
+"""The one decoder of every family (common/model/families.py: Llama, Mistral, Qwen2, Qwen3) over a flat,
+ragged batch of tokens; a family's options (biases, q/k norms) are switches of these layers.
 
 ``forward(input_ids [num_tokens], positions [num_tokens], meta, kv_cache)`` returns hidden states
 ``[num_tokens, hidden]``; ``compute_logits`` turns selected rows into ``[n, vocab]`` fp32 logits. The
@@ -48,16 +49,24 @@ class LlamaAttention(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
         )
+        # Qwen3: RMSNorm over head_dim of every q and k head before rotary, one [head_dim] weight each, shared
+        # by all heads (so a tensor-parallel rank keeps them whole). Float under every quantization.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: LayerKV | None, ops: FusedOps) -> torch.Tensor:
         """x: [num_tokens, hidden] -> [num_tokens, hidden]. Rotary is applied in place on the qkv projection's
-        output (no split copies) and, with a paged cache, in one pass with writing the new K/V into it."""
+        output (no split copies; on the q/k norms' outputs where the model has them) and, with a paged cache, in
+        one pass with writing the new K/V into it."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # q, k: new [num_tokens, heads, head_dim] tensors
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         table = self.rotary.table(qkv.device, qkv.dtype, meta.max_seq_len)
         layer_cache = kv_cache.layer(self.layer_idx) if kv_cache is not None else None
         if layer_cache is not None and meta.slot_mapping is not None:

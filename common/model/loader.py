@@ -1,8 +1,9 @@
 """Build a model from a Hugging Face directory: config, safetensors weights, dtype, device.
 
 Weights come from ``model.safetensors`` or a sharded ``model.safetensors.index.json``. Hugging Face's
-separate q/k/v and gate/up projections are copied into our fused matrices as they stream in, so peak
-memory stays at one copy of the model.
+separate q/k/v and gate/up projections are copied into our fused matrices as they stream in (the family's
+``fused_weights``, common/model/families.py), so peak memory stays at one copy of the model; every other
+name is the model's own (``model.layers.3.self_attn.q_norm.weight`` -> ``layers.3.self_attn.q_norm.weight``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from common.attention.backend import get_backend
 from common.config.model_config import ModelConfig
+from common.model.families import family
 from common.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -88,7 +90,7 @@ def load_model(
     cpu_panels: bool = True,
     prepare: bool = True,
 ) -> LlamaForCausalLM:
-    """Load a Llama-family model ready for inference (eval mode, no grad needed).
+    """Load a model of one of the families (common/model/families.py) ready for inference (eval mode, no grad).
 
     ``quantization`` (``common.quant.config``): the layers the after-load pass (common/model/prepare.py)
     gives packed methods; what this device or model cannot run is refused before any weight is read.
@@ -165,14 +167,11 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    # The row blocks of our fused matrices, in order; the family says which checkpoint projection is which block.
+    blocks = {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (inter, inter)}
     # HF suffix -> (our suffix, row offset into the fused matrix)
-    fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-        "self_attn.k_proj": ("self_attn.qkv_proj", q),
-        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", inter),
-    }
+    fused = {theirs: (ours, sum(blocks[ours][:part]))
+             for theirs, (ours, part) in family(config.model_type).fused_weights.items()}
     for hf_name, tensor in weights:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config

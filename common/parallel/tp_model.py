@@ -7,7 +7,8 @@
 - with T > 1, in each layer: this rank's query heads, KV heads and MLP columns (column-parallel
   ``qkv_proj`` and ``gate_up_proj``), and row-parallel ``o_proj`` and ``down_proj`` that all-reduce over
   ``tp_comm`` (``common/parallel/tp_layers.py``). The attention's head counts become this rank's, so
-  ``LlamaAttention`` (reference and fused paths alike) runs unchanged on its heads;
+  ``LlamaAttention`` (reference and fused paths alike) runs unchanged on its heads. Per-head q/k norms
+  (Qwen3: one ``[head_dim]`` weight each, shared by all heads) stay whole on every rank;
 - the embedding on the first stage only (vocab-parallel with T > 1), the LM head on the last stage only
   (this rank's vocabulary rows; tied to the embedding's rows when the model ties them and one stage holds
   both). A stage without them holds empty (0-row) modules. The final norm stays on every stage: it is one

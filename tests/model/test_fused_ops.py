@@ -77,6 +77,28 @@ def test_rotary_in_place_on_qkv_views_matches_eager(cpp: CppOps, dtype: torch.dt
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7])
+def test_rms_norm_of_heads_on_qkv_views_matches_the_layer_norm(cpp: CppOps, dtype: torch.dtype, n: int) -> None:
+    """Qwen3's q/k norms: RMSNorm over head_dim of each head of the qkv projection's (strided) views."""
+    from common.model.layers import RMSNorm
+
+    heads, kv_heads, d = 6, 2, 16
+    g = torch.Generator().manual_seed(n)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    norm = RMSNorm(d, 1e-6).to(dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    q = qkv[:, : heads * d].view(n, heads, d)
+    with torch.no_grad():
+        want = norm(q)  # the layer's own RMSNorm over the last dim: the reference
+    eager = EagerOps().rms_norm(q, norm.weight, norm.eps)
+    torch.testing.assert_close(eager, want, atol=0, rtol=0)
+    got = cpp.rms_norm(q, norm.weight, norm.eps)
+    assert got.shape == (n, heads, d) and got.is_contiguous()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(qkv[:, : heads * d].view(n, heads, d), q)  # the projection's output is left as it was
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_write_kv_matches_rotary_then_write(cpp: CppOps, dtype: torch.dtype) -> None:
     from common.config.model_config import RopeScaling
     from common.kv.kv_cache import write_kv

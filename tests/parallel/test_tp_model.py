@@ -1,4 +1,5 @@
-"""Tensor- and pipeline-parallel shards of a tiny Llama give the unsharded model's hidden states and logits.
+"""Tensor- and pipeline-parallel shards of a tiny Llama (and a Qwen3 at T=2) give the unsharded model's hidden
+states and logits.
 
 Real processes ("spawn", torch.distributed gloo on loopback): one world of 2 ranks runs T=2 and P=2, one of 4
 runs T=2 x P=2 and T=4 over 2 KV heads (replicated) writing one shared-memory KV cache. Each case prefills
@@ -42,6 +43,8 @@ SENTINEL = 1234.5  # what the cache holds before anyone writes
 MODEL_A: dict[str, Any] = {"vocab_size": 125, "intermediate_size": 128, "tie_word_embeddings": True,
                            "attention_bias": True, "mlp_bias": True}
 MODEL_B: dict[str, Any] = {"intermediate_size": 128}
+# Qwen3: q/k norms (one [head_dim] weight each, whole on every rank), head_dim 32 apart from hidden / heads.
+QWEN3: dict[str, Any] = {"intermediate_size": 128, "head_dim": 32}
 Step = tuple[list[int], list[int], list[int], list[int]]  # query_lens, context_lens, input_ids, positions
 
 
@@ -210,10 +213,11 @@ def _world(tmp_path_factory: pytest.TempPathFactory, world: int, specs: list[tup
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory: Callable[..., Path]) -> Iterator[World]:
     a = tiny_model_factory("llama", seed=5, **MODEL_A)
+    qwen3 = tiny_model_factory("qwen3", seed=5, **QWEN3)
     yield from _world(tmp_path_factory, 2, [
         ("tp2", a, 2, 1, False, "none"), ("tp2-fused", a, 2, 1, True, "none"),
         ("pp2", a, 1, 2, False, "none"), ("pp2-fused", a, 1, 2, True, "none"),
-        ("tp2-int8", a, 2, 1, True, "int8"),
+        ("tp2-int8", a, 2, 1, True, "int8"), ("tp2-qwen3-fused", qwen3, 2, 1, True, "none"),
     ], shared=False)
 
 
@@ -241,7 +245,7 @@ def _check_outputs(w: World, case: str, last_stage: list[int], atol: float = 1e-
             assert torch.equal(logits.argmax(-1), ref.logits[step].argmax(-1)), f"{where}: greedy tokens differ"
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp2-fused"])
+@pytest.mark.parametrize("case", ["tp2", "tp2-fused", "tp2-qwen3-fused"])
 def test_tp2_matches_unsharded(world2: World, case: str) -> None:
     _check_outputs(world2, case, [0, 1])
 
