@@ -107,7 +107,7 @@ class KVSender:
             pair.shut(f"prefill node {self.node_id} is shutting down")
         for pair in pairs:
             await asyncio.to_thread(pair.join, self.group_timeout_s + 5)
-            await asyncio.gather(*pair._tasks, return_exceptions=True)
+            await pair.wait_stopped()
         if self._background_tasks:
             await asyncio.gather(*self._background_tasks, return_exceptions=True)
 

@@ -282,6 +282,10 @@ class SenderPair:
         self.call.cancel()
         self.sender.background(self.channel.close())
 
+    async def wait_stopped(self) -> None:
+        """Until the pair's loops (write, read, announce, acks) have ended, as ``shut`` makes them."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     def _broken(self, reason: str) -> None:  # worker thread
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.shut, reason)

@@ -174,7 +174,7 @@ def add_settings_flags(p: argparse.ArgumentParser, cls: type, title: str, skip: 
     group = p.add_argument_group(title)
     for f in dataclasses.fields(cls):
         flag = flag_name(f.name)
-        if f.name in skip or flag in p._option_string_actions:  # a field two settings classes share: one flag
+        if f.name in skip:
             continue
         hint = hints[f.name]
         if isinstance(hint, types.UnionType):  # X | None: the flag takes an X
@@ -182,12 +182,13 @@ def add_settings_flags(p: argparse.ArgumentParser, cls: type, title: str, skip: 
         text = (helps or {}).get(f.name) or f.metadata.get("help", "")
         help_text = f"{text} [{env_name(f.name, cls)}{_default_text(f)}]".lstrip()
         choices = f.metadata.get("choices") or None
-        if hint is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif hint in (int, float):
-            group.add_argument(flag, dest=f.name, type=hint, choices=choices, default=None, help=help_text)
-        else:
-            group.add_argument(flag, dest=f.name, choices=choices, default=None, help=help_text)
+        kwargs: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if hint is bool
+                                  else {"type": hint, "choices": choices} if hint in (int, float)
+                                  else {"choices": choices})
+        try:
+            group.add_argument(flag, dest=f.name, default=None, help=help_text, **kwargs)
+        except argparse.ArgumentError:  # a field two settings classes share: its first flag serves both
+            continue
 
 
 def _default_text(f: Any) -> str:

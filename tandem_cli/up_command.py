@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
-from common.config.settings import ModelSettings, flag_name, load_settings
+from common.config.settings import ModelSettings, SecuritySettings, env_name, flag_name, is_set, load_settings
+from common.telemetry.settings import TelemetrySettings
 
 
 def _model_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -83,7 +83,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     to_terminal = args.log_dir == "-"
     home = load_settings(ModelSettings, {"home": getattr(args, "home", None)}).home
     log_dir = None if to_terminal else Path(args.log_dir) if args.log_dir else home / "logs"
-    env = {"TANDEM_LOG_FORMAT": "text"} if to_terminal and "TANDEM_LOG_FORMAT" not in os.environ else {}
+    env = ({env_name("log_format", TelemetrySettings): "text"}
+           if to_terminal and not is_set(TelemetrySettings, "log_format") else {})
     launcher = Launcher(topology, log_dir=log_dir, env=env, restart=RestartPolicy())
     # The CPU kernels once, here, rather than by every node under the launcher's health deadline (a cold
     # build takes minutes; built, this costs the few seconds of importing torch).
@@ -97,7 +98,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"Tandem is up: gateway on {launcher.gateway.target} (Ctrl-C stops everything; a process that "
               f"exits is restarted)", file=sys.stderr)
         if launcher.gateway.http_port:
-            scheme = "https" if os.environ.get("TANDEM_TLS_CERT") else "http"
+            scheme = "https" if load_settings(SecuritySettings).tls_cert else "http"
             print(f"  OpenAI-compatible HTTP API on {scheme}://127.0.0.1:{launcher.gateway.http_port}/v1",
                   file=sys.stderr)
         for spec in launcher.specs:

@@ -254,6 +254,11 @@ def env_name(field_name: str, cls: type | None = None) -> str:
     return ENV_PREFIX + (f"{role}_" if role else "") + field_name.upper()
 
 
+def is_set(cls: type, field_name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment sets ``cls``'s field (its ``TANDEM_*`` variable), whatever the value."""
+    return env_name(field_name, cls) in (os.environ if environ is None else environ)
+
+
 def load_settings(cls: type[T], overrides: Mapping[str, Any] | None = None,
                   environ: Mapping[str, str] | None = None) -> T:
     """Build ``cls`` from overrides (None values ignored), then ``TANDEM_*`` variables, then defaults."""

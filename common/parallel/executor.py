@@ -22,7 +22,7 @@ Speculative decoding: the node proposes (the proposer needs the requests' tokens
 own, never the target's weights), the drafts ride along in the step's ``WorkerStep`` as more query tokens
 (their KV lands in the draft slots the scheduler reserved), the ranks return the logits of every row a
 verification reads (``sample_rows``), and the node verifies and samples exactly as one process does
-(``ModelRunner._sample``: one code path). ``--speculative ngram`` and ``draft_model`` (the draft runs in the
+(the ``ModelRunner`` it extends: one code path). ``--speculative ngram`` and ``draft_model`` (the draft runs in the
 node process, on its own KV) work across ranks; ``draft_layers`` is refused at start-up: the target's early
 layers live in the ranks, so each draft token would be one more round trip through every rank.
 
