@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Set
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -225,7 +226,7 @@ def report_lines(data: dict[str, Any]) -> list[str]:
 INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
-def default_modes(flags: set[str]) -> str:
+def default_modes(flags: Set[str]) -> str:
     """The modes a plain run measures: w8a8 only where the CPU multiplies int8 natively."""
     return "none,int8,int4" + (",w8a8" if flags & INT8_DOT_FLAGS else "")
 

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Set
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,7 +67,7 @@ def choose_dtype(timings: list[DtypeTiming], max_prefill_slowdown: float = MAX_P
     return min(ordered, key=lambda t: t.decode_s).dtype
 
 
-def candidate_dtypes(flags: set[str]) -> list[str]:
+def candidate_dtypes(flags: Set[str]) -> list[str]:
     """fp32 and bf16 always; fp16 only with native fp16 arithmetic (AVX512-FP16 / AMX-FP16)."""
     names = ["float32", "bfloat16"]
     if flags & {"avx512_fp16", "amx_fp16"}:
@@ -74,7 +75,7 @@ def candidate_dtypes(flags: set[str]) -> list[str]:
     return names
 
 
-def cache_key(cpu: str, flags: set[str], torch_version: str, threads: int, shape: tuple[int, int]) -> str:
+def cache_key(cpu: str, flags: Set[str], torch_version: str, threads: int, shape: tuple[int, int]) -> str:
     text = "|".join([cpu, " ".join(sorted(flags)), torch_version, str(threads), f"{shape[0]}x{shape[1]}",
                      CHOICE_VERSION])
     return hashlib.sha256(text.encode()).hexdigest()[:24]

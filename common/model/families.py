@@ -59,7 +59,7 @@ class Family:
     model_type: str
     architecture: str  # transformers' class, as config.json's ``architectures`` names it
     options: Callable[[Raw], ArchOptions]
-    rms_norm_eps: float = 1e-5  # where config.json leaves it out
+    rms_norm_eps: float = 1e-6  # where config.json leaves it out (transformers' default for every family here)
     head_dim: int | None = None  # where config.json leaves it out (None: hidden_size / num_attention_heads)
     # The attention window some layer of this config uses (None: every layer attends to the whole sequence).
     sliding_window: Callable[[Raw], int | None] = _no_window
@@ -121,12 +121,10 @@ def _qwen_window(raw: Raw) -> int | None:
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", _llama_options),
-    # transformers' Mistral has no biases and never reads attention_bias / mlp_bias; a checkpoint without
-    # them loads the same either way, so Mistral keeps Llama's reading.
-    Family("mistral", "MistralForCausalLM", _llama_options, sliding_window=_mistral_window),
-    Family("qwen2", "Qwen2ForCausalLM", _qwen2_options, rms_norm_eps=1e-6, sliding_window=_qwen_window),
-    Family("qwen3", "Qwen3ForCausalLM", _qwen3_options, rms_norm_eps=1e-6, head_dim=128,
-           sliding_window=_qwen_window),
+    # transformers' Mistral has no biases and never reads attention_bias / mlp_bias: neither does Tandem.
+    Family("mistral", "MistralForCausalLM", lambda raw: ArchOptions(), sliding_window=_mistral_window),
+    Family("qwen2", "Qwen2ForCausalLM", _qwen2_options, sliding_window=_qwen_window),
+    Family("qwen3", "Qwen3ForCausalLM", _qwen3_options, head_dim=128, sliding_window=_qwen_window),
 )}
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

@@ -179,7 +179,9 @@ def test_supported_model_types_come_from_the_registry() -> None:
 def test_family_options() -> None:
     llama = ModelConfig.from_dict({**BASE, "model_type": "llama", "attention_bias": True, "mlp_bias": True})
     assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias, llama.qk_norm) == (True, True, True, False)
-    assert llama.rms_norm_eps == 1e-5 and llama.head_dim == 4
+    assert llama.rms_norm_eps == 1e-6 and llama.head_dim == 4  # transformers' default eps where the file has none
+    mistral = ModelConfig.from_dict({**BASE, "model_type": "mistral", "attention_bias": True, "mlp_bias": True})
+    assert (mistral.qkv_bias, mistral.o_bias, mistral.mlp_bias) == (False, False, False)  # transformers ignores them
     qwen2 = ModelConfig.from_dict({**BASE, "model_type": "qwen2"})
     assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.qk_norm, qwen2.rms_norm_eps) == (True, False, False, 1e-6)
     qwen3 = ModelConfig.from_dict({**BASE, "model_type": "qwen3", "head_dim": 32})
