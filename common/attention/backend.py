@@ -2,7 +2,8 @@
 
 Every backend computes the same thing for a ragged batch (see ``AttentionMetadata``): write the new
 tokens' K/V into the paged cache (when there is one), then attend each query token causally over its
-sequence's context plus the new tokens. Backends differ only in how. Hardware-specific modules are
+sequence's context plus the new tokens (within the layer's sliding window, when it has one). Backends
+differ only in how. Hardware-specific modules are
 imported lazily, so ``import common`` works without CUDA, Triton, flash-attn or FlashInfer.
 """
 
@@ -32,12 +33,15 @@ class AttentionBackend(ABC):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Attention for one layer.
 
         query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim]
         kv_cache: (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim], or
         None for a cache-less forward (then every sequence must have context_len 0).
+        window: the layer's sliding window (None: the whole sequence); the token at position p attends to
+        positions p - window + 1 .. p, as transformers' sliding-window mask.
         Returns [num_tokens, num_heads, head_dim].
         """
 

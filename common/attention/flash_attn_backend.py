@@ -8,7 +8,8 @@ FA2 reads a paged cache only when the page (block) size is a multiple of 256. Ta
 block size is 16, so for smaller blocks the paged parts go to Triton's ``paged_decode`` /
 ``paged_extend`` and flash-attn serves only fresh-KV prefill; the backend logs that once. Both
 libraries read the cache through its strides (``KVCache.layer`` views are never copied); FA2
-needs fp16/bf16 and causal masks aligned to the bottom right, which is Tandem's convention.
+needs fp16/bf16 and causal masks aligned to the bottom right, which is Tandem's convention. A layer's
+sliding window w is FA2's ``window_size=(w - 1, 0)``: each query sees itself and the w - 1 keys before it.
 """
 
 from __future__ import annotations
@@ -63,30 +64,33 @@ class FlashAttnBackend(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         if query.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"flash_attn computes in fp16/bf16, got {query.dtype}; use 'triton' or 'torch'")
         if kv_cache is not None and meta.slot_mapping is not None:
             write_kv(kv_cache[0], kv_cache[1], key, value, meta.slot_mapping)
+        # (left, right) keys around each query's position; (-1, -1): unbounded.
+        window_size = (-1, -1) if window is None else (window - 1, 0)
         if meta.is_prefill_only:
             # Fresh K/V: q, k, v: [num_tokens, heads, head_dim], the same cu_seqlens for both sides.
             cu_seqlens = meta.query_start_loc
             return self._varlen(
                 query, key.to(query.dtype), value.to(query.dtype), cu_seqlens, cu_seqlens,
-                meta.max_query_len, meta.max_query_len, softmax_scale=scale, causal=True,
+                meta.max_query_len, meta.max_query_len, softmax_scale=scale, causal=True, window_size=window_size,
             )
         if kv_cache is None or meta.block_tables is None:
             raise ValueError("sequences with cached context need kv_cache and meta.block_tables")
         key_cache, value_cache = kv_cache
         decode_only = meta.is_decode_only and meta.num_tokens == meta.num_seqs
         if key_cache.shape[1] % FA2_PAGE_MULTIPLE != 0 or not (decode_only or self._varlen_pages):
-            return self._triton_paged(query, key_cache, value_cache, meta, scale, decode_only)
+            return self._triton_paged(query, key_cache, value_cache, meta, scale, decode_only, window)
         if decode_only:
             # q: [num_seqs, 1, heads, head_dim]; cache_seqlens counts the token just written, and the
             # bottom-right causal mask lets the single query see all of them.
             out = self._with_kvcache(
                 query.unsqueeze(1), key_cache, value_cache, cache_seqlens=meta.seq_lens,
-                block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                block_table=meta.block_tables, softmax_scale=scale, causal=True, window_size=window_size,
             )
             return out.squeeze(1)
         # cu_seqlens_k: [num_seqs + 1] int32, cumulative K/V lengths (context + new tokens).
@@ -95,7 +99,7 @@ class FlashAttnBackend(AttentionBackend):
         return self._varlen(
             query, key_cache, value_cache, meta.query_start_loc, cu_seqlens_k,
             meta.max_query_len, meta.max_seq_len, softmax_scale=scale, causal=True,
-            block_table=meta.block_tables,
+            block_table=meta.block_tables, window_size=window_size,
         )
 
     def _triton_paged(
@@ -106,6 +110,7 @@ class FlashAttnBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         decode_only: bool,
+        window: int | None,
     ) -> torch.Tensor:
         """Paged attention through Triton when FA2 cannot page through this cache."""
         assert meta.block_tables is not None
@@ -123,11 +128,11 @@ class FlashAttnBackend(AttentionBackend):
         if decode_only:
             out: torch.Tensor = self._triton.paged_decode(
                 query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-                max_seq_len=meta.max_seq_len,
+                max_seq_len=meta.max_seq_len, window=window,
             )
             return out
         out = self._triton.paged_extend(
             query, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            scale, max_query_len=meta.max_query_len,
+            scale, max_query_len=meta.max_query_len, window=window,
         )
         return out

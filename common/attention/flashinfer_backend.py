@@ -10,7 +10,10 @@ Unlike flash-attn 2 (pages only in multiples of 256 tokens), FlashInfer pages at
 (16 by default). It reads the cache as (key_cache, value_cache) in NHD layout
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` through the ``KVCache.layer`` strided views (the page
 stride spans all layers; nothing is copied). The block tables become FlashInfer's CSR page lists once per
-forward (all layers share one plan). The Triton kernels are its reference in tests/kernels.
+forward (all layers of one window share one plan: a wrapper per kind and window, so a model mixing full and
+sliding layers plans each once). A layer's sliding window w is FlashInfer's ``window_left=w - 1`` (each
+query sees itself and the w - 1 keys before it; -1: unbounded). The Triton kernels are its reference in
+tests/kernels.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ class FlashInferBackend(AttentionBackend):
             ) from exc
         self._flashinfer: Any = flashinfer
         self._workspace: torch.Tensor | None = None
-        self._wrappers: dict[str, Any] = {}
-        self._planned: tuple[int, str] | None = None  # (id(meta), wrapper kind) of the current plan
-        self._planned_meta: AttentionMetadata | None = None  # kept alive so its id() is not reused
+        # (kind, window) -> wrapper, and the metadata it is planned for (held, so an id is never reused)
+        self._wrappers: dict[tuple[str, int | None], Any] = {}
+        self._planned: dict[tuple[str, int | None], AttentionMetadata] = {}
 
     def forward(
         self,
@@ -61,13 +64,14 @@ class FlashInferBackend(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         if query.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"flashinfer computes in fp16/bf16, got {query.dtype}; use 'triton' or 'torch'")
         if kv_cache is None:
             if not meta.is_prefill_only:
                 raise ValueError("sequences with cached context need a kv_cache")
-            wrapper = self._plan(meta, "ragged", query, key, None, scale)
+            wrapper = self._plan(meta, "ragged", query, key, None, scale, window)
             out: torch.Tensor = wrapper.run(query, key.to(query.dtype), value.to(query.dtype))
             return out
         key_cache, value_cache = kv_cache
@@ -76,44 +80,47 @@ class FlashInferBackend(AttentionBackend):
         if meta.slot_mapping is not None:
             write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
         decode_only = meta.is_decode_only and meta.num_tokens == meta.num_seqs
-        wrapper = self._plan(meta, "decode" if decode_only else "paged", query, key_cache, key_cache, scale)
+        wrapper = self._plan(meta, "decode" if decode_only else "paged", query, key_cache, key_cache, scale, window)
         out = wrapper.run(query, (key_cache, value_cache))
         return out
 
     # ------------------------------------------------------------------ planning
 
-    def _wrapper(self, kind: str, device: torch.device) -> Any:
-        if kind not in self._wrappers:
+    def _wrapper(self, kind: str, window: int | None, device: torch.device) -> Any:
+        if (kind, window) not in self._wrappers:
             if self._workspace is None:
                 self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             fi = self._flashinfer
             cls = {"decode": fi.BatchDecodeWithPagedKVCacheWrapper, "paged": fi.BatchPrefillWithPagedKVCacheWrapper,
                    "ragged": fi.BatchPrefillWithRaggedKVCacheWrapper}[kind]
-            self._wrappers[kind] = cls(self._workspace, "NHD")
-        return self._wrappers[kind]
+            self._wrappers[kind, window] = cls(self._workspace, "NHD")
+        return self._wrappers[kind, window]
 
     def _plan(self, meta: AttentionMetadata, kind: str, query: torch.Tensor, key: torch.Tensor,
-              key_cache: torch.Tensor | None, scale: float) -> Any:
-        """The wrapper for ``kind``, planned for ``meta`` (once per forward: every layer shares the metadata)."""
-        wrapper = self._wrapper(kind, query.device)
-        if self._planned == (id(meta), kind) and self._planned_meta is meta:
+              key_cache: torch.Tensor | None, scale: float, window: int | None) -> Any:
+        """The wrapper for ``kind`` and ``window``, planned for ``meta`` (once per forward: every layer shares the
+        metadata)."""
+        wrapper = self._wrapper(kind, window, query.device)
+        if self._planned.get((kind, window)) is meta:
             return wrapper
+        window_left = -1 if window is None else window - 1
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = key.shape[-2]
         if kind == "ragged":
             wrapper.plan(meta.query_start_loc, meta.query_start_loc, num_heads, num_kv_heads, head_dim,
-                         causal=True, sm_scale=scale, q_data_type=query.dtype)
+                         causal=True, sm_scale=scale, q_data_type=query.dtype, window_left=window_left)
         else:
             assert key_cache is not None and meta.block_tables is not None
             indptr, indices, last_page_len = paged_kv_pages(meta.block_tables, meta.seq_lens, key_cache.shape[1])
-            common = {"sm_scale": scale, "q_data_type": query.dtype, "kv_data_type": key_cache.dtype}
+            common = {"sm_scale": scale, "q_data_type": query.dtype, "kv_data_type": key_cache.dtype,
+                      "window_left": window_left}
             if kind == "decode":
                 wrapper.plan(indptr, indices, last_page_len, num_heads, num_kv_heads, head_dim, key_cache.shape[1],
                              **common)
             else:
                 wrapper.plan(meta.query_start_loc, indptr, indices, last_page_len, num_heads, num_kv_heads,
                              head_dim, key_cache.shape[1], causal=True, **common)
-        self._planned, self._planned_meta = (id(meta), kind), meta
+        self._planned[kind, window] = meta
         return wrapper
 
 

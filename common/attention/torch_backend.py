@@ -14,6 +14,9 @@ Three shapes of batch, three code paths:
   itself; longer chunks (chunked prefill over a cached prefix) as one masked SDPA per sequence over K/V
   gathered through its block table.
 
+Every path takes the layer's sliding ``window`` (None: the whole sequence): a token at position p attends to
+positions ``p - window + 1 .. p`` (itself and the ``window - 1`` before it: transformers' sliding-window mask).
+
 ``reference_paged_attention`` is the slow, obviously-correct loop the tests compare against.
 """
 
@@ -57,33 +60,35 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         if kv_cache is not None and meta.slot_mapping is not None:
             self._write_kv(kv_cache[0], kv_cache[1], key, value, meta.slot_mapping)
         if meta.is_prefill_only:
-            return prefill_attention(query, key, value, meta.query_lens_cpu, scale)
+            return prefill_attention(query, key, value, meta.query_lens_cpu, scale, window)
         if kv_cache is None or meta.block_tables is None:
             raise ValueError("sequences with cached context need kv_cache and meta.block_tables")
         key_cache, value_cache = kv_cache
         if meta.is_decode_only and meta.num_tokens == meta.num_seqs:
             return self._decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
-                                scale)
+                                scale, window)
         # Short chunks over a cached prefix (speculative verification, a draft model's catch-up, plain decode
         # rows beside a prefill chunk): each row is a decode row over the prefix up to and including itself
         # (its K/V is written above), so the decode kernel runs them all in one call: the same kernel and
         # lengths as plain decoding (verification rows equal plain decode rows), and no per-sequence SDPA.
         short = [i for i, q in enumerate(meta.query_lens_cpu) if q <= EXTEND_AS_DECODE_ROWS]
         if not short:
-            return paged_extend_attention(query, key_cache, value_cache, meta, scale)
+            return paged_extend_attention(query, key_cache, value_cache, meta, scale, window=window)
         rows, lens = _decode_rows(meta, short)
         chunk_lens = torch.tensor([meta.query_lens_cpu[i] for i in short], device=query.device)
         tables = meta.block_tables[torch.repeat_interleave(torch.tensor(short, device=query.device), chunk_lens)]
         lens_t = torch.tensor(lens, dtype=torch.int32, device=query.device)
         if len(short) == meta.num_seqs:  # every row: no gather, no scatter
-            return self._decode(query, key_cache, value_cache, tables, lens_t, tuple(lens), scale)
-        out = paged_extend_attention(query, key_cache, value_cache, meta, scale, skip=frozenset(short))
+            return self._decode(query, key_cache, value_cache, tables, lens_t, tuple(lens), scale, window)
+        out = paged_extend_attention(query, key_cache, value_cache, meta, scale, skip=frozenset(short), window=window)
         row_index = torch.tensor(rows, device=query.device)
-        out[row_index] = self._decode(query[row_index], key_cache, value_cache, tables, lens_t, tuple(lens), scale)
+        out[row_index] = self._decode(query[row_index], key_cache, value_cache, tables, lens_t, tuple(lens), scale,
+                                      window)
         return out
 
     def _write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -97,16 +102,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: tuple[int, ...],
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None) -> torch.Tensor:
         kernel = (paged_decode_kernel() if self.compiled_decode and query.device.type == "cpu"
                   and query.dtype in (torch.float32, torch.bfloat16) else None)
         if kernel is not None and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1:
             tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
             lens = seq_lens if seq_lens.dtype in (torch.int32, torch.int64) else seq_lens.to(torch.int64)
             return kernel.paged_decode(query if query.is_contiguous() else query.contiguous(), key_cache, value_cache,
-                                       tables, lens, scale)
+                                       tables, lens, scale, window or 0)
         return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale,
-                                      self.decode_chunk_bytes, self.workspace)
+                                      self.decode_chunk_bytes, self.workspace, window)
 
 
 def _decode_rows(meta: AttentionMetadata, seqs: list[int]) -> tuple[list[int], list[int]]:
@@ -130,8 +135,9 @@ def prefill_attention(
     value: torch.Tensor,
     query_lens: tuple[int, ...],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over themselves (no cached context).
+    """Causal attention of each sequence's new tokens over themselves (no cached context), within ``window``.
 
     query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim]
     """
@@ -144,7 +150,11 @@ def prefill_attention(
             q = query[start:stop].transpose(0, 1).unsqueeze(0)
             k = key[start:stop].transpose(0, 1).unsqueeze(0).to(query.dtype)
             v = value[start:stop].transpose(0, 1).unsqueeze(0).to(query.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            if window is None or window >= q_len:  # the window covers every row's causal span
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                mask = window_mask(q_len, q_len, window, query.device)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:stop] = o[0].transpose(0, 1)
         start = stop
     return out
@@ -160,6 +170,7 @@ def paged_decode_attention(
     scale: float,
     chunk_bytes: int = DECODE_CHUNK_BYTES,
     workspace: Workspace | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged K/V, vectorised over chunks of sequences.
 
@@ -182,7 +193,7 @@ def paged_decode_attention(
             stop, longest = stop + 1, grown
         out[start:stop] = _decode_chunk(
             query[start:stop], key_cache, value_cache, block_tables[start:stop], seq_lens[start:stop],
-            seq_lens_cpu[start:stop], scale, workspace,
+            seq_lens_cpu[start:stop], scale, workspace, window,
         )
         start = stop
     return out
@@ -197,6 +208,7 @@ def _decode_chunk(
     seq_lens_cpu: tuple[int, ...],
     scale: float,
     workspace: Workspace,
+    window: int | None = None,
 ) -> torch.Tensor:
     n, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -222,6 +234,8 @@ def _decode_chunk(
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [n, H_kv, group, padded]
     positions = torch.arange(padded, device=query.device)
     pad = positions[None, :] >= seq_lens[:, None].to(positions.dtype)  # [n, padded]
+    if window is not None:  # and the positions before the window (the query sits at seq_len - 1)
+        pad |= positions[None, :] < seq_lens[:, None].to(positions.dtype) - window
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     # Softmax in fp32 whatever the input dtype; probabilities go back to the K/V dtype for the GEMM.
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -273,6 +287,7 @@ def paged_extend_attention(
     meta: AttentionMetadata,
     scale: float,
     skip: frozenset[int] = frozenset(),
+    window: int | None = None,
 ) -> torch.Tensor:
     """Several new tokens per sequence over cached context + themselves, causal aligned to the end.
 
@@ -288,10 +303,7 @@ def paged_extend_attention(
         stop = start + q_len
         if q_len and i not in skip:
             k, v = _gather_sequence(key_cache, value_cache, meta.block_tables[i], seq_len, block_size)
-            context_len = seq_len - q_len
-            rows = torch.arange(q_len, device=query.device)[:, None] + context_len
-            cols = torch.arange(seq_len, device=query.device)[None, :]
-            mask = cols <= rows  # [q_len, seq_len], True = may attend
+            mask = window_mask(q_len, seq_len, window, query.device)
             q = query[start:stop].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             o = F.scaled_dot_product_attention(
                 q,
@@ -304,6 +316,17 @@ def paged_extend_attention(
             out[start:stop] = o[0].transpose(0, 1)
         start = stop
     return out
+
+
+def window_mask(q_len: int, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[q_len, seq_len] bool, True = may attend: the last ``q_len`` of ``seq_len`` positions, each seeing the
+    positions up to itself and, with a window, after ``itself - window``."""
+    rows = torch.arange(q_len, device=device)[:, None] + (seq_len - q_len)
+    cols = torch.arange(seq_len, device=device)[None, :]
+    mask = cols <= rows
+    if window is not None:
+        mask &= cols > rows - window
+    return mask
 
 
 def _gather_sequence(
@@ -326,6 +349,7 @@ def reference_paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The test oracle: token by token, in float64, reading the cache slot by slot.
 
@@ -341,9 +365,10 @@ def reference_paged_attention(
     for table, q_len, seq_len in zip(tables, meta.query_lens_cpu, meta.seq_lens_cpu, strict=True):
         for i in range(q_len):
             position = seq_len - q_len + i
-            # Slots 0..position of this sequence: block table entry, then offset in the block.
-            blocks = [table[p // block_size] for p in range(position + 1)]
-            offsets = [p % block_size for p in range(position + 1)]
+            # Slots first..position of this sequence: block table entry, then offset in the block.
+            first = 0 if window is None else max(0, position - window + 1)
+            blocks = [table[p // block_size] for p in range(first, position + 1)]
+            offsets = [p % block_size for p in range(first, position + 1)]
             k = key_cache[blocks, offsets].double().repeat_interleave(group, dim=1)  # [pos+1, H, D]
             v = value_cache[blocks, offsets].double().repeat_interleave(group, dim=1)
             q = query[token].double()  # [H, D]

@@ -55,11 +55,12 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         if kv_cache is None:
             if not meta.is_prefill_only:
                 raise ValueError("sequences with cached context need a kv_cache")
-            return prefill_attention(query, key, value, meta.query_lens_cpu, scale)
+            return prefill_attention(query, key, value, meta.query_lens_cpu, scale, window)
         key_cache, value_cache = kv_cache
         if meta.block_tables is None:
             raise ValueError("a paged kv_cache needs meta.block_tables")
@@ -68,9 +69,9 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.is_decode_only and meta.num_tokens == meta.num_seqs:
             return self._kernels.paged_decode(
                 query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-                max_seq_len=meta.max_seq_len,
+                max_seq_len=meta.max_seq_len, window=window,
             )
         return self._kernels.paged_extend(
             query, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            scale, max_query_len=meta.max_query_len,
+            scale, max_query_len=meta.max_query_len, window=window,
         )

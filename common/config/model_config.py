@@ -83,6 +83,9 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before rotary (Qwen3)
+    # Per layer, its sliding attention window (None: the whole sequence); () when no layer has one. A token at
+    # position p attends to positions p - window + 1 .. p (transformers' mask), on every attention backend.
+    layer_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -104,6 +107,14 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if any(w is not None and w < 1 for w in self.layer_windows):
+            raise ValueError(f"sliding_window must be >= 1, got {self.layer_windows}")
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding attention window of layer ``layer_idx`` (None: it attends to the whole sequence)."""
+        return self.layer_windows[layer_idx] if self.layer_windows else None
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -146,6 +157,7 @@ class ModelConfig:
             o_bias=options.o_bias,
             mlp_bias=options.mlp_bias,
             qk_norm=options.qk_norm,
+            layer_windows=options.layer_windows,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,

@@ -15,7 +15,8 @@ it), the KV cache has the activations' dtype, attention is the compiled CPU deco
 is up to ``max_rows`` tokens (the fewest rows up to which every projection's op-by-op kernel is the panel
 loop the step runs; at most ``MAX_ROWS``) that attention reads as decode rows: a decode step, or short
 chunks over a cached prefix (speculative verification, a draft model's catch-up); anything else
-(prefill, long chunks, other kernels, parallel ranks, a model with q/k norms) takes the op-by-op path.
+(prefill, long chunks, other kernels, parallel ranks, a model with q/k norms or a sliding window) takes the
+op-by-op path.
 ``TANDEM_DECODE_STEP=auto|on|off`` (auto: where it builds and applies; on: a start-up error if it cannot
 build; off: never).
 """
@@ -88,6 +89,10 @@ class DecodeStep:
         # cpu_step.cpp runs the Llama layer as it is: it has no q/k norms (Qwen3), so such a model keeps the
         # op-by-op path rather than a step that would skip them.
         if model.config.qk_norm:
+            return None
+        # Nor a sliding window: cpu_step.cpp's attention (decode_rows) reads whole sequences, so a windowed
+        # model (Mistral, Qwen2/Qwen3 sliding layers) keeps the op-by-op path, whose decode kernel reads the window.
+        if model.config.layer_windows:
             return None
         layers = list(model.layers)  # decoder layers: norms, self_attn (qkv, o, rotary, backend), mlp
         if not layers:

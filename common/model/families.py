@@ -2,10 +2,12 @@
 
 A ``Family`` says what a checkpoint of that ``model_type`` is to Tandem's one model (common/model/llama.py):
 
-- which architectural options its ``config.json`` turns on (``ArchOptions``: biases, q/k norms), read as
-  transformers reads them, and the defaults transformers gives fields the file leaves out;
-- what in that file Tandem cannot honour, refused with a ``ValueError`` that names the field (a sliding window
-  in use, an activation other than SiLU) instead of running and answering something else;
+- which architectural options its ``config.json`` turns on (``ArchOptions``: biases, q/k norms, each layer's
+  sliding attention window), read as transformers reads them, and the defaults transformers gives fields the
+  file leaves out;
+- what in that file Tandem cannot honour, refused with a ``ValueError`` that names the field (an activation
+  other than SiLU, a ``layer_types`` entry other than full or sliding attention) instead of running and
+  answering something else;
 - how the checkpoint's per-layer weight names land in the model (``fused_weights``: the Hugging Face
   projections that stream into one fused matrix; every other name is the model's own).
 
@@ -18,7 +20,7 @@ plus its code in the shared layers (docs/models.md). Pure Python: the gateway re
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 Raw = Mapping[str, Any]  # a config.json, as parsed
@@ -46,10 +48,17 @@ class ArchOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before rotary (Qwen3)
+    # Per layer, the sliding attention window (None: the whole sequence); () when no layer has one. A token at
+    # position p attends to positions p - window + 1 .. p: transformers' sliding_window_overlay
+    # (kv_idx > q_idx - sliding_window) on its causal mask.
+    layer_windows: tuple[int | None, ...] = ()
 
 
-def _no_window(raw: Raw) -> int | None:
-    return None
+Windows = tuple[int | None, ...]
+
+
+def _no_window(raw: Raw) -> Windows:
+    return ()
 
 
 @dataclass(frozen=True)
@@ -61,8 +70,8 @@ class Family:
     options: Callable[[Raw], ArchOptions]
     rms_norm_eps: float = 1e-6  # where config.json leaves it out (transformers' default for every family here)
     head_dim: int | None = None  # where config.json leaves it out (None: hidden_size / num_attention_heads)
-    # The attention window some layer of this config uses (None: every layer attends to the whole sequence).
-    sliding_window: Callable[[Raw], int | None] = _no_window
+    # Each layer's attention window, as transformers' modeling code of this family sets it (() : none has one).
+    layer_windows: Callable[[Raw], Windows] = _no_window
     fused_weights: Mapping[str, tuple[str, int]] = field(default_factory=lambda: SPLIT_PROJECTIONS)
 
     def read(self, raw: Raw) -> ArchOptions:
@@ -71,14 +80,11 @@ class Family:
         if act not in SILU:
             raise ValueError(f"hidden_act {act!r} is not supported ({self.model_type}): Tandem's MLP implements "
                              f"silu only")
-        window = self.sliding_window(raw)
-        if window is not None:
-            # Tandem's attention has no window yet (issue 36): every layer would attend to the whole sequence
-            # and answer other tokens than the model's.
-            raise ValueError(f"sliding_window {window} is in use ({self.model_type}) and Tandem does not "
-                             f"implement sliding-window attention yet; a config without one (sliding_window "
-                             f"null, or use_sliding_window false where the family has it) runs")
-        return self.options(raw)
+        windows = self.layer_windows(raw)
+        for window in windows:
+            if window is not None and window < 1:
+                raise ValueError(f"sliding_window must be >= 1 where a layer uses it, got {window}")
+        return replace(self.options(raw), layer_windows=windows)
 
 
 def _llama_options(raw: Raw) -> ArchOptions:
@@ -96,35 +102,41 @@ def _qwen3_options(raw: Raw) -> ArchOptions:
     return ArchOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
-def _mistral_window(raw: Raw) -> int | None:
-    # MistralModel builds a sliding-window mask for every layer whenever sliding_window is set.
+def _mistral_windows(raw: Raw) -> Windows:
+    # MistralModel builds a sliding-window mask for every layer whenever sliding_window is set (layer_types,
+    # which transformers only warns about here, is ignored).
     window = raw.get("sliding_window")
-    return None if window is None else int(window)
+    return () if window is None else (int(window),) * int(raw["num_hidden_layers"])
 
 
-def _qwen_window(raw: Raw) -> int | None:
+def _qwen_windows(raw: Raw) -> Windows:
     """Qwen2 / Qwen3: the window counts only with ``use_sliding_window``, and only for the layers ``layer_types``
     marks ``sliding_attention`` (when absent: those from ``max_window_layers`` on, transformers' default 28)."""
+    num_layers = int(raw["num_hidden_layers"])
     window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
     layer_types = raw.get("layer_types")
     if layer_types is not None:
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown:
-            raise ValueError(f"layer_types {unknown} are not supported: Tandem runs full_attention layers")
+            raise ValueError(f"layer_types {unknown} are not supported: Tandem runs full_attention and "
+                             f"sliding_attention layers")
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} num_hidden_layers")
     if window is None:
-        return None
-    if layer_types is None:
-        num_layers = int(raw["num_hidden_layers"])
-        return int(window) if num_layers > int(raw.get("max_window_layers", 28)) else None
-    return int(window) if "sliding_attention" in layer_types else None
+        return ()
+    if layer_types is None:  # Qwen2Config's default: sliding from max_window_layers on
+        first = int(raw.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    windows = tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
+    return windows if any(w is not None for w in windows) else ()
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", _llama_options),
     # transformers' Mistral has no biases and never reads attention_bias / mlp_bias: neither does Tandem.
-    Family("mistral", "MistralForCausalLM", lambda raw: ArchOptions(), sliding_window=_mistral_window),
-    Family("qwen2", "Qwen2ForCausalLM", _qwen2_options, sliding_window=_qwen_window),
-    Family("qwen3", "Qwen3ForCausalLM", _qwen3_options, head_dim=128, sliding_window=_qwen_window),
+    Family("mistral", "MistralForCausalLM", lambda raw: ArchOptions(), layer_windows=_mistral_windows),
+    Family("qwen2", "Qwen2ForCausalLM", _qwen2_options, layer_windows=_qwen_windows),
+    Family("qwen3", "Qwen3ForCausalLM", _qwen3_options, head_dim=128, layer_windows=_qwen_windows),
 )}
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

@@ -1,5 +1,5 @@
 """The one decoder of every family (common/model/families.py: Llama, Mistral, Qwen2, Qwen3) over a flat,
-ragged batch of tokens; a family's options (biases, q/k norms) are switches of these layers.
+ragged batch of tokens; a family's options (biases, q/k norms, sliding windows) are switches of these layers.
 
 ``forward(input_ids [num_tokens], positions [num_tokens], meta, kv_cache)`` returns hidden states
 ``[num_tokens, hidden]``; ``compute_logits`` turns selected rows into ``[n, vocab]`` fp32 logits. The
@@ -42,6 +42,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim**-0.5
+        self.window = config.layer_window(layer_idx)  # sliding window (Mistral, Qwen2/3 sliding layers) or None
         self.backend = backend
         # q, k and v fused into one matmul: one pass over the activations instead of three.
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
@@ -72,10 +73,10 @@ class LlamaAttention(nn.Module):
         if layer_cache is not None and meta.slot_mapping is not None:
             # rotary and the K/V write in one pass; the backend then only reads (slot_mapping None)
             ops.rotary_write_kv_(q, k, v, table, positions, layer_cache, meta.slot_mapping)
-            out = self.backend.forward(q, k, v, layer_cache, meta.kv_written, self.scale)
+            out = self.backend.forward(q, k, v, layer_cache, meta.kv_written, self.scale, self.window)
         else:
             ops.rotary_(q, k, table, positions)
-            out = self.backend.forward(q, k, v, layer_cache, meta, self.scale)
+            out = self.backend.forward(q, k, v, layer_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

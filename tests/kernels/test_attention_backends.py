@@ -208,7 +208,7 @@ def test_compiled_decode_kernel_against_reference(dtype: torch.dtype, head_dim: 
     want = reference_paged_attention(batch.query, key_cache, value_cache, batch.meta, batch.query.shape[-1] ** -0.5)
     for lens in (batch.meta.seq_lens.long(), batch.meta.seq_lens.int()):  # the metadata's int32 as it is
         out = kernel.paged_decode(batch.query.contiguous(), key_cache, value_cache, batch.meta.block_tables,
-                                  lens, batch.query.shape[-1] ** -0.5)
+                                  lens, batch.query.shape[-1] ** -0.5, 0)
         torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -231,7 +231,7 @@ def test_the_avx2_build_of_the_decode_kernel_on_an_avx512_machine() -> None:
         "    b = make_batch(*BATCHES['decode'], gqa=3, head_dim=head_dim, block_size=5, dtype=dtype)\n"
         "    kc, vc = b.kv_cache; write_kv(kc, vc, b.key, b.value, b.meta.slot_mapping)\n"
         "    sc = head_dim ** -0.5\n"
-        "    out = k.paged_decode(b.query.contiguous(), kc, vc, b.meta.block_tables, b.meta.seq_lens, sc)\n"
+        "    out = k.paged_decode(b.query.contiguous(), kc, vc, b.meta.block_tables, b.meta.seq_lens, sc, 0)\n"
         "    want = reference_paged_attention(b.query, kc, vc, b.meta, sc)\n"
         "    torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])\n"
         "print('ok')"

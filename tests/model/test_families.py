@@ -1,4 +1,5 @@
-"""The family registry (common/model/families.py): Qwen3 on the one forward, greedy-identical to transformers, and
+"""The family registry (common/model/families.py): Qwen3 on the one forward, greedy-identical to transformers, each
+layer's sliding window read as transformers reads it (tests/model/test_sliding_window_models.py runs them), and
 configs Tandem cannot honour refused at load naming the field.
 
 Qwen3 configs are random-weight models saved by transformers in the hub's layout (tests/conftest.py): GQA 4:1,
@@ -191,14 +192,30 @@ def test_family_options() -> None:
     assert (biased.qkv_bias, biased.o_bias, biased.mlp_bias) == (True, True, False)
 
 
-@pytest.mark.parametrize(("model_type", "fields"), [
-    ("mistral", {"sliding_window": 4096}),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
+@pytest.mark.parametrize(("model_type", "fields", "windows"), [
+    ("mistral", {"sliding_window": 4096}, (4096,) * 4),  # every layer
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}, (None, None, 8, 8)),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, ()),  # max_window_layers 28: no layer reaches it
     ("qwen3", {"use_sliding_window": True, "sliding_window": 8,
-               "layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"]}),
+               "layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"]},
+     (None, 8, None, None)),
+    ("qwen3", {"use_sliding_window": False, "sliding_window": 8,  # no window without use_sliding_window
+               "layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"]}, ()),
 ])
-def test_a_sliding_window_in_use_is_refused_naming_it(model_type: str, fields: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match=r"sliding_window \d+ is in use"):
+def test_each_layer_window_is_read(model_type: str, fields: dict[str, Any],
+                                   windows: tuple[int | None, ...]) -> None:
+    config = ModelConfig.from_dict({**BASE, "model_type": model_type, **fields})
+    assert config.layer_windows == windows
+    assert [config.layer_window(i) for i in range(4)] == list(windows or (None,) * 4)
+
+
+@pytest.mark.parametrize(("model_type", "fields", "needle"), [
+    ("mistral", {"sliding_window": 0}, r"sliding_window must be >= 1"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention"] * 3},
+     r"layer_types has 3 entries for 4 num_hidden_layers"),
+])
+def test_a_bad_window_is_refused_naming_the_field(model_type: str, fields: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
         ModelConfig.from_dict({**BASE, "model_type": model_type, **fields})
 
 
@@ -223,20 +240,17 @@ def test_other_settings_tandem_does_not_implement_are_refused(fields: dict[str, 
         ModelConfig.from_dict({**BASE, "model_type": "qwen3", **fields})
 
 
-def test_sliding_window_mistral_and_gelu_checkpoints_are_refused_at_load(tiny_model_factory: Callable[..., Path],
-                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_gelu_checkpoints_are_refused_at_load(tiny_model_factory: Callable[..., Path],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     from tandem_cli.cli import main
 
-    mistral = tiny_model_factory("mistral", seed=3, sliding_window=16)  # transformers' MistralConfig, as saved
-    with pytest.raises(ValueError, match=r"sliding_window 16 is in use \(mistral\)"):
-        load_model(mistral, dtype="float32")
     gelu = tiny_model_factory("llama", seed=3, hidden_act="gelu")
     with pytest.raises(ValueError, match=r"hidden_act 'gelu'"):
         load_model(gelu, dtype="float32")
     # `tandem generate`: a start-up error naming the field, no traceback
-    code = main(["generate", "--model", str(_with_tokenizer(mistral)), "--prompt", "t5", "--max-tokens", "1"])
+    code = main(["generate", "--model", str(_with_tokenizer(gelu)), "--prompt", "t5", "--max-tokens", "1"])
     err = capsys.readouterr().err
-    assert code == 2 and "sliding_window 16 is in use" in err and "Traceback" not in err
+    assert code == 2 and "hidden_act 'gelu'" in err and "Traceback" not in err
 
 
 def test_readme_lists_every_family() -> None:

@@ -79,7 +79,8 @@ def kernels_enabled() -> bool:
 
 
 def paged_decode_kernel() -> ModuleType | None:
-    """The module exposing ``paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)``,
+    """The module exposing ``paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, window)``
+    (window 0: the whole sequence; w: the last w positions),
     or None when ``TANDEM_CPU_KERNELS=0`` or it cannot be built here (decided once per process)."""
     if not kernels_enabled():
         return None

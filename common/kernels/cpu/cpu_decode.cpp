@@ -19,7 +19,9 @@
 //
 // Shapes: query [n, H, D] contiguous; key/value cache [num_blocks, block_size, H_kv, D] with any block,
 // token and head strides and unit stride over D; block_tables [n, max_blocks] int32; seq_lens [n] int32 or
-// int64 (the metadata's own int32 tensor is read as it is: no conversion per layer).
+// int64 (the metadata's own int32 tensor is read as it is: no conversion per layer). window > 0: a sliding
+// window (Mistral, Qwen2/Qwen3's sliding layers) — the query, at position len - 1, reads only positions
+// >= len - window (itself and the window - 1 before it, transformers' mask); 0 reads the whole sequence.
 //
 // The module is this file followed by cpu_kv_write.cpp (``write_kv``), in one translation unit.
 // torch: common/kernels/cpu/kernel_api.h, which common/kernels/build.py puts first
@@ -68,21 +70,23 @@ template <typename scalar_t>
 void decode_sequences(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t kstride[3],
                       const int64_t vstride[3], const int32_t* tables, int64_t table_stride, const int64_t* lens,
                       scalar_t* out, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
-                      int64_t begin, int64_t end) {
+                      int64_t begin, int64_t end, int64_t window) {
   const int64_t G = H / Hkv;
   std::vector<float> qf(H * D), acc(H * D), row(D), scores;
   for (int64_t s = begin; s < end; ++s) {
-    const int64_t len = lens[s];
+    // Positions [first, lens[s]) are read; scores are indexed from first (len of them).
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
+    const int64_t len = lens[s] - first;
     const int32_t* table = tables + s * table_stride;
     scores.resize(H * len);  // scores[head * len + t]
     to_float(q + s * H * D, qf.data(), H * D);
     for (int64_t i = 0; i < H * D; ++i) qf[i] *= scale;
     // Pass 1: scores = q . k for every head and cached token, block by block (no division per token);
     // a token's K rows for all KV heads are adjacent in the cache.
-    for (int64_t start = 0; start < len; start += block_size) {
-      const int64_t stop = std::min(start + block_size, len);
-      const scalar_t* kp = kc + table[start / block_size] * kstride[0];
-      for (int64_t t = start; t < stop; ++t, kp += kstride[1]) {
+    for (int64_t start = first; start < first + len; start = (start / block_size + 1) * block_size) {
+      const int64_t stop = std::min((start / block_size + 1) * block_size, first + len);
+      const scalar_t* kp = kc + table[start / block_size] * kstride[0] + (start % block_size) * kstride[1];
+      for (int64_t t = start - first; t < stop - first; ++t, kp += kstride[1]) {
         for (int64_t h = 0; h < Hkv; ++h) {
           to_float(kp + h * kstride[2], row.data(), D);
           for (int64_t g = 0; g < G; ++g) {
@@ -98,10 +102,10 @@ void decode_sequences(const scalar_t* q, const scalar_t* kc, const scalar_t* vc,
     for (int64_t head = 0; head < H; ++head) softmax_row(scores.data() + head * len, len);
     // Pass 2: out[head] = sum_t p[head, t] * v_t.
     std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t start = 0; start < len; start += block_size) {
-      const int64_t stop = std::min(start + block_size, len);
-      const scalar_t* vp = vc + table[start / block_size] * vstride[0];
-      for (int64_t t = start; t < stop; ++t, vp += vstride[1]) {
+    for (int64_t start = first; start < first + len; start = (start / block_size + 1) * block_size) {
+      const int64_t stop = std::min((start / block_size + 1) * block_size, first + len);
+      const scalar_t* vp = vc + table[start / block_size] * vstride[0] + (start % block_size) * vstride[1];
+      for (int64_t t = start - first; t < stop - first; ++t, vp += vstride[1]) {
         for (int64_t h = 0; h < Hkv; ++h) {
           to_float(vp + h * vstride[2], row.data(), D);
           for (int64_t g = 0; g < G; ++g) {
@@ -251,7 +255,7 @@ template <typename scalar_t, int ND>
 void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t kstride[3],
                            const int64_t vstride[3], const int32_t* tables, int64_t table_stride,
                            const int64_t* lens, scalar_t* out, int64_t H, int64_t Hkv, int64_t block_size,
-                           float scale, int64_t begin, int64_t end, int64_t h_begin = 0, int64_t h_end = -1) {
+                           float scale, int64_t begin, int64_t end, int64_t h_begin, int64_t h_end, int64_t window) {
   // KV heads [h_begin, h_end) of each sequence (default: all): a head's output depends only on its own
   // reads, so a batch-1 step can split the heads over threads (common/kernels/cpu/cpu_step.cpp).
   if (h_end < 0) h_end = Hkv;
@@ -262,7 +266,9 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
   std::vector<float> qf(D), scores, of(G * D);
   std::vector<const scalar_t*> krows, vrows;  // a KV head's rows, token by token (no division per token)
   for (int64_t s = begin; s < end; ++s) {
-    const int64_t len = lens[s];
+    // Positions [first, lens[s]) are read (a sliding window, or all); rows and scores are indexed from first.
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
+    const int64_t len = lens[s] - first;
     const int32_t* table = tables + s * table_stride;
     const int64_t stride = len + W;  // a head's scores (padded for the last W-token store)
     scores.resize(G * stride);
@@ -270,18 +276,21 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
     vrows.resize(len);
     if (s + 1 < end) {  // the next sequence's first blocks, which the sweep's prefetch does not reach
       const int32_t* next = tables + (s + 1) * table_stride;
-      for (int64_t b = 0; b * block_size < std::min(lens[s + 1], kPrefetchTokens); ++b) {
+      const int64_t next_first = window > 0 ? std::max<int64_t>(0, lens[s + 1] - window) : 0;
+      for (int64_t b = next_first / block_size; b * block_size < std::min(lens[s + 1], next_first + kPrefetchTokens);
+           ++b) {
         prefetch_rows(kc + next[b] * kstride[0], block_size * kstride[1] * sizeof(scalar_t));
         prefetch_rows(vc + next[b] * vstride[0], block_size * vstride[1] * sizeof(scalar_t));
       }
     }
     for (int64_t h = h_begin; h < h_end; ++h) {
-      for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+      for (int64_t start = first - first % block_size, b = first / block_size; start < first + len;
+           start += block_size, ++b) {
         const scalar_t* kp = kc + table[b] * kstride[0] + h * kstride[2];
         const scalar_t* vp = vc + table[b] * vstride[0] + h * vstride[2];
-        for (int64_t t = start, stop = std::min(start + block_size, len); t < stop; ++t) {
-          krows[t] = kp + (t - start) * kstride[1];
-          vrows[t] = vp + (t - start) * vstride[1];
+        for (int64_t t = std::max(start, first), stop = std::min(start + block_size, first + len); t < stop; ++t) {
+          krows[t - first] = kp + (t - start) * kstride[1];
+          vrows[t - first] = vp + (t - start) * vstride[1];
         }
       }
       // Pass 1: each query head's scores, W tokens at a time; softmax.
@@ -298,7 +307,7 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
           if (first_sweep && t0 % block_size == 0 && t0 + kPrefetchTokens < len) {
             // The sequence's blocks lie anywhere in the cache: fetch a block's K and V rows (every KV head)
             // ahead of the first sweep, so this and the later sweeps (other heads, pass 2) find them in L2.
-            const int64_t b = (t0 + kPrefetchTokens) / block_size;
+            const int64_t b = (first + t0 + kPrefetchTokens) / block_size;
             prefetch_rows(kc + table[b] * kstride[0], block_size * kstride[1] * sizeof(scalar_t));
             prefetch_rows(vc + table[b] * vstride[0], block_size * vstride[1] * sizeof(scalar_t));
           }
@@ -347,28 +356,39 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
 // module's own code and flags (-ffast-math: glibc's vector exp in the softmax), so the step's rows equal
 // paged_decode's bit for bit. A head range other than all heads needs a SIMD head size
 // (decode_splits_heads). The step takes the address once, from Python.
+// window_rows: the same with a sliding window (paged_decode's; the step's address keeps decode_rows' signature
+// and reads whole sequences: DecodeStep.for_model declines windowed models).
 template <typename scalar_t>
-void decode_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* kstride,
+void window_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* kstride,
                  const int64_t* vstride, const int32_t* tables, int64_t table_stride, const int64_t* lens, scalar_t* out,
                  int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
-                 int64_t h_begin, int64_t h_end) {
+                 int64_t h_begin, int64_t h_end, int64_t window) {
 #if defined(__AVX512F__) || defined(__AVX2__)
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     if (D == 4 * W) return decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
                                                                out, H, Hkv, block_size, scale, begin, end, h_begin,
-                                                               h_end);
+                                                               h_end, window);
     if (D == 8 * W) return decode_sequences_simd<scalar_t, 8>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
                                                                out, H, Hkv, block_size, scale, begin, end, h_begin,
-                                                               h_end);
+                                                               h_end, window);
     if (D == 16 * W) return decode_sequences_simd<scalar_t, 16>(q, kc, vc, kstride, vstride, tables, table_stride,
                                                                  lens, out, H, Hkv, block_size, scale, begin, end,
-                                                                 h_begin, h_end);
+                                                                 h_begin, h_end, window);
   }
 #endif
   (void)h_begin;
   (void)h_end;
   decode_sequences<scalar_t>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H, Hkv, D, block_size,
-                             scale, begin, end);
+                             scale, begin, end, window);
+}
+
+template <typename scalar_t>
+void decode_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* kstride,
+                 const int64_t* vstride, const int32_t* tables, int64_t table_stride, const int64_t* lens, scalar_t* out,
+                 int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
+                 int64_t h_begin, int64_t h_end) {
+  window_rows<scalar_t>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H, Hkv, D, block_size, scale,
+                        begin, end, h_begin, h_end, 0);
 }
 
 bool decode_splits_heads(int64_t head_dim) {
@@ -388,7 +408,7 @@ int64_t decode_rows_address(const std::string& dtype) {
 }
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [n, H, D] tensor");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, "caches must be [blocks, block_size, H_kv, D]");
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "caches need unit stride over D");
@@ -399,6 +419,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
                   seq_lens.is_contiguous(), "seq_lens: contiguous int32 or int64");
   const int64_t n = query.size(0), H = query.size(1), D = query.size(2);
   TORCH_CHECK(seq_lens.numel() == n, "seq_lens: one per query row");
+  TORCH_CHECK(window >= 0, "window: 0 (the whole sequence) or the positions a query reads");
   std::vector<int64_t> lens(n);
   if (seq_lens.scalar_type() == torch::kInt64) {
     std::copy(seq_lens.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>() + n, lens.begin());
@@ -420,8 +441,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
     scalar_t* o = out.data_ptr<scalar_t>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-      decode_rows<scalar_t>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(), o, H, Hkv, D,
-                            block_size, static_cast<float>(scale), begin, end, 0, Hkv);
+      window_rows<scalar_t>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(), o, H, Hkv, D,
+                            block_size, static_cast<float>(scale), begin, end, 0, Hkv, window);
     });
   });
   return out;

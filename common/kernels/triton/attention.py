@@ -9,6 +9,10 @@ A program walks the context in tiles of ``TILE_N`` tokens that are independent o
 size: each token's block id is looked up in the table, so any block size works and a tile may span
 several blocks (or part of one). Softmax runs online in base 2 (``exp2``), accumulating in fp32.
 
+Both take a sliding ``window`` (None: the whole sequence): the token at position p attends to positions
+p - window + 1 .. p (transformers' sliding-window mask), and tiles wholly before every row's window are not
+read. ``HAS_WINDOW`` is a compile-time switch, so the window-less kernels are the same code as before.
+
 On CPU the kernels run under ``TRITON_INTERPRET=1`` (which must be set before this module is
 imported). The interpreter mishandles bf16 arithmetic and 16-bit ``tl.dot``, so there every load is
 upcast to fp32; on GPUs fp16/bf16 tiles feed ``tl.dot`` directly (fp32 accumulation).
@@ -45,24 +49,31 @@ def _load_kv_tile(
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2e,
+    scale_log2e, window,
     stride_q_seq, stride_q_head,
     stride_k_block, stride_k_token, stride_k_head,
     stride_v_block, stride_v_token, stride_v_head,
     stride_bt_seq, stride_o_seq, stride_o_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     # grid: (num_seqs, num_kv_heads, NUM_SPLITS); this program: one sequence, one KV head, one slice.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Each sequence splits its own tiles evenly, so short sequences do not idle long ones' splits.
+    # Each sequence splits its own tiles evenly, so short sequences do not idle long ones' splits. With a
+    # window the query (position seq_len - 1) reads positions >= lo: its tiles start at lo's.
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+        base_tile = lo // TILE_N
+    else:
+        lo = 0
+        base_tile = 0
     num_tiles = tl.cdiv(seq_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    first_tile = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - base_tile, NUM_SPLITS)
+    first_tile = base_tile + split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
 
     g = tl.arange(0, GROUP_PAD)
@@ -85,7 +96,10 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     for tile in range(first_tile, last_tile):
         tok = tile * TILE_N + n
-        tok_mask = tok < seq_len
+        if HAS_WINDOW:
+            tok_mask = (tok < seq_len) & (tok >= lo)
+        else:
+            tok_mask = tok < seq_len
         k = _load_kv_tile(k_base, table_row, tok, tok_mask, d, d_mask,
                           stride_k_block, stride_k_token, BLOCK_SIZE, COMPUTE_DTYPE)
         # s: [GROUP_PAD, TILE_N] scores in the log2 domain (exp2 is one instruction, exp is two).
@@ -142,14 +156,14 @@ def _merge_splits_kernel(
 @triton.jit
 def _paged_extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    scale_log2e,
+    scale_log2e, window,
     stride_q_tok, stride_q_head,
     stride_k_block, stride_k_token, stride_k_head,
     stride_v_block, stride_v_token, stride_v_head,
     stride_bt_seq, stride_o_tok, stride_o_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     # grid: (num_seqs, num_kv_heads, cdiv(max_query_len, BLOCK_Q)). Rows of the tile are
     # BLOCK_Q query tokens x GROUP_PAD heads (BLOCK_M = BLOCK_Q * GROUP_PAD), token-major.
@@ -185,15 +199,26 @@ def _paged_extend_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     # Keys past this tile's last query position are masked for every row: stop the walk there.
     kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
-    for tile in range(0, tl.cdiv(kv_end, TILE_N)):
+    if HAS_WINDOW:
+        # Keys before the window of this tile's first row are masked for every row: start the walk at them.
+        first_tile = tl.maximum(context_len + q_tile * BLOCK_Q - window + 1, 0) // TILE_N
+    else:
+        first_tile = 0
+    for tile in range(first_tile, tl.cdiv(kv_end, TILE_N)):
         key_pos = tile * TILE_N + n
         key_mask = key_pos < seq_len
         k = _load_kv_tile(k_base, table_row, key_pos, key_mask, d, d_mask,
                           stride_k_block, stride_k_token, BLOCK_SIZE, COMPUTE_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, TILE_N]
-        s = tl.where(key_mask[None, :] & (key_pos[None, :] <= pos[:, None]), s, float("-inf"))
-        # Key 0 is visible to every row and sits in the first tile, so m_i is finite from then on.
+        visible = key_mask[None, :] & (key_pos[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (key_pos[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if HAS_WINDOW:
+            # A row may see no key of a tile before its window starts: keep exp2 off -inf - -inf (NaN).
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # Without a window key 0 is visible to every row and sits in the first tile, so m_i is finite from then on.
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -202,6 +227,8 @@ def _paged_extend_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_WINDOW:
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows past q_len may see no key at all
     o = acc / l_i[:, None]
     o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -274,13 +301,14 @@ def paged_decode(
     *,
     max_seq_len: int | None = None,
     tile_size: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Split-K flash decoding: one new query token per sequence over its paged K/V.
 
     query: [num_seqs, num_heads, head_dim]; key_cache, value_cache: [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
     ``max_seq_len`` (host int) sharpens the split heuristic; without it the table width bounds it.
-    Returns [num_seqs, num_heads, head_dim] in query's dtype.
+    ``window``: the sliding window (None: the whole sequence). Returns [num_seqs, num_heads, head_dim] in query's dtype.
     """
     _check_device(query)
     group = _check_cache(query, key_cache, value_cache)
@@ -292,7 +320,8 @@ def paged_decode(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, tile_size, _num_sms(query.device))
+        read = max_seq_len if window is None else min(max_seq_len, window + tile_size)  # tiles one query reads
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, read, tile_size, _num_sms(query.device))
     compute_dtype, precision = _compute_dtype(key_cache)
     out = torch.empty_like(query)
     if num_seqs == 0:
@@ -302,14 +331,14 @@ def paged_decode(
     part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E,
+        scale * LOG2E, window or 0,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_size, NUM_SPLITS=num_splits,
-        COMPUTE_DTYPE=compute_dtype, DOT_PRECISION=precision,
+        COMPUTE_DTYPE=compute_dtype, DOT_PRECISION=precision, HAS_WINDOW=window is not None,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -331,13 +360,14 @@ def paged_extend(
     *,
     max_query_len: int | None = None,
     tile_size: int = 32,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Several new tokens per sequence over paged K/V (their own K/V already in the cache).
 
     query: [num_tokens, num_heads, head_dim]; query_start_loc: [num_seqs + 1] int32; seq_lens:
     [num_seqs] int32. Query token i of a sequence with q_len new tokens sits at position
-    seq_len - q_len + i and attends to positions <= that. ``max_query_len`` (host int) sizes the
-    grid; without it num_tokens bounds it (correct, with idle programs).
+    seq_len - q_len + i and attends to positions <= that (and > that - ``window`` with one).
+    ``max_query_len`` (host int) sizes the grid; without it num_tokens bounds it (correct, with idle programs).
     """
     _check_device(query)
     group = _check_cache(query, key_cache, value_cache)
@@ -358,13 +388,13 @@ def paged_extend(
     grid = (num_seqs, num_kv_heads, -(-max_query_len // block_q))
     _paged_extend_kernel[grid](
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E,
+        scale * LOG2E, window or 0,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_size, BLOCK_Q=block_q, BLOCK_M=block_q * group_pad,
-        COMPUTE_DTYPE=compute_dtype, DOT_PRECISION=precision,
+        COMPUTE_DTYPE=compute_dtype, DOT_PRECISION=precision, HAS_WINDOW=window is not None,
     )
     return out

@@ -1,0 +1,164 @@
+"""Sliding-window attention end to end (issue 36): Mistral with ``sliding_window``, Qwen2 / Qwen3 with
+``use_sliding_window`` over mixed full and sliding layers, greedy fp32 output identical to transformers.
+
+Windows are shorter than the prompts; the paged runs go through chunked prefill (chunks smaller than the
+window and the prompt), prefix-cache reuse (the same prompts twice) and n-gram speculative verification, with
+the fused C++ ops on and off and the compiled decode kernel on and off (TANDEM_CPU_KERNELS=0: PyTorch's decode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from common.attention.metadata import AttentionMetadata
+from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
+from common.config.model_config import ModelConfig
+from common.model.loader import load_model
+from tests.model.test_families import _hf, _hf_greedy, _with_tokenizer
+
+# name -> (model_type, overrides of the tiny config (hidden 64, vocab 128)), each with a window shorter than
+# the prompts below.
+WINDOWED: dict[str, tuple[str, dict[str, Any]]] = {
+    "mistral": ("mistral", {"sliding_window": 5}),
+    # layer 0 full, layers 1 and 2 sliding (max_window_layers)
+    "qwen2-mixed": ("qwen2", {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 6,
+                              "max_window_layers": 1}),
+    # layer_types: sliding, full, sliding
+    "qwen3-mixed": ("qwen3", {"num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                              "head_dim": 16, "use_sliding_window": True, "sliding_window": 4,
+                              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+}
+EXPECTED_WINDOWS = {"mistral": (5, 5), "qwen2-mixed": (None, 6, 6), "qwen3-mixed": (4, None, 4)}
+GREEDY_TOKENS = 12
+
+
+def _model_dir(factory: Callable[..., Path], name: str, **extra: Any) -> Path:
+    model_type, overrides = WINDOWED[name]
+    return factory(model_type, seed=5, **{**overrides, **extra})
+
+
+def _windowless(factory: Callable[..., Path], name: str) -> Path:
+    """The same weights without the window (the seed fixes them): what the window must change."""
+    model_type, overrides = WINDOWED[name]
+    if model_type == "mistral":
+        return factory(model_type, seed=5, **{**overrides, "sliding_window": None})
+    whole = {**overrides, "use_sliding_window": False}
+    if "layer_types" in overrides:  # transformers cannot build sliding layers without a window
+        whole["layer_types"] = ["full_attention"] * len(overrides["layer_types"])
+    return factory(model_type, seed=5, **whole)
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_layer_windows_are_read_as_transformers_sets_them(tiny_model_factory: Callable[..., Path], name: str) -> None:
+    config = ModelConfig.from_pretrained(_model_dir(tiny_model_factory, name))
+    assert config.layer_windows == EXPECTED_WINDOWS[name]
+    hf = _hf(_model_dir(tiny_model_factory, name)).config
+    hf_windows = [hf.sliding_window if getattr(hf, "layer_types", None) is None or hf.layer_types[i] ==
+                  "sliding_attention" else None for i in range(hf.num_hidden_layers)]
+    assert list(config.layer_windows) == hf_windows
+
+
+@pytest.mark.parametrize("fused", ["on", "off"])
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_windowed_ragged_logits_match_transformers(tiny_model_factory: Callable[..., Path], name: str, fused: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_FUSED_OPS", fused)
+    model_dir = _model_dir(tiny_model_factory, name)
+    model = load_model(model_dir, dtype="float32")
+    lengths = [5, 1, 17, 40]
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in lengths]
+    meta = AttentionMetadata.build(lengths, [0] * len(lengths))
+    with torch.no_grad():
+        logits = model.compute_logits(model(torch.tensor([t for s in seqs for t in s]),
+                                            torch.cat([torch.arange(n) for n in lengths]), meta))
+        expected = torch.cat([_hf(model_dir)(torch.tensor([s])).logits[0] for s in seqs])
+        unwindowed = torch.cat([_hf(_windowless(tiny_model_factory, name))(torch.tensor([s])).logits[0]
+                                for s in seqs])
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert (expected - unwindowed).abs().max() > 1e-2  # the window matters for these prompts
+
+
+def _greedy_runs(model_dir: Path, prompts: list[list[int]], speculative: bool) -> tuple[list[list[int]], Any]:
+    """Greedy completions of ``prompts`` twice (the second time from the prefix cache) through the offline LLM,
+    in 4-token blocks and 3-token prefill chunks."""
+    from common.engine.llm import LLM
+    from common.sampling.params import SamplingParams
+
+    spec = (SpeculativeConfig(method=SpeculativeMethod.NGRAM, num_speculative_tokens=3, max_batch_size=8)
+            if speculative else None)
+    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    with LLM(model_dir, dtype="float32", device="cpu", cache=CacheConfig(block_size=4, num_blocks=256),
+             scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=3),
+             speculative=spec) as llm:
+        assert llm.model.decode_step is None  # the one-call C++ step reads whole sequences: not for windows
+        first = [c.token_ids for c in llm.generate(prompts, params)]
+        assert llm.engine.kv.prefix_cache_hits == 0
+        second = [c.token_ids for c in llm.generate(prompts, params)]
+        assert llm.engine.kv.prefix_cache_hits > 0  # the second pass started from cached blocks
+        assert first == second
+        stats = (llm.engine.scheduler.num_draft_tokens, llm.engine.scheduler.num_accepted_tokens)
+    return first, stats
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "ngram"])
+@pytest.mark.parametrize(("fused", "cpu_kernels"), [("on", "1"), ("off", "1"), ("on", "0"), ("off", "0")])
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_windowed_offline_greedy_identical_to_transformers(tiny_model_factory: Callable[..., Path], name: str,
+                                                           fused: str, cpu_kernels: str, speculative: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_FUSED_OPS", fused)
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", cpu_kernels)
+    model_dir = _with_tokenizer(_model_dir(tiny_model_factory, name))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 14)]
+    prompts.append((prompts[0][:4] * 5)[:17])  # repetitive: the n-gram lookup finds drafts
+    got, (drafts, _accepted) = _greedy_runs(model_dir, prompts, speculative)
+    for prompt, completion in zip(prompts, got, strict=True):
+        assert completion == _hf_greedy(model_dir, prompt, GREEDY_TOKENS), name
+    if speculative:
+        assert drafts > 0  # verification ran over the window
+
+
+def test_windowed_greedy_differs_from_the_whole_sequence(tiny_model_factory: Callable[..., Path]) -> None:
+    """transformers' own greedy changes with the window here, so the identity above says the window is read."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 14)]
+    for name in WINDOWED:
+        windowed = [_hf_greedy(_model_dir(tiny_model_factory, name), p, GREEDY_TOKENS) for p in prompts]
+        whole = [_hf_greedy(_windowless(tiny_model_factory, name), p, GREEDY_TOKENS) for p in prompts]
+        assert windowed != whole, name
+
+
+def test_windowed_mistral_through_tandem_generate(tiny_model_factory: Callable[..., Path],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from common.detokenizer import IncrementalDetokenizer
+    from common.tokenizer import Tokenizer
+    from tandem_cli.cli import main
+
+    model_dir = _with_tokenizer(_model_dir(tiny_model_factory, "mistral"))
+    prompt = "t17 t3 t99 t42 t8 t120 t64 t17 t3 t99 t42"
+    tokenizer = Tokenizer(model_dir)
+    prompt_ids = tokenizer.encode(prompt)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    expected = "".join(detok.add([t]) for t in _hf_greedy(model_dir, prompt_ids, GREEDY_TOKENS))
+    for extra in ([], ["--speculative", "ngram"]):
+        code = main(["generate", "--model", str(model_dir), "--dtype", "float32", "--prompt", prompt,
+                     "--max-tokens", str(GREEDY_TOKENS), "--ignore-eos", *extra])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        assert out.out == prompt + expected + "\n", extra
+
+
+def test_decode_step_is_not_installed_for_a_window(tiny_model_factory: Callable[..., Path]) -> None:
+    """The same shapes without the window take the one-call C++ step (where it builds); with it, op by op."""
+    whole = load_model(_windowless(tiny_model_factory, "mistral"), dtype="float32")
+    if whole.decode_step is None:
+        pytest.skip("the one-call decode step does not build or apply on this machine")
+    windowed = load_model(_model_dir(tiny_model_factory, "mistral"), dtype="float32")
+    assert windowed.decode_step is None and windowed.fused_ops.name == "cpp"
