@@ -1,5 +1,6 @@
-"""Sliding-window attention (Mistral, Qwen2/Qwen3's sliding layers) on every CPU-testable path against a dense
-float64 oracle: the token at position p attends to positions p - window + 1 .. p (transformers' mask).
+"""Sliding-window attention (Mistral, Qwen2/Qwen3's sliding layers) on every attention path against a dense
+float64 oracle: the token at position p attends to positions p - window + 1 .. p (transformers' mask). The
+flash-attn and FlashInfer cases run on a GPU only (the ``gpu`` marker: the GPU lease's test step).
 
 The batches are test_attention_backends's (ragged, shuffled tables, NaN everywhere no sequence owns), with
 windows shorter than some sequences and longer than others, block-aligned and not.
@@ -24,6 +25,7 @@ from tests.kernels.test_attention_backends import (
     assert_close,
     make_batch,
     needs_triton,
+    requires_cuda,
 )
 
 WINDOWS = [1, 5, 16, 33]
@@ -167,3 +169,18 @@ def test_cacheless_prefill_window(name: str) -> None:
     batch = make_batch(*BATCHES["prefill"], gqa=3)
     out = get_backend(name).forward(batch.query, batch.key, batch.value, None, batch.meta, 0.25, 4)
     assert_close(out, dense_expected(batch, 0.25, 4), torch.float32)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("window", [1, 6, 40])
+@pytest.mark.parametrize("kind", sorted(BATCHES))
+@pytest.mark.parametrize(("name", "block_size"), [("flashinfer", 16), ("flash_attn", 16), ("flash_attn", 256)])
+def test_gpu_backends_window(name: str, block_size: int, kind: str, window: int) -> None:
+    """FlashInfer's window_left and flash-attn's window_size (block 256: FA2 pages; 16: Triton's paged kernels)."""
+    pytest.importorskip("flashinfer" if name == "flashinfer" else "flash_attn")
+    batch = make_batch(*BATCHES[kind], gqa=3, block_size=block_size, dtype=torch.bfloat16, head_dim=64,
+                       device="cuda")
+    scale = 0.125
+    out = get_backend(name).forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, scale, window)
+    check_window(out, batch, scale, window, torch.bfloat16)
