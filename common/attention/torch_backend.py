@@ -180,6 +180,9 @@ def paged_decode_attention(
     workspace = workspace if workspace is not None else Workspace()
     num_seqs, head_dim = query.shape[0], query.shape[2]
     num_kv_heads = key_cache.shape[2]
+    if window is not None:
+        block_tables, seq_lens, seq_lens_cpu = _skip_blocks_before_window(block_tables, seq_lens_cpu,
+                                                                         key_cache.shape[1], window)
     token_bytes = 2 * num_kv_heads * head_dim * key_cache.element_size()
     out = torch.empty_like(query)
     start = 0
@@ -197,6 +200,22 @@ def paged_decode_attention(
         )
         start = stop
     return out
+
+
+def _skip_blocks_before_window(block_tables: torch.Tensor, seq_lens_cpu: tuple[int, ...], block_size: int,
+                               window: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(tables, seq_lens, host seq_lens) of decode rows with the blocks wholly before each row's window dropped from
+    the front of its table, so a long sequence gathers only its window's blocks. The window stays the last
+    ``window`` positions of the shortened lengths."""
+    skipped = [max(0, s - window) // block_size for s in seq_lens_cpu]
+    lens_cpu = tuple(s - b * block_size for s, b in zip(seq_lens_cpu, skipped, strict=True))
+    device = block_tables.device
+    width = block_tables.shape[1]
+    # Entries shifted in past a table's end repeat its last column: padding, masked by the shortened length.
+    cols = (torch.arange(width, device=device)[None, :] + torch.tensor(skipped, device=device)[:, None]).clamp(
+        max=max(width - 1, 0))
+    tables = block_tables.gather(1, cols)
+    return tables, torch.tensor(lens_cpu, dtype=torch.int64, device=device), lens_cpu
 
 
 def _decode_chunk(
@@ -302,8 +321,10 @@ def paged_extend_attention(
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
         stop = start + q_len
         if q_len and i not in skip:
-            k, v = _gather_sequence(key_cache, value_cache, meta.block_tables[i], seq_len, block_size)
-            mask = window_mask(q_len, seq_len, window, query.device)
+            # With a window, only the blocks from the one holding the first row's window start are read.
+            first = 0 if window is None else max(0, seq_len - q_len - window + 1) // block_size * block_size
+            k, v = _gather_sequence(key_cache, value_cache, meta.block_tables[i], seq_len, block_size, first)
+            mask = window_mask(q_len, seq_len, window, query.device)[:, first:]
             q = query[start:stop].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             o = F.scaled_dot_product_attention(
                 q,
@@ -335,11 +356,13 @@ def _gather_sequence(
     block_table: torch.Tensor,
     seq_len: int,
     block_size: int,
+    first: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's K/V, each [seq_len, num_kv_heads, head_dim], gathered through its table."""
-    blocks = block_table[: -(-seq_len // block_size)].long()
-    k = gather_blocks(key_cache, blocks).flatten(0, 1)[:seq_len]
-    v = gather_blocks(value_cache, blocks).flatten(0, 1)[:seq_len]
+    """One sequence's K/V of positions first .. seq_len - 1 (``first`` a multiple of block_size), each
+    [seq_len - first, num_kv_heads, head_dim], gathered through its table."""
+    blocks = block_table[first // block_size : -(-seq_len // block_size)].long()
+    k = gather_blocks(key_cache, blocks).flatten(0, 1)[: seq_len - first]
+    v = gather_blocks(value_cache, blocks).flatten(0, 1)[: seq_len - first]
     return k, v
 
 

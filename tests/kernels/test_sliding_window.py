@@ -88,11 +88,15 @@ def test_torch_decode_chunks_window(chunk_bytes: int) -> None:
     check_window(out, batch, 0.2, 7, torch.float32)
 
 
-def test_long_extend_chunk_window() -> None:
-    """A chunk longer than EXTEND_AS_DECODE_ROWS over a cached prefix: the masked-SDPA path."""
-    batch = make_batch([40, 3], [21, 30], gqa=4, block_size=8)
-    out = TorchAttentionBackend().forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, 0.2, 9)
-    check_window(out, batch, 0.2, 9, torch.float32)
+@pytest.mark.parametrize("window", [1, 7, 16, 50])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_long_extend_chunk_window(window: int, block_size: int) -> None:
+    """Chunks longer than EXTEND_AS_DECODE_ROWS over a cached prefix: the masked-SDPA path, which gathers only
+    the blocks from the one holding its first row's window start (beside a short chunk: decode rows)."""
+    batch = make_batch([40, 3, 35], [21, 30, 0], gqa=4, block_size=block_size)
+    out = TorchAttentionBackend().forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, 0.2,
+                                          window)
+    check_window(out, batch, 0.2, window, torch.float32)
 
 
 @pytest.mark.parametrize("window", [1, 6, 100])
