@@ -23,8 +23,12 @@ own, never the target's weights), the drafts ride along in the step's ``WorkerSt
 (their KV lands in the draft slots the scheduler reserved), the ranks return the logits of every row a
 verification reads (``sample_rows``), and the node verifies and samples exactly as one process does
 (the ``ModelRunner`` it extends: one code path). ``--speculative ngram`` and ``draft_model`` (the draft runs in the
-node process, on its own KV) work across ranks; ``draft_layers`` is refused at start-up: the target's early
-layers live in the ranks, so each draft token would be one more round trip through every rank.
+node process, on its own KV) need nothing more from the ranks. ``draft_layers`` drafts with the target's own
+first L layers, which live in the ranks: each draft token is one more round trip, a ``WorkerStep`` with
+``num_layers = L`` (one token per speculating sequence; the stage holding layer L - 1 final-norms and hands
+the hidden states to the last stage, whose LM head writes the logits into the shared buffer), so k drafts
+cost k draft passes before the step's forward. The passes write layers < L's KV into the reserved draft
+slots, which the verifying forward overwrites, exactly as ``EarlyLayers`` does in one process.
 
 A rank that dies (or fails) fails the node: the step raises ``RankFailed``, the engine thread ends every
 request with an engine error (UNAVAILABLE at the node's API) and the node exits for its supervisor
@@ -45,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
+from common.config.engine_config import SpeculativeConfig
 from common.engine.model_runner import FlatBatch, ModelRunner, kv_cache_spec, sample_rows
 from common.engine.scheduler_output import StepResult
 from common.kv.kv_cache import KVCache
@@ -53,6 +57,7 @@ from common.kv.shared_segment import SharedSegment
 from common.parallel.channel import ChannelClosed, read_frame, write_frame
 from common.sampling.params import MAX_SPECULATIVE_TOKENS
 from common.serving.port_reservation import reserve_port
+from common.spec_decode.proposer import EarlyLayers
 from tandem.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -109,13 +114,10 @@ class ParallelModelRunner(ModelRunner):
                  draft_model: LlamaForCausalLM | None = None) -> None:
         """``max_rows``: the most sequences a step samples (max_num_seqs); a speculating step's draft rows are
         added to it here."""
-        if speculative is not None and speculative.method is SpeculativeMethod.DRAFT_LAYERS:
-            raise ValueError("--speculative draft_layers is not supported with --tensor-parallel-size or "
-                             "--pipeline-parallel-size > 1: the early layers that draft are split across the rank "
-                             "processes, so every draft token would take one more round trip through all of them; "
-                             "use --speculative ngram or draft_model")
         super().__init__(skeleton, block_size, num_blocks, speculative, draft_model,
                          kv_cache=KVCache(kv_cache_spec(skeleton, block_size), num_blocks, "cpu", shared=True))
+        if isinstance(self.proposer, EarlyLayers):  # the same drafting, its passes run by the ranks
+            self.proposer = RankEarlyLayers(self, self.proposer.num_layers)
         self.launch = launch
         self.collective_seconds = 0.0  # the slowest rank's time in collectives, summed over steps
         self.rank_seconds = 0.0  # the slowest rank's whole step, summed over steps
@@ -231,12 +233,37 @@ class ParallelModelRunner(ModelRunner):
         batch = FlatBatch.of(output.chunks, drafts, self.block_size)
         ends = batch.ends
         rows = sample_rows(output.chunks, drafts, ends)
-        if len(rows) > self.max_rows:
-            raise RankFailed(f"{len(rows)} sampled rows exceed the logits buffer ({self.max_rows})")
-        step = worker_pb2.WorkerStep(input_ids=batch.input_ids, positions=batch.positions,
-                                     query_lens=batch.query_lens, context_lens=batch.context_lens,
-                                     table_lens=[len(t) for t in batch.tables],
-                                     block_ids=[b for t in batch.tables for b in t], sample_rows=rows)
+        self._run_on_ranks(worker_pb2.WorkerStep(input_ids=batch.input_ids, positions=batch.positions,
+                                                 query_lens=batch.query_lens, context_lens=batch.context_lens,
+                                                 table_lens=[len(t) for t in batch.tables],
+                                                 block_ids=[b for t in batch.tables for b in t], sample_rows=rows),
+                           "running a step")
+        self.num_steps += 1
+        # the ranks wrote row j of the buffer for flat row rows[j]; indexing copies (the next step overwrites)
+        index = {r: j for j, r in enumerate(rows)}
+        result = self._sample(output.chunks, drafts, draft_probs, ends,
+                              lambda wanted: self._logits[[index[r] for r in wanted]])
+        end = time.perf_counter()
+        self.forward_seconds += end - start
+        return self._priced(output.chunks, drafts, result, end - step_start)
+
+    def draft_pass(self, token_ids: list[int], positions: list[int], tables: list[list[int]],
+                   num_layers: int) -> torch.Tensor:
+        """One token per sequence through the ranks' first ``num_layers`` layers, the final norm and the LM head
+        (``EarlyLayers.draft_logits`` across ranks): logits ``[len(token_ids), vocab]`` fp32, a copy."""
+        n = len(token_ids)
+        self._run_on_ranks(worker_pb2.WorkerStep(input_ids=token_ids, positions=positions, query_lens=[1] * n,
+                                                 context_lens=positions, table_lens=[len(t) for t in tables],
+                                                 block_ids=[b for t in tables for b in t], sample_rows=range(n),
+                                                 num_layers=num_layers),
+                           "running a draft pass")
+        return self._logits[:n].clone()  # the next pass or step overwrites the buffer
+
+    def _run_on_ranks(self, step: worker_pb2.WorkerStep, doing: str) -> None:
+        """Send every rank ``step`` (numbered here) and wait until all answered: its KV writes and its
+        ``sample_rows``' logits (rows 0.. of the buffer, in order) have landed."""
+        if len(step.sample_rows) > self.max_rows:
+            raise RankFailed(f"{len(step.sample_rows)} sampled rows exceed the logits buffer ({self.max_rows})")
         self._step_id += 1
         step.step_id = self._step_id
         command = worker_pb2.WorkerCommand(step=step)
@@ -246,17 +273,9 @@ class ParallelModelRunner(ModelRunner):
                 write_frame(proc.stdin, command)
             except (BrokenPipeError, OSError) as exc:
                 raise RankFailed(self._describe_exit(rank, f"cannot be reached ({exc})")) from None
-        replies = self._wait_replies(self._step_id, STEP_TIMEOUT_S, "running a step")
+        replies = self._wait_replies(self._step_id, STEP_TIMEOUT_S, doing)
         self.collective_seconds += max(r.collective_seconds for r in replies)
         self.rank_seconds += max(r.forward_seconds for r in replies)
-        self.num_steps += 1
-        # the ranks wrote row j of the buffer for flat row rows[j]; indexing copies (the next step overwrites)
-        index = {r: j for j, r in enumerate(rows)}
-        result = self._sample(output.chunks, drafts, draft_probs, ends,
-                              lambda wanted: self._logits[[index[r] for r in wanted]])
-        end = time.perf_counter()
-        self.forward_seconds += end - start
-        return self._priced(output.chunks, drafts, result, end - step_start)
 
     def _wait_replies(self, step_id: int, timeout_s: float, doing: str) -> list[worker_pb2.WorkerReply]:
         """Every rank's reply to ``step_id``; RankFailed when one exits, reports an error or times out."""
@@ -306,3 +325,14 @@ class ParallelModelRunner(ModelRunner):
             code = None
         how = "" if code is None else (f" (killed by signal {-code})" if code < 0 else f" (exit code {code})")
         return f"rank {rank} (pid {proc.pid}) {what}{how}"
+
+
+class RankEarlyLayers(EarlyLayers):
+    """``EarlyLayers`` whose draft passes run in the node's ranks (the target's layers live there)."""
+
+    def __init__(self, runner: ParallelModelRunner, num_layers: int) -> None:
+        super().__init__(runner.model, runner.kv_cache, runner.block_size, num_layers)
+        self.runner = runner
+
+    def draft_logits(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        return self.runner.draft_pass(token_ids, positions, tables, self.num_layers)

@@ -157,25 +157,31 @@ def _stage_ends(model: LlamaForCausalLM) -> tuple[bool, bool]:
 
 
 def stage_forward(model: LlamaForCausalLM, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  kv_cache: LayerKV | None, residual: torch.Tensor | None = None
+                  kv_cache: LayerKV | None, residual: torch.Tensor | None = None, num_layers: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run this rank's stage over a ragged batch: the model's own layer loop (``run_layers``) between the
     embedding (first stage) and the final norm (last stage).
 
     inputs: token ids [num_tokens] on the first stage, else the previous stage's hidden [num_tokens, hidden];
-    residual: the residual stream the previous stage returned beside it (None on the first stage).
-    Returns (hidden, residual): on the last stage the final-normed hidden [num_tokens, hidden] and None;
-    elsewhere the last layer's MLP output and the residual stream (which the fused ops update in place: pass
-    a tensor the stage may own). Every rank of a stage returns the same tensors.
+    residual: the residual stream the previous stage returned beside it (None on the first stage);
+    num_layers: a pass through the model's first layers only (a draft pass, ``--speculative draft_layers``):
+    this stage runs its layers below it, and the stage holding layer ``num_layers - 1`` final-norms. It must
+    hold at least one of them.
+    Returns (hidden, residual): on the stage that ends the pass the final-normed hidden [num_tokens, hidden]
+    and None; elsewhere the last layer's MLP output and the residual stream (which the fused ops update in
+    place: pass a tensor the stage may own). Every rank of a stage returns the same tensors.
     """
-    first, last = _stage_ends(model)
-    if first:
+    layers = cast("list[LlamaDecoderLayer]", list(model.layers))
+    l0, l1 = layers[0].self_attn.layer_idx, layers[-1].self_attn.layer_idx + 1
+    end = model.config.num_layers if num_layers is None else num_layers
+    assert l0 < end, f"the pass's {end} layers end before this stage's [{l0}, {l1})"
+    if l0 == 0:
         assert not inputs.is_floating_point(), "the first stage takes token ids"
         x = model.embed_tokens(inputs)
     else:
         x = inputs
-    x, residual = model.run_layers(positions, x, residual, meta, kv_cache)
-    return (model.final_norm(x, residual), None) if last else (x, residual)
+    x, residual = model.run_layers(positions, x, residual, meta, kv_cache, end - l0 if end < l1 else None)
+    return (model.final_norm(x, residual), None) if l1 >= end else (x, residual)
 
 
 def shard_logits(model: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ torch thread per core), joins the node's gloo process group, loads the model and
 
 A step: the first pipeline stage embeds the tokens, every stage runs its layers (the tensor-parallel group
 all-reduces after each row-parallel layer) and hands the hidden states to the next stage; the last stage
-writes its vocabulary columns of the sampled rows' logits into the shared buffer. With P > 1 the step's
+writes its vocabulary columns of the sampled rows' logits into the shared buffer. A draft pass
+(``WorkerStep.num_layers``, ``--speculative draft_layers``) runs only the first layers: the stage holding the
+last of them final-norms and sends the hidden states straight to the last stage's LM head. With P > 1 the step's
 sequences are split into micro-batches that flow through the stages one after another, so that stage s
 works on micro-batch m while stage s + 1 works on m - 1 (GPipe's schedule within one step).
 
@@ -95,7 +97,7 @@ class Rank:
         from common.kv.shared_segment import SharedSegment
         from common.model.loader import load_model
         from common.parallel.comm import GlooComm
-        from common.parallel.layout import ParallelLayout
+        from common.parallel.layout import ParallelLayout, stage_layers
         from common.parallel.tp_model import KVCacheShard, prepare_shard, shard_model
 
         self.init = init
@@ -133,6 +135,8 @@ class Rank:
         self._logits_segment = SharedSegment.open(init.logits_segment, init.logits_nonce)
         self.logits = self._logits_segment.data().view(torch.float32).view(init.max_rows, config.vocab_size)
         self.hidden_size = config.hidden_size
+        self.num_layers = config.num_layers
+        self.stage_layers = stage_layers(config.num_layers, p)  # every stage's [l0, l1): where a draft pass ends
         self.first, self.last = stage == 0, stage == p - 1
         self.prev_rank = init.rank - t if not self.first else None
         self.next_rank = init.rank + t if not self.last else None
@@ -154,6 +158,18 @@ class Rank:
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
+        # A draft pass (num_layers > 0) runs the first num_layers layers only: the stage holding the last of
+        # them final-norms and hands the hidden states to the last stage (the LM head); the stages between
+        # them skip. A whole step ends on the last stage, as a draft pass through every layer does.
+        num_layers = step.num_layers or self.num_layers
+        if num_layers > self.num_layers:
+            raise ValueError(f"a draft pass through {num_layers} layers: the model has {self.num_layers}")
+        l0, l1 = self.placement.layers
+        idle = l0 >= num_layers  # past the pass's layers: only the last stage has work (the LM head)
+        if idle and not self.last:
+            return
+        ends_pass = l0 < num_layers <= l1
+        end_stage = next(s for s, (a, b) in enumerate(self.stage_layers) if a < num_layers <= b)
         ids = torch.tensor(list(step.input_ids), dtype=torch.long)
         positions = torch.tensor(list(step.positions), dtype=torch.long)
         groups = micro_batches(query_lens, self.init.num_micro_batches) if len(query_lens) else []
@@ -162,18 +178,27 @@ class Rank:
         out_row = 0
         for first_seq, end_seq in groups:
             t0, t1 = starts[first_seq], starts[end_seq]
-            meta: AttentionMetadata = AttentionMetadata.build(
-                query_lens[first_seq:end_seq], context_lens[first_seq:end_seq], tables[first_seq:end_seq],
-                self.init.block_size)
-            if self.first:
-                x: torch.Tensor = ids[t0:t1]
-                residual: torch.Tensor | None = None
+            if idle:  # the normed hidden states from the stage that ended the pass, no residual
+                hidden = self._recv(t1 - t0, self.placement.pp_group[end_stage], with_residual=False)[0]
             else:
-                x, residual = self._recv(t1 - t0)
-            hidden, residual = stage_forward(self.model, x, positions[t0:t1], meta, self.kv, residual)
-            if not self.last:
-                sends.extend(self._send(hidden, residual))
-                continue
+                meta: AttentionMetadata = AttentionMetadata.build(
+                    query_lens[first_seq:end_seq], context_lens[first_seq:end_seq], tables[first_seq:end_seq],
+                    self.init.block_size)
+                if self.first:
+                    x: torch.Tensor = ids[t0:t1]
+                    residual: torch.Tensor | None = None
+                else:
+                    assert self.prev_rank is not None
+                    x, residual = self._recv(t1 - t0, self.prev_rank)
+                hidden, residual = stage_forward(self.model, x, positions[t0:t1], meta, self.kv, residual,
+                                                 step.num_layers or None)
+                if not ends_pass:
+                    assert self.next_rank is not None
+                    sends.extend(self._send(hidden, residual, self.next_rank))
+                    continue
+                if not self.last:
+                    sends.extend(self._send(hidden, None, self.placement.pp_group[-1]))
+                    continue
             mine = [r - t0 for r in rows if t0 <= r < t1]
             if mine:
                 v0, v1 = self.placement.vocab
@@ -183,25 +208,27 @@ class Rank:
         for work in sends:
             work.wait()
 
-    def _send(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> list[torch.distributed.Work]:
+    def _send(self, hidden: torch.Tensor, residual: torch.Tensor | None, dst: int) -> list[torch.distributed.Work]:
+        """hidden [n, hidden] (and the residual stream beside it, when given) to global rank ``dst``."""
         import torch
         import torch.distributed as dist
 
         start = time.perf_counter()
-        payload = hidden if residual is None else torch.stack([hidden, residual])
-        work = dist.isend(payload.contiguous(), self.next_rank)
+        payload = torch.stack([hidden] if residual is None else [hidden, residual])
+        work = dist.isend(payload.contiguous(), dst)
         self.collective_seconds += time.perf_counter() - start
         return [work] if work is not None else []
 
-    def _recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _recv(self, num_tokens: int, src: int, with_residual: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What ``_send`` sent from global rank ``src``: (hidden, residual stream or None)."""
         import torch
         import torch.distributed as dist
 
         start = time.perf_counter()
-        buf = torch.empty((2, num_tokens, self.hidden_size), dtype=self.dtype)  # hidden and residual stream
-        dist.recv(buf, self.prev_rank)
+        buf = torch.empty((2 if with_residual else 1, num_tokens, self.hidden_size), dtype=self.dtype)
+        dist.recv(buf, src)
         self.collective_seconds += time.perf_counter() - start
-        return buf[0], buf[1]
+        return buf[0], buf[1] if with_residual else None
 
 
 def serve(stdin: IO[bytes], stdout: IO[bytes]) -> int:

@@ -89,7 +89,8 @@ class DraftModelProposer:
                             meta, self.kv_cache)
         last_rows = meta.query_start_loc[1:] - 1
         step_probs: dict[int, list[torch.Tensor]] = {i: [] for i in slots}
-        last = sample_drafts(self.model, hidden[last_rows], chunks, slots, drafts, step_probs, sampling_state)
+        last = sample_drafts(self.model.compute_logits(hidden[last_rows]), chunks, slots, drafts, step_probs,
+                             sampling_state)
         for i in slots:
             self._computed[chunks[i].request.request_id] = chunks[i].start + 1
             self._fed[chunks[i].request.request_id] = 0
@@ -103,7 +104,8 @@ class DraftModelProposer:
             meta = AttentionMetadata.build([1] * len(active), pos, tables, bs, self.device)
             hidden = self.model(torch.tensor([last[i] for i in active], device=self.device),
                                 torch.tensor(pos, device=self.device), meta, self.kv_cache)
-            last = sample_drafts(self.model, hidden, chunks, active, drafts, step_probs, sampling_state)
+            last = sample_drafts(self.model.compute_logits(hidden), chunks, active, drafts, step_probs,
+                                 sampling_state)
             for i in active:
                 self._fed[chunks[i].request.request_id] = j
         for i in slots:
@@ -121,13 +123,14 @@ class DraftModelProposer:
         self._fed.pop(request_id, None)
 
 
-def sample_drafts(model: LlamaForCausalLM, hidden: torch.Tensor, chunks: list[ScheduledChunk], rows: list[int],
-                  drafts: list[list[int]], step_probs: dict[int, list[torch.Tensor]],
+def sample_drafts(logits: torch.Tensor, chunks: list[ScheduledChunk], rows: list[int], drafts: list[list[int]],
+                  step_probs: dict[int, list[torch.Tensor]],
                   sampling_state: Callable[[Request], RequestSamplingState]) -> dict[int, int]:
-    """One draft token for each chunk index in ``rows`` (``hidden``'s rows in that order) from the draft's
-    distribution (greedy requests: its argmax), appended to ``drafts`` and ``step_probs``; returns them."""
+    """One draft token for each chunk index in ``rows`` (``logits``' rows ``[len(rows), vocab]`` fp32, in that
+    order) from the draft's distribution (greedy requests: its argmax), appended to ``drafts`` and
+    ``step_probs``; returns them."""
     params = [chunks[i].request.params for i in rows]
-    p = target_probs(model.compute_logits(hidden), params)
+    p = target_probs(logits, params)
     out = {}
     for row, i in enumerate(rows):
         if params[row].greedy:

@@ -71,7 +71,9 @@ class EarlyLayers(Proposer):
     """The target's first ``num_layers`` layers as its own draft, run for k steps over the speculating requests.
 
     The draft shares the target's paged cache and writes its own tokens' KV into the reserved draft slots,
-    which the verification forward then overwrites (or truncation gives back)."""
+    which the verification forward then overwrites (or truncation gives back). Each draft token is one pass
+    (``draft_logits``): here in this process; a parallel node's ranks run it instead
+    (common/parallel/executor.py ``RankEarlyLayers``)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, num_layers: int) -> None:
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
@@ -92,13 +94,19 @@ class EarlyLayers(Proposer):
                 break
             positions = [chunks[i].start + j for i in active]
             tables = [chunks[i].block_ids[: p // bs + 1] for i, p in zip(active, positions, strict=True)]
-            meta = AttentionMetadata.build([1] * len(active), positions, tables, bs, self.device)
-            hidden = self.model(torch.tensor([last[i] for i in active], device=self.device),
-                                torch.tensor(positions, device=self.device), meta, self.kv_cache,
-                                num_layers=self.num_layers)
-            last.update(sample_drafts(self.model, hidden, chunks, active, drafts, step_probs, sampling_state))
+            logits = self.draft_logits([last[i] for i in active], positions, tables)
+            last.update(sample_drafts(logits, chunks, active, drafts, step_probs, sampling_state))
         for i in slots:
             probs[i] = torch.stack(step_probs[i]) if step_probs[i] else None
+
+    def draft_logits(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One token per sequence (at its position, its block table reaching it) through the first
+        ``num_layers`` layers, the final norm and the LM head: logits ``[len(token_ids), vocab]`` fp32; the
+        pass writes those layers' KV at the positions."""
+        meta = AttentionMetadata.build([1] * len(token_ids), positions, tables, self.block_size, self.device)
+        hidden = self.model(torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device),
+                            meta, self.kv_cache, num_layers=self.num_layers)
+        return self.model.compute_logits(hidden)
 
 
 class DraftModel(Proposer):

@@ -193,10 +193,61 @@ def test_a_draft_model_speculates_for_ranks(tiny_served_model_dir: Path, plain_g
     assert drafts > 0 and accepted >= 0.9 * drafts
 
 
-def test_early_layer_drafts_are_refused_with_ranks(three_kv_heads_dir: Path) -> None:
-    with pytest.raises(ValueError, match="--speculative draft_layers is not supported with --tensor-parallel-size"):
-        LLM(three_kv_heads_dir, dtype="float32", tensor_parallel_size=3,
-            speculative=SpeculativeConfig(method=SpeculativeMethod.DRAFT_LAYERS))
+def early_layers(num_layers: int) -> SpeculativeConfig:
+    """The target's first layers draft, k fixed (adaptive k would follow measured costs: counters vary)."""
+    return SpeculativeConfig(method=SpeculativeMethod.DRAFT_LAYERS, draft_layers=num_layers,
+                             num_speculative_tokens=3, max_batch_size=16, adaptive=False)
+
+
+def one_process(model_dir: Path, batch: list[list[int]], params: SamplingParams,
+                spec: SpeculativeConfig) -> tuple[list[list[int]], int, int]:
+    with LLM(model_dir, dtype="float32", speculative=spec) as llm:
+        got = [c.token_ids for c in llm.generate(batch, params)]
+        return got, llm.engine.scheduler.num_draft_tokens, llm.engine.scheduler.num_accepted_tokens
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                                    {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}],
+                         ids=["T2", "P2", "T2xP2"])
+def test_early_layer_speculation_across_ranks_equals_plain_greedy(tiny_served_model_dir: Path,
+                                                                  plain_greedy: list[list[int]],
+                                                                  layout: dict[str, object]) -> None:
+    """Each draft token is a pass of the ranks through the first layer (with P = 2: stage 0 ends it and hands
+    the normed hidden states to stage 1's LM head, whose own layer skips): greedy output is plain decoding's,
+    and the drafts are one process's early-layer drafts (the same drafted and accepted counts)."""
+    batch, spec = spec_batch(), early_layers(1)
+    got, drafts, accepted = speculating(tiny_served_model_dir, batch, [GREEDY_24] * len(batch), spec, **layout)
+    assert got == plain_greedy
+    assert (got, drafts, accepted) == one_process(tiny_served_model_dir, batch, GREEDY_24, spec)
+    assert drafts >= accepted > 0
+
+
+def test_sampled_and_greedy_requests_draft_with_early_layers_across_ranks(tiny_served_model_dir: Path,
+                                                                         plain_greedy: list[list[int]]) -> None:
+    """Seeded sampled requests sample their drafts from the early layers' distributions (the probabilities
+    speculative sampling verifies against) beside greedy ones: greedy keeps plain decoding's output."""
+    batch = spec_batch()
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    params = [GREEDY_24, sampled, GREEDY_24, sampled, GREEDY_24, sampled]
+    got, drafts, _ = speculating(tiny_served_model_dir, batch, params, early_layers(1), pipeline_parallel_size=2)
+    assert got[::2] == plain_greedy[::2]
+    assert [len(g) for g in got[1::2]] == [24, 24, 24] and drafts > 0
+
+
+@pytest.mark.parametrize(("layout", "num_layers"), [({"pipeline_parallel_size": 2}, 3),
+                                                    ({"pipeline_parallel_size": 3}, 2),
+                                                    ({"tensor_parallel_size": 3}, 3)],
+                         ids=["P2-L3", "P3-L2", "T3-L3"])
+def test_early_layer_passes_that_span_or_skip_stages(three_kv_heads_dir: Path, single_rank: list[list[int]],
+                                                     layout: dict[str, object], num_layers: int) -> None:
+    """4 layers: a draft pass through 3 spans both stages of P = 2 (layers 0-1, 2-3: stage 1 runs one of its
+    two); through 2 at P = 3 (layers 0-1, 2, 3) it ends in stage 0, stage 1 skips and stage 2 only runs the LM
+    head. Greedy output is plain decoding's, the drafts one process's (some rejected, most accepted)."""
+    batch, spec = prompts(5), early_layers(num_layers)
+    got, drafts, accepted = speculating(three_kv_heads_dir, batch, [GREEDY] * len(batch), spec, **layout)
+    assert got == single_rank
+    assert (got, drafts, accepted) == one_process(three_kv_heads_dir, batch, GREEDY, spec)
+    assert drafts > accepted > 0
 
 
 def test_micro_batches_and_core_placement() -> None:
