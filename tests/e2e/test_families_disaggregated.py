@@ -1,0 +1,43 @@
+"""The model families through the disaggregated system (issue 36): a random-weight Qwen3 (decoupled head_dim,
+q/k norms), a Mistral whose window is shorter than the prompts and a Qwen2 with full and sliding layers,
+each served by one prefill and one decode node as real processes on 127.0.0.1 (the prompt's KV crosses from
+one to the other), greedy fp32 tokens equal to transformers', twice (the second time from both nodes' prefix
+caches), and every KV block free afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.e2e.test_disaggregated import deployment, generate, request, wait_all_blocks_free
+from tests.model.test_families import _hf_greedy, _with_tokenizer
+
+pytestmark = pytest.mark.e2e
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("qwen3", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+                        "tie_word_embeddings": False}),
+    "mistral-window": ("mistral", {"sliding_window": 7}),
+    "qwen2-mixed-windows": ("qwen2", {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 6,
+                                      "max_window_layers": 1}),
+}
+NEW_TOKENS = 10
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_served_disaggregated_equals_transformers(tiny_model_factory: Callable[..., Path], tmp_path: Path,
+                                                         name: str) -> None:
+    model_type, overrides = FAMILIES[name]
+    model_dir = _with_tokenizer(tiny_model_factory(model_type, seed=21, **overrides))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 128, (int(n),), generator=g).tolist() for n in (9, 17, 30)]
+    expected = [_hf_greedy(model_dir, p, NEW_TOKENS) for p in prompts]
+    with deployment(model_dir, tmp_path, prefill=1, decode=1) as launcher:
+        for _ in range(2):  # the second round reads the prompts' blocks from both prefix caches
+            got = [generate(launcher.gateway.target, request(p, NEW_TOKENS))[0] for p in prompts]
+            assert got == expected
+        wait_all_blocks_free(launcher)
