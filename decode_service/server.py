@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 import grpc
 
@@ -14,7 +15,8 @@ from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
 from common.engine.node_setup import engine_configs, load_draft_model, load_node_model, prepare_decode_attention
 from common.serving.channel import format_address
-from common.serving.security import internal_auth, server_credentials
+from common.serving.registrar import register_node
+from common.serving.security import ChannelFactory, internal_auth, server_credentials
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
 from common.telemetry.metrics import DecodeMetrics, serve_metrics, snapshot_of
@@ -23,7 +25,7 @@ from decode_service.servicer import DecodeServicer
 from kv_transfer.errors import TransferFailed
 from kv_transfer.layout import make_layout, model_fingerprint
 from kv_transfer.receiver import KVReceiver
-from tandem.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2
+from tandem.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, membership_pb2
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,14 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
 
     running.add_shutdown_hook(shutdown)
     running.engine = engine
+    if node.gateway:  # live membership: join the gateway's routing now that the node serves
+        stats = core.stats()
+        info = membership_pb2.NodeInfo(
+            node_id=node_id, role="decode", address=format_address(node.advertise_host or node.host, running.port),
+            model=loaded.name, tensor_parallel_size=model_settings.tensor_parallel_size,
+            pipeline_parallel_size=model_settings.pipeline_parallel_size, kv_endpoint=servicer.kv_endpoint,
+            num_blocks=stats.num_blocks, block_size=stats.block_size, incarnation=uuid.uuid4().hex)
+        register_node(running, info, node.gateway, node.register_interval_s, ChannelFactory(security))
     log.info("decode node %s serving on %s", node_id, running.address)
     return running
 

@@ -1,10 +1,16 @@
-"""The gateway's connections to its nodes, and the loop that polls their load into the router."""
+"""The gateway's connections to its nodes, and the loop that polls their load into the router.
+
+Membership: the static targets (``--prefill`` / ``--decode``) are fixed members, polled forever and never
+dropped; registered nodes (``gateway.membership``) join with ``add`` and leave with ``remove`` (a
+deregistration or a drain) or, when they stop answering for ``drop_after_s``, by the poller.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -33,19 +39,63 @@ class NodePool:
 
     def __init__(self, router: Router, stats_interval_s: float,
                  interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, drop_after_s: float = 10.0,
+                 close_grace_s: float = 600.0) -> None:
         self._router = router
         self._interval = stats_interval_s
+        self._drop_after_s = drop_after_s
+        self._close_grace_s = close_grace_s  # a removed node's in-flight calls get this long (request_timeout_s)
         self._block_size: int | None = None  # the first block size a node reports (Stats)
         # ``interceptors``: trace-context propagation when tracing is on (common.telemetry.propagation) and
         # the cluster token; ``credentials``: TLS to the nodes (common.serving.security).
-        self._channels = {t: open_channel(t, interceptors=interceptors, credentials=credentials)
-                          for t in (*router.prefill, *router.decode)}
-        self._prefill = {t: prefill_pb2_grpc.PrefillStub(self._channels[t]) for t in router.prefill}
-        self._decode = {t: decode_pb2_grpc.DecodeStub(self._channels[t]) for t in router.decode}
+        self._interceptors, self._credentials = list(interceptors), credentials
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._prefill: dict[str, prefill_pb2_grpc.PrefillStub] = {}
+        self._decode: dict[str, decode_pb2_grpc.DecodeStub] = {}
+        self.fixed = frozenset((*router.prefill, *router.decode))  # the static targets: never dropped
+        for t in router.prefill:
+            self._connect("prefill", t)
+        for t in router.decode:
+            self._connect("decode", t)
         self._poller: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
         self._slow_polls: dict[str, int] = {}  # polls in a row a connected node left unanswered
+        self._down_since: dict[str, float] = {}  # registered nodes whose polls fail: since when
+        self._closing: set[asyncio.Task[None]] = set()  # channels of removed nodes, closing after their calls
+
+    def _connect(self, role: str, target: str) -> None:
+        channel = self._channels[target] = open_channel(target, interceptors=self._interceptors,
+                                                        credentials=self._credentials)
+        if role == "prefill":
+            self._prefill[target] = prefill_pb2_grpc.PrefillStub(channel)
+        else:
+            self._decode[target] = decode_pb2_grpc.DecodeStub(channel)
+
+    def add(self, role: str, target: str, node_id: str = "") -> None:
+        """A registered node joins: a channel to it, and routing once a poll answers (until then it is
+        routed as the static nodes are before their first poll: optimistically)."""
+        self._router.add(role, target, node_id)
+        self._connect(role, target)
+
+    def remove(self, target: str) -> None:
+        """A registered node leaves routing now. Its channel closes once the calls on it ended (each within
+        its request's deadline), so a deregistered node's streams finish; a dead node's fail as they would."""
+        assert target not in self.fixed, f"{target} is a static target"
+        if self._router.remove(target) is None:
+            return
+        self._prefill.pop(target, None)
+        self._decode.pop(target, None)
+        self._slow_polls.pop(target, None)
+        self._down_since.pop(target, None)
+        channel = self._channels.pop(target)
+        task = asyncio.create_task(channel.close(self._close_grace_s), name=f"close-{target}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def stats(self, target: str, timeout_s: float) -> common_pb2.NodeStats:
+        """The node's Stats now (a drain watches it empty)."""
+        stub = self._prefill.get(target) or self._decode[target]
+        return await stub.Stats(common_pb2.StatsRequest(), timeout=timeout_s)
 
     @property
     def block_size(self) -> int:
@@ -62,7 +112,8 @@ class NodePool:
     def is_connected(self, target: str) -> bool:
         """Whether the channel holds a live connection. A call that failed UNAVAILABLE on a channel
         that is not READY never reached the node (or the node died): the node is down, not the request."""
-        return self._channels[target].get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+        channel = self._channels.get(target)  # None: the node left (deregistered, drained or dropped)
+        return channel is not None and channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
 
     async def start(self) -> None:
         """Poll once (so the first requests are routed on real load), then keep polling in the background."""
@@ -75,6 +126,9 @@ class NodePool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
         await asyncio.gather(*(channel.close() for channel in self._channels.values()))
+        for task in list(self._closing):
+            task.cancel()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def poll_once(self) -> None:
         """Ask every node for its Stats at once; a node that does not answer is marked unreachable."""
@@ -88,17 +142,28 @@ class NodePool:
             # A node whose connection is up but whose answer came late is busy (its CPUs taken by its own
             # steps, or by a neighbour), not down: routing it nothing would refuse load it can serve. Only
             # SLOW_POLLS_UNTIL_DOWN unanswered polls in a row on a live connection (a hung process) count.
+            if (node := self._router.find(target)) is None:
+                return  # it left while the poll was out
             slow = self._slow_polls[target] = self._slow_polls.get(target, 0) + 1
             if (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.is_connected(target)
                     and slow < SLOW_POLLS_UNTIL_DOWN):
                 log.info("node %s answered no Stats within %.3g s (%d in a row): busy, still routed", target,
                          min(self._interval, 2.0), slow)
                 return
-            if self._router.node(target).reachable:
+            if node.reachable:
                 log.warning("node %s unreachable: %s %s", target, exc.code().name, exc.details())
             self._router.mark_unreachable(target)
+            if target not in self.fixed:
+                down_since = self._down_since.setdefault(target, time.monotonic())
+                if time.monotonic() - down_since >= self._drop_after_s:
+                    log.warning("node %s (%s) dropped: no answer for %.3g s", node.node_id, target,
+                                time.monotonic() - down_since)
+                    self.remove(target)
+            return
+        if (node := self._router.find(target)) is None:
             return
         self._slow_polls.pop(target, None)
+        self._down_since.pop(target, None)
         if stats.block_size and self._block_size is None:
             self._block_size = stats.block_size
             log.info("nodes' KV block size: %d tokens (reported by %s)", stats.block_size, target)
@@ -107,7 +172,7 @@ class NodePool:
             self._warned.add(target)
             log.warning("node %s uses block_size %d, the other nodes %d: prefix affinity will miss on it",
                         target, stats.block_size, self._block_size)
-        if not self._router.node(target).reachable:
+        if not node.reachable:
             log.info("node %s reachable again", target)
         self._router.update(target, load_from_proto(stats))
 

@@ -83,7 +83,7 @@ def prefill_locally(policy: LocalPrefillPolicy, num_prompt_tokens: int, decode: 
     """
     if policy.max_tokens == 0:
         return False
-    reachable = [n for n in prefill_nodes if n.reachable]
+    reachable = [n for n in prefill_nodes if n.routable]  # a draining node takes no new prompt
     if not reachable:
         return True
     if num_prompt_tokens > policy.max_tokens:

@@ -39,6 +39,8 @@ class NodeState:
     index: int  # position in the configured targets: the last tie-break, so choices are deterministic
     load: NodeLoad | None = None  # None until the first successful poll
     reachable: bool = True  # optimistic until a poll or a call fails to connect
+    draining: bool = False  # `tandem drain`: no new requests, the in-flight ones finish
+    registered_id: str = ""  # the node id a registered node gave (gateway.membership); "" for a static target
     inflight: int = 0  # this gateway's requests on the node right now
     # prompt tokens this gateway sent the node to prefill (a prefill node's Prefill calls, a decode node's local
     # prefills) whose first token has not come back yet: the node's prefill backlog, in tokens
@@ -46,7 +48,14 @@ class NodeState:
 
     @property
     def node_id(self) -> str:
-        return self.load.node_id if self.load is not None and self.load.node_id else self.target
+        if self.load is not None and self.load.node_id:
+            return self.load.node_id
+        return self.registered_id or self.target
+
+    @property
+    def routable(self) -> bool:
+        """Whether new requests may go to the node."""
+        return self.reachable and not self.draining
 
     @property
     def queue_depth(self) -> int:
@@ -100,26 +109,49 @@ class AffinityIndex:
 
 
 class Router:
-    """Picks nodes for requests; ``NodePool`` feeds it polls, the coordinator reports failures."""
+    """Picks nodes for requests; ``NodePool`` feeds it polls and the live membership, the coordinator reports
+    failures. The nodes given at start (the static targets) come first; registered ones follow in the order
+    they joined."""
 
     def __init__(self, prefill_targets: Sequence[str], decode_targets: Sequence[str],
                  affinity_capacity: int = 100_000, affinity_load_slack: int = 4) -> None:
-        self.prefill = {t: NodeState(t, i) for i, t in enumerate(prefill_targets)}
-        self.decode = {t: NodeState(t, i) for i, t in enumerate(decode_targets)}
+        self.prefill: dict[str, NodeState] = {}
+        self.decode: dict[str, NodeState] = {}
+        self._next_index = 0
+        for role, targets in (("prefill", prefill_targets), ("decode", decode_targets)):
+            for target in targets:
+                self.add(role, target)
         self.affinity = AffinityIndex(affinity_capacity)
         self._slack = affinity_load_slack
 
     def node(self, target: str) -> NodeState:
         return self.prefill.get(target) or self.decode[target]
 
+    def find(self, target: str) -> NodeState | None:
+        """The node at ``target``, or None when it is not (or no longer) a member."""
+        return self.prefill.get(target) or self.decode.get(target)
+
+    def add(self, role: str, target: str, node_id: str = "") -> NodeState:
+        """A node joins routing (``role``: prefill or decode; ``node_id``: the id it registered with)."""
+        assert role in ("prefill", "decode") and self.find(target) is None, (role, target)
+        node = NodeState(target, self._next_index, registered_id=node_id)
+        self._next_index += 1
+        (self.prefill if role == "prefill" else self.decode)[target] = node
+        return node
+
+    def remove(self, target: str) -> NodeState | None:
+        """A node leaves routing; the requests already on it hold its ``NodeState`` and finish as they may."""
+        return self.prefill.pop(target, None) or self.decode.pop(target, None)
+
     def update(self, target: str, load: NodeLoad) -> None:
         """A successful poll: the node is reachable and this is its load."""
-        node = self.node(target)
-        node.load, node.reachable = load, True
+        if (node := self.find(target)) is not None:
+            node.load, node.reachable = load, True
 
     def mark_unreachable(self, target: str) -> None:
         """A poll or a call could not reach the node; skip it until a poll succeeds again."""
-        self.node(target).reachable = False
+        if (node := self.find(target)) is not None:  # a node that left meanwhile is no member to mark
+            node.reachable = False
 
     def pick_decode(self, num_prompt_blocks: int, exclude: Collection[str] = ()) -> NodeState | None:
         """The decode node for a prompt of ``num_prompt_blocks`` blocks, or None if none is reachable."""
@@ -156,4 +188,4 @@ class Router:
 
 
 def _candidates(nodes: dict[str, NodeState], exclude: Collection[str]) -> list[NodeState]:
-    return [n for n in nodes.values() if n.reachable and n.target not in exclude]
+    return [n for n in nodes.values() if n.routable and n.target not in exclude]

@@ -9,7 +9,13 @@ import logging
 from collections.abc import Callable
 
 from common.config.settings import SecuritySettings
-from common.serving.security import TokenAuthInterceptor, channel_credentials, server_credentials, token_interceptors
+from common.serving.security import (
+    TokenAuthInterceptor,
+    channel_credentials,
+    internal_auth,
+    server_credentials,
+    token_interceptors,
+)
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
 from common.telemetry.metrics import EngineSnapshot, GatewayMetrics, serve_metrics
@@ -19,6 +25,8 @@ from gateway.coordinator import Coordinator
 from gateway.http_api import HttpApi, Readiness
 from gateway.http_server import HttpServer
 from gateway.kv_event_merger import KvEventMerger
+from gateway.membership import SERVICE_NAME as MEMBERSHIP_SERVICE
+from gateway.membership import MembershipServicer
 from gateway.model import ServedModel
 from gateway.node_pool import NodePool
 from gateway.prefill_policy import LocalPrefillPolicy
@@ -26,7 +34,7 @@ from gateway.request_runner import RequestRunner
 from gateway.router import Router
 from gateway.servicer import SERVICE_NAME, KvEventsSource, LoadsSource, TandemServicer
 from gateway.settings import GatewaySettings
-from tandem.v1 import generate_pb2_grpc
+from tandem.v1 import generate_pb2_grpc, membership_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +45,9 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
 
     ``model`` lets a caller that already loaded the tokenizer (tests, an in-process launcher) share it.
     ``security``: TLS on the public port and to the nodes, and the cluster token sent to them.
-    Stopping the returned server also stops the stats poller and closes the node channels.
+    Stopping the returned server also stops the stats poller and closes the node channels. With
+    ``settings.internal_port``, the Membership service (gateway/membership.py) listens there, guarded like
+    the nodes' internal services; ``running.internal_address`` is its address.
     """
     security = security or SecuritySettings()
     if model is None:
@@ -48,7 +58,8 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
                     settings.affinity_load_slack)
     pool = NodePool(router, settings.stats_interval_s,
                     interceptors=[*client_interceptors(), *token_interceptors(security.internal_token)],
-                    credentials=channel_credentials(security))
+                    credentials=channel_credentials(security), drop_after_s=settings.node_drop_after_s,
+                    close_grace_s=settings.request_timeout_s)
     await pool.start()
     coordinator = Coordinator(model, router, pool, settings.kv_timeout_s,
                               LocalPrefillPolicy(max_tokens=settings.local_prefill_max_tokens),
@@ -63,7 +74,25 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
         await pool.close()
         raise
     running.add_shutdown_hook(pool.close)
+    if settings.internal_port:
+        try:
+            internal = await serve_membership(MembershipServicer(pool, router, settings.stats_interval_s),
+                                              settings, security)
+        except BaseException:
+            await running.stop(0)
+            raise
+        running.internal_address = internal.address
+        running.add_shutdown_hook(functools.partial(internal.stop, 0))  # runs before the node channels close
     return running
+
+
+async def serve_membership(servicer: MembershipServicer, settings: GatewaySettings,
+                           security: SecuritySettings) -> RunningServer:
+    """The gateway's internal port: Membership, with the cluster's mutual TLS and token (docs/security.md)."""
+    return await start_server([functools.partial(membership_pb2_grpc.add_MembershipServicer_to_server, servicer)],
+                              [MEMBERSHIP_SERVICE], settings.host, settings.internal_port,
+                              interceptors=[*internal_auth(security, [MEMBERSHIP_SERVICE]), StatusInterceptor()],
+                              credentials=server_credentials(security, internal=True))
 
 
 async def serve_fronts(model: ServedModel, backend: GenerateBackend, settings: GatewaySettings,
@@ -131,6 +160,8 @@ def run_gateway(settings: GatewaySettings, security: SecuritySettings | None = N
                  ", ".join(settings.prefill_targets), ", ".join(settings.decode_targets))
         if running.http_url:
             log.info("OpenAI-compatible HTTP API on %s/v1", running.http_url)
+        if running.internal_address:
+            log.info("nodes register (and `tandem drain` calls) on %s", running.internal_address)
         await serve_until_signal(running, settings.shutdown_grace_s)
 
     asyncio.run(main())

@@ -134,7 +134,7 @@ def router_loads(router: Router) -> list[generate_pb2.NodeLoad]:
         for target in targets:
             node = router.node(target)
             msg = generate_pb2.NodeLoad(target=target, node_id=node.node_id, role=role, reachable=node.reachable,
-                                        num_inflight=node.inflight)
+                                        num_inflight=node.inflight, draining=node.draining)
             if node.load is not None:
                 load = node.load
                 msg.num_running, msg.num_waiting = load.num_running, load.num_waiting

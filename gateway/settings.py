@@ -39,8 +39,12 @@ class GatewaySettings:
     model_name: str = ""  # the name clients may send in ``model``; default: the directory's name
     host: str = "127.0.0.1"  # loopback by default; listening on other interfaces is an explicit choice
     port: int = 50051
-    prefill_targets: tuple[str, ...] = ()  # host:port of each prefill node (env: comma-separated)
+    prefill_targets: tuple[str, ...] = ()  # host:port of each prefill node (env: comma-separated); fixed members
     decode_targets: tuple[str, ...] = ()
+    # The internal gRPC port (Membership: nodes started with --gateway register on it, `tandem drain` calls it),
+    # guarded like the nodes' services (mutual TLS with --tls-ca, the cluster token); 0: off (static nodes only).
+    internal_port: int = 0
+    node_drop_after_s: float = 10.0  # a registered node whose Stats polls fail this long leaves routing
     max_inflight: int = 256  # samples in progress (both fronts); beyond it new requests queue for a slot
     max_queued: int = 1024  # requests waiting for a slot; one more gets RESOURCE_EXHAUSTED (HTTP 429); 0: no queue
     queue_timeout_s: float = 60.0  # the longest a request waits for a slot (within its own deadline)
@@ -73,11 +77,12 @@ class GatewaySettings:
         object.__setattr__(self, "decode_targets", _targets(self.decode_targets, "decode_targets"))
         if self.model_dir is None:
             raise ValueError(f"model_dir is required (--model-dir or {env_name('model_dir')})")
-        if not self.prefill_targets:
-            raise ValueError(f"prefill_targets: at least one prefill node is required ({env_name('prefill_targets')})")
-        if not self.decode_targets:
-            raise ValueError(f"decode_targets: at least one decode node is required ({env_name('decode_targets')})")
-        for name in ("port", "metrics_port", "http_port"):
+        for role in ("prefill", "decode"):
+            if not getattr(self, f"{role}_targets") and not self.internal_port:
+                raise ValueError(f"{role}_targets: at least one {role} node is required "
+                                 f"({env_name(role + '_targets')}), or an internal_port "
+                                 f"({env_name('internal_port')}) for nodes that register")
+        for name in ("port", "metrics_port", "http_port", "internal_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         if self.kv_load_failure_policy not in ("fail", "recompute"):
@@ -90,7 +95,7 @@ class GatewaySettings:
         for name in ("max_inflight", "affinity_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "kv_timeout_s", "stats_interval_s"):
+        for name in ("request_timeout_s", "kv_timeout_s", "stats_interval_s", "node_drop_after_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_model_len < 0 or self.affinity_load_slack < 0 or self.shutdown_grace_s < 0:
@@ -99,6 +104,10 @@ class GatewaySettings:
     @property
     def address(self) -> str:
         return format_address(self.host, self.port)
+
+    @property
+    def internal_address(self) -> str:
+        return format_address(self.host, self.internal_port)
 
     @property
     def served_model_name(self) -> str:

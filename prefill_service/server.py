@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 import grpc
 
@@ -12,6 +13,8 @@ from common.engine.async_engine import AsyncEngine
 from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
 from common.engine.node_setup import engine_configs, load_node_model
+from common.serving.channel import format_address
+from common.serving.registrar import register_node
 from common.serving.security import ChannelFactory, internal_auth, server_credentials
 from common.serving.server import RunningServer, serve_until_signal, start_server
 from common.serving.status import StatusInterceptor
@@ -21,7 +24,7 @@ from kv_transfer.layout import make_layout, model_fingerprint
 from kv_transfer.sender import KVSender
 from prefill_service.kv_producer import KVProducer
 from prefill_service.servicer import PrefillServicer
-from tandem.v1 import prefill_pb2, prefill_pb2_grpc
+from tandem.v1 import membership_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,14 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
 
     running.add_shutdown_hook(shutdown)
     running.engine = engine
+    if node.gateway:  # live membership: join the gateway's routing now that the node serves
+        stats = core.stats()
+        info = membership_pb2.NodeInfo(
+            node_id=node_id, role="prefill", address=format_address(node.advertise_host or node.host, running.port),
+            model=loaded.name, tensor_parallel_size=model_settings.tensor_parallel_size,
+            pipeline_parallel_size=model_settings.pipeline_parallel_size, kv_endpoint="",
+            num_blocks=stats.num_blocks, block_size=stats.block_size, incarnation=uuid.uuid4().hex)
+        register_node(running, info, node.gateway, node.register_interval_s, ChannelFactory(security))
     log.info("prefill node %s serving on %s", node_id, running.address)
     return running
 

@@ -1,4 +1,4 @@
-"""The ``tandem`` command line: ``tandem model prepare``, ``tandem generate``.
+"""The ``tandem`` command line: ``tandem model prepare``, ``tandem generate``, ``tandem serve``, ``tandem drain``.
 
 Flags and ``TANDEM_*`` environment variables fill the same settings fields (common.config.settings);
 a flag that is given wins over the environment, which wins over the default.
@@ -7,6 +7,7 @@ a flag that is given wins over the environment, which wins over the default.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -291,6 +292,30 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc
+
+    from common.serving.security import ChannelFactory
+    from tandem.v1 import membership_pb2, membership_pb2_grpc
+
+    security = load_settings(SecuritySettings, _pick(args, SecuritySettings))
+
+    async def drain() -> membership_pb2.DrainResponse:
+        async with ChannelFactory(security)(args.gateway) as channel:
+            request = membership_pb2.DrainRequest(node_id=args.node_id, timeout_seconds=args.timeout)
+            return await membership_pb2_grpc.MembershipStub(channel).Drain(request, timeout=args.timeout + 10.0)
+
+    try:
+        reply = asyncio.run(drain())
+    except grpc.aio.AioRpcError as exc:
+        print(f"tandem: error: drain {args.node_id}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(f"node {args.node_id} ({reply.address}) drained in {reply.seconds:.1f} s and deregistered")
+    return 0
+
+
 def kernel_settings_help() -> str:
     """The CPU kernel settings (``KernelSettings``: environment variables only), for ``tandem --help``."""
     import dataclasses
@@ -372,9 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(colo)
     add_settings_flags(colo, GatewaySettings, "public API (flags override TANDEM_* environment variables)",
                        skip=("model_dir", "prefill_targets", "decode_targets", "dtype", "kv_timeout_s",
-                             "stats_interval_s", "affinity_capacity", "affinity_load_slack"))
+                             "stats_interval_s", "affinity_capacity", "affinity_load_slack", "internal_port",
+                             "node_drop_after_s"))
     add_settings_flags(colo, NodeSettings, "engine (flags override TANDEM_* environment variables)",
-                       skip=("kv_store_port", "advertise_host", "kv_timeout_s", "grace_s"))
+                       skip=("kv_store_port", "advertise_host", "kv_timeout_s", "grace_s", "gateway",
+                             "register_interval_s"))
     _add_speculative_flags(colo)
     add_settings_flags(colo, SecuritySettings, _SECURITY_FLAGS, skip=("internal_token",))
     add_settings_flags(colo, TelemetrySettings, _TELEMETRY_FLAGS)
@@ -387,6 +414,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(health, SecuritySettings, "TLS (a node with --tls-ca also wants a client certificate)",
                        skip=("internal_token",))
     health.set_defaults(func=cmd_health)
+
+    drain = sub.add_parser("drain", help="take a registered node out of a running gateway: no new requests, its "
+                           "in-flight ones finish, its KV blocks are released, then it is deregistered")
+    drain.add_argument("node_id", metavar="NODE_ID", help="the node's id (--node-id; default <role>-<port>)")
+    drain.add_argument("--gateway", default=os.environ.get(env_name("gateway")) or None,
+                       required=not os.environ.get(env_name("gateway")),
+                       help="host:port of the gateway's internal port (its --internal-port) [TANDEM_GATEWAY]")
+    drain.add_argument("--timeout", type=float, default=300.0,
+                       help="seconds the node gets to finish its requests (the gateway routes it again after them)")
+    add_settings_flags(drain, SecuritySettings, "security: the cluster's TLS and token (the internal port "
+                       "asks for them as the nodes' services do)")
+    drain.set_defaults(func=cmd_drain)
 
     from tandem_cli.plugins import add_plugin_commands
 

@@ -193,6 +193,10 @@ class NodeSettings(EngineSettings):
     queue_timeout_s: float = 300.0
     grace_s: float = 5.0  # graceful shutdown: drain in-flight calls this long
     metrics_port: int = 0  # Prometheus /metrics; 0: off
+    # host:port of a gateway's internal port (its Membership service): the node registers there once it serves,
+    # again every register_interval_s (so a restarted gateway learns about it), and deregisters on shutdown.
+    gateway: str = ""
+    register_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -201,6 +205,11 @@ class NodeSettings(EngineSettings):
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
         if self.kv_timeout_s <= 0 or self.queue_timeout_s <= 0 or self.grace_s < 0:
             raise ValueError("kv_timeout_s and queue_timeout_s must be > 0, grace_s >= 0")
+        host, sep, port = self.gateway.rpartition(":")
+        if self.gateway and (not sep or not host or not port.isdigit()):
+            raise ValueError(f"{flag_name('gateway')} ({env_name('gateway')}): {self.gateway!r} is not host:port")
+        if self.register_interval_s <= 0:
+            raise ValueError(f"register_interval_s must be > 0, got {self.register_interval_s}")
 
 
 @dataclass(frozen=True)

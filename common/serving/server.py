@@ -54,8 +54,10 @@ class RunningServer:
     port: int
     service_names: tuple[str, ...]
     http_url: str = ""  # the OpenAI-compatible HTTP API beside it (http://host:port), when the process serves one
+    internal_address: str = ""  # a gateway's internal port (Membership), when it serves one
     engine: object | None = None  # the node's engine (a ``failed`` property): serve_until_signal watches it
     _hooks: list[ShutdownHook] = field(default_factory=list)
+    _stopping_hooks: list[ShutdownHook] = field(default_factory=list)
     _stopping: bool = False
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -67,6 +69,10 @@ class RunningServer:
     def add_shutdown_hook(self, hook: ShutdownHook) -> None:
         """Run ``hook`` after the server stopped; hooks run in reverse order of registration."""
         self._hooks.append(hook)
+
+    def add_stopping_hook(self, hook: ShutdownHook) -> None:
+        """Run ``hook`` as the server begins to stop, before in-flight RPCs drain (a node deregisters then)."""
+        self._stopping_hooks.append(hook)
 
     async def set_serving(self, serving: bool) -> None:
         """Report every service (and the server as a whole) SERVING or NOT_SERVING."""
@@ -84,6 +90,11 @@ class RunningServer:
         self._stopping = True
         try:
             await self.health.enter_graceful_shutdown()
+            for hook in self._stopping_hooks:
+                try:
+                    await hook()
+                except Exception:
+                    log.exception("stopping hook %r failed", hook)
             await self.server.stop(grace_s)
             for hook in reversed(self._hooks):
                 try:
