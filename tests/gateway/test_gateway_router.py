@@ -115,3 +115,30 @@ def test_node_id_comes_from_the_poll() -> None:
     assert r.node("127.0.0.1:7001").node_id == "127.0.0.1:7001"
     r.update("127.0.0.1:7001", load(node_id="prefill-a"))
     assert r.node("127.0.0.1:7001").node_id == "prefill-a"
+
+
+def test_nodes_join_and_leave_at_runtime() -> None:
+    r = Router([], [])
+    assert r.pick_decode(1) is None and r.pick_prefill(blocks(1)) is None
+    r.add("decode", "d0", node_id="decode-a")
+    r.add("prefill", "p0")
+    assert target(r.pick_decode(1)) == "d0" and target(r.pick_prefill(blocks(1))) == "p0"
+    assert r.node("d0").node_id == "decode-a"  # the registered id until a poll says otherwise
+    r.add("decode", "d1")
+    assert r.node("d1").index > r.node("d0").index  # joiners break ties after the earlier members
+    held = r.remove("d0")
+    assert held is not None and r.find("d0") is None and r.remove("d0") is None
+    r.mark_unreachable("d0")  # a call that was on the node reports it after it left: nothing to mark
+    r.update("d0", load())
+    assert r.find("d0") is None and target(r.pick_decode(1)) == "d1"
+
+
+def test_a_draining_node_takes_no_new_request() -> None:
+    r = Router(["p0", "p1"], ["d0", "d1"])
+    prompt = blocks(3)
+    r.affinity.record(prompt, "p0")
+    r.node("p0").draining = r.node("d0").draining = True
+    assert target(r.pick_prefill(prompt)) == "p1"  # affinity gives way too
+    assert target(r.pick_decode(1)) == "d1"
+    r.node("d1").draining = True
+    assert r.pick_decode(1) is None

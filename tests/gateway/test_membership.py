@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common.config.settings import ModelSettings, NodeSettings
+from common.config.settings import ModelSettings, NodeSettings, SecuritySettings
 from common.serving.port_reservation import reserve_port
 from common.serving.server import RunningServer
 from decode_service.server import serve_decode
@@ -20,6 +20,7 @@ from gateway.server import serve_gateway
 from gateway.settings import GatewaySettings
 from prefill_service.server import serve_prefill
 from tandem.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, membership_pb2, membership_pb2_grpc
+from tandem_cli import cli
 
 BS = 4
 PROMPT = [101, 102, 103, 104, 105, 106, 107, 108, 109, 110]
@@ -225,3 +226,36 @@ def test_a_node_that_dies_is_dropped(tiny_served_model_dir: Path) -> None:
 
 async def _gone(gateway: RunningServer, target: str) -> bool:
     return all(n.target != target for n in await loads(gateway))
+
+
+def test_the_internal_port_wants_the_cluster_token_and_drain_names_an_unknown_node(
+        tiny_served_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    async def main() -> None:
+        gateway = await serve_gateway(gateway_settings(tiny_served_model_dir, reserve_port()),
+                                      security=SecuritySettings(internal_token="s3cret"))
+        try:
+            channel, stub = membership(gateway)
+            async with channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Drain(membership_pb2.DrainRequest(node_id="d0"), timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            async with grpc.aio.insecure_channel(gateway.address) as public:  # not on the public port
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await membership_pb2_grpc.MembershipStub(public).Drain(membership_pb2.DrainRequest(node_id="d0"))
+                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            started = time.monotonic()
+            assert await asyncio.to_thread(cli.main, ["drain", "decode-7", "--gateway", gateway.internal_address,
+                                                      "--internal-token", "s3cret"]) == 1
+            assert time.monotonic() - started < 5.0
+            # A gateway that is not there: UNAVAILABLE at once, not the drain's timeout.
+            started = time.monotonic()
+            assert await asyncio.to_thread(cli.main, ["drain", "decode-7", "--gateway",
+                                                      f"127.0.0.1:{reserve_port()}"]) == 1
+            assert time.monotonic() - started < 10.0
+        finally:
+            await gateway.stop(0)
+
+    run(main())
+    err = capsys.readouterr().err
+    assert "drain decode-7: NOT_FOUND: node 'decode-7' is not registered with this gateway" in err
+    assert "drain decode-7: UNAVAILABLE" in err
