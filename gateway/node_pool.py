@@ -109,6 +109,12 @@ class NodePool:
     def decode(self, target: str) -> decode_pb2_grpc.DecodeStub:
         return self._decode[target]
 
+    def kv_event_streams(self) -> dict[str, grpc.aio.UnaryStreamMultiCallable]:
+        """Each member's ``SubscribeKvEvents`` (gateway.kv_event_merger follows the members as they change)."""
+        streams = {t: stub.SubscribeKvEvents for t, stub in self._prefill.items()}
+        streams.update({t: stub.SubscribeKvEvents for t, stub in self._decode.items()})
+        return streams
+
     def is_connected(self, target: str) -> bool:
         """Whether the channel holds a live connection. A call that failed UNAVAILABLE on a channel
         that is not READY never reached the node (or the node died): the node is down, not the request."""

@@ -64,12 +64,10 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
     coordinator = Coordinator(model, router, pool, settings.kv_timeout_s,
                               LocalPrefillPolicy(max_tokens=settings.local_prefill_max_tokens),
                               recompute_on_kv_failure=settings.kv_load_failure_policy == "recompute")
-    streams = {t: pool.prefill(t).SubscribeKvEvents for t in router.prefill}
-    streams.update({t: pool.decode(t).SubscribeKvEvents for t in router.decode})
     try:
         running = await serve_fronts(model, coordinator, settings, router=router,
                                      readiness=lambda: _readiness(router), security=security,
-                                     kv_events=KvEventMerger(streams).subscribe)
+                                     kv_events=KvEventMerger(pool.kv_event_streams).subscribe)
     except BaseException:
         await pool.close()
         raise

@@ -88,13 +88,22 @@ def test_nodes_register_serve_survive_a_gateway_restart_and_deregister(tiny_serv
     async def main() -> None:
         gateway = await serve_gateway(gateway_settings(tiny_served_model_dir, internal_port))
         internal = gateway.internal_address
+        events_channel = grpc.aio.insecure_channel(gateway.address)  # a KV-event subscriber from before any node
+        events = generate_pb2_grpc.TandemStub(events_channel).SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
         prefill = await serve_prefill(model, node_settings(internal, "p0"))
         decode = await serve_decode(model, node_settings(internal, "d0"))
         try:
             await wait_until("both nodes registered", lambda: _both(gateway, prefill, decode))
+            await asyncio.sleep(1.5)  # the merger follows the new members (every second) before the request
             responses = await generate(gateway, 6)
             assert len([t for r in responses for t in r.token_ids]) == 6
             assert responses[-1].timings.prefill_node == "p0" and responses[-1].timings.decode_node == "d0"
+            batch = await events.read()
+            while not any(e.WhichOneof("kind") == "stored" for e in batch.events):
+                batch = await events.read()
+            assert batch.target in (prefill.address, decode.address)
+            events.cancel()
+            await events_channel.close()
 
             # The gateway restarts (same internal port): the nodes' next heartbeat registers them again.
             await gateway.stop(0)
