@@ -155,7 +155,8 @@ def run_gateway(settings: GatewaySettings, security: SecuritySettings | None = N
     async def main() -> None:
         running = await serve_gateway(settings, security=security)
         log.info("gateway for %s on %s -> prefill %s, decode %s", settings.served_model_name, running.address,
-                 ", ".join(settings.prefill_targets), ", ".join(settings.decode_targets))
+                 ", ".join(settings.prefill_targets) or "(registered only)",
+                 ", ".join(settings.decode_targets) or "(registered only)")
         if running.http_url:
             log.info("OpenAI-compatible HTTP API on %s/v1", running.http_url)
         if running.internal_address:

@@ -70,8 +70,8 @@ class GatewayRegistrar:
                 reply = await self._stub.Register(self._info, timeout=min(self._interval_s, 5.0) + 1.0)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    log.warning("node %s stops registering with gateway %s: %s", self._info.node_id, self._gateway,
-                                exc.details())
+                    log.info("node %s stops registering with gateway %s: %s", self._info.node_id, self._gateway,
+                             exc.details())
                     self.drained = True
                     self.registered.clear()
                     return
