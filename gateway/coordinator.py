@@ -240,7 +240,7 @@ class Coordinator:
                 await self._pool.poll_once()
                 node = self._router.pick_decode(num_prompt_blocks, exclude=tried)
             if node is None:
-                raise UnavailableError(f"no reachable decode node (targets: {', '.join(self._router.decode)})")
+                raise UnavailableError(f"no reachable decode node (targets: {_members(self._router.decode)})")
             tried.append(node.target)
             call = self._pool.decode(node.target).Generate(request, timeout=_remaining(deadline))
             node.begin()
@@ -289,7 +289,7 @@ class Coordinator:
                 await self._pool.poll_once()
                 node = self._router.pick_prefill(block_hashes, exclude=tried)
             if node is None:
-                raise UnavailableError(f"no reachable prefill node (targets: {', '.join(self._router.prefill)})")
+                raise UnavailableError(f"no reachable prefill node (targets: {_members(self._router.prefill)})")
             tried.append(node.target)
             backlog = max(1, len(req.prompt_token_ids) - matched.get(node.target, 0) * self.block_size)
             node.begin()
@@ -356,6 +356,11 @@ async def _read_decode_stream(call: grpc.aio.UnaryStreamCall, queue: asyncio.Que
 def _start_reading(decode: _DecodeLeg, request_id: str) -> tuple[asyncio.Queue[_QueueItem], _Reader]:
     queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
     return queue, asyncio.create_task(_read_decode_stream(decode.call, queue), name=f"decode-{request_id}")
+
+
+def _members(nodes: dict[str, NodeState]) -> str:
+    """The targets for an error message; a draining node is said so, and no member at all too."""
+    return ", ".join(f"{t} (draining)" if n.draining else t for t, n in nodes.items()) or "none registered yet"
 
 
 def _remaining(deadline: float) -> float:

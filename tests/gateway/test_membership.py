@@ -124,9 +124,21 @@ def test_nodes_register_serve_survive_a_gateway_restart_and_deregister(tiny_serv
                     await stub.Register(membership_pb2.NodeInfo(node_id="x", role="both", address="h:1"))
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in (err.value.details() or "")
 
-            # A graceful shutdown deregisters the node before its calls drain.
-            await decode.stop(1.0)
-            assert await members(gateway, "decode") == set()
+            # A graceful shutdown deregisters the node first; its in-flight stream still finishes (the gateway
+            # closes the connection after it), and new requests find no decode node.
+            async with grpc.aio.insecure_channel(gateway.address) as gw_channel:
+                call = generate_pb2_grpc.TandemStub(gw_channel).Generate(request(150), timeout=60)
+                head = await call.read()
+                stopping = asyncio.ensure_future(decode.stop(5.0))  # (it waits out the KV connections)
+                await wait_until("d0 deregistered", lambda: _none(gateway, "decode"))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await generate(gateway, 3)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "no reachable decode node (targets: none registered yet)" in (err.value.details() or "")
+                rest = await _rest(call)
+                assert len([*head.token_ids, *(t for r in rest for t in r.token_ids)]) == 150
+                assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+                await stopping
         finally:
             await asyncio.gather(prefill.stop(0), decode.stop(0))
             await gateway.stop(0)
@@ -190,6 +202,10 @@ def test_drain_finishes_in_flight_streams_then_the_node_leaves(tiny_served_model
             await gateway.stop(0)
 
     run(main())
+
+
+async def _none(gateway: RunningServer, role: str) -> bool:
+    return not await members(gateway, role)
 
 
 async def _has(gateway: RunningServer, target: str) -> bool:
