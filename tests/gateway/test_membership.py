@@ -174,6 +174,14 @@ def test_drain_finishes_in_flight_streams_then_the_node_leaves(tiny_served_model
             victim = max(inflight, key=lambda node_id: inflight[node_id])
             other = next(node_id for node_id in decodes if node_id != victim)
 
+            # A drain that runs out of time names the node and what it still holds, and routes the node again.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Drain(membership_pb2.DrainRequest(node_id=victim, timeout_seconds=0.05), timeout=10)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert f"node {victim} did not drain" in (err.value.details() or "")
+            assert "in flight" in (err.value.details() or "") or "running" in (err.value.details() or "")
+            assert not await _draining(gateway, decodes[victim].address)
+
             drain = asyncio.ensure_future(stub.Drain(membership_pb2.DrainRequest(node_id=victim, timeout_seconds=60)))
             await wait_until(f"{victim} draining", lambda: _draining(gateway, decodes[victim].address))
             assert {n.node_id: n.num_inflight for n in await loads(gateway)}[victim] > 0  # a drain under load
