@@ -37,7 +37,15 @@ from gateway.model import ServedModel
 from gateway.server import serve_gateway
 from gateway.settings import GatewaySettings
 from prefill_service.server import PREFILL_SERVICE
-from tandem.v1 import common_pb2, decode_pb2_grpc, generate_pb2, generate_pb2_grpc, prefill_pb2_grpc
+from tandem.v1 import (
+    common_pb2,
+    decode_pb2_grpc,
+    generate_pb2,
+    generate_pb2_grpc,
+    membership_pb2,
+    membership_pb2_grpc,
+    prefill_pb2_grpc,
+)
 from tests.security.certs import Pki
 
 pytestmark = pytest.mark.real_model  # the bundled model's tokenizer
@@ -73,7 +81,8 @@ async def secured_cluster(model: ServedModel, model_dir: Path, pki: Pki) -> Asyn
     settings = GatewaySettings(model_dir=model_dir, model_name=model.name, port=0, http_port=free_port(),
                                prefill_targets=(nodes["prefill-0"].address,),
                                decode_targets=(nodes["decode-0"].address,), api_key=API_KEY,
-                               local_prefill_max_tokens=0)  # scripted nodes: the decode node only reserves
+                               local_prefill_max_tokens=0,  # scripted nodes: the decode node only reserves
+                               internal_port=free_port())  # Membership, guarded like the nodes' services
     gateway_security = SecuritySettings(pki.client.cert, pki.client.key, pki.ca, internal_token=TOKEN)
     gateway = await serve_gateway(settings, model, gateway_security)
     try:
@@ -166,5 +175,33 @@ def test_internal_services_refuse_callers_without_the_cluster_credential(served_
             async with ChannelFactory(member)(c.nodes["prefill-0"].address) as channel:
                 stats = await prefill_pb2_grpc.PrefillStub(channel).Stats(common_pb2.StatsRequest(), timeout=10)
                 assert stats.node_id == "prefill-0"
+
+    run_async(scenario(), 60)
+
+
+def test_the_gateways_membership_port_wants_the_cluster_credential(served_model: ServedModel, smollm2_dir: Path,
+                                                                   pki: Pki) -> None:
+    """Registering or draining nodes is the cluster's business: mutual TLS and the token, as on the nodes."""
+
+    async def drain(security: SecuritySettings, target: str) -> grpc.StatusCode:
+        async with ChannelFactory(security)(target) as channel:
+            try:
+                await membership_pb2_grpc.MembershipStub(channel).Drain(
+                    membership_pb2.DrainRequest(node_id="decode-9"), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+        return grpc.StatusCode.OK
+
+    async def scenario() -> None:
+        async with secured_cluster(served_model, smollm2_dir, pki) as c:
+            internal = c.gateway.internal_address
+            member = SecuritySettings(pki.client.cert, pki.client.key, pki.ca, internal_token=TOKEN)
+            assert await drain(member, internal) == grpc.StatusCode.NOT_FOUND  # let in: the node is unknown
+            assert await drain(SecuritySettings(pki.client.cert, pki.client.key, pki.ca),
+                               internal) == grpc.StatusCode.UNAUTHENTICATED
+            for stranger in (SecuritySettings(pki.rogue.cert, pki.rogue.key, pki.ca, internal_token=TOKEN),
+                             SecuritySettings(tls_ca=pki.ca, internal_token=TOKEN)):
+                assert await drain(stranger, internal) == grpc.StatusCode.UNAVAILABLE  # the TLS handshake
+            assert await drain(member, c.gateway.address) == grpc.StatusCode.UNIMPLEMENTED  # not on the public port
 
     run_async(scenario(), 60)
