@@ -60,8 +60,9 @@ class Member:
 class MembershipServicer(membership_pb2_grpc.MembershipServicer):
     """Registrations, deregistrations and drains, applied to the ``NodePool`` (and through it the router)."""
 
-    def __init__(self, pool: NodePool, router: Router, poll_interval_s: float) -> None:
+    def __init__(self, pool: NodePool, router: Router, poll_interval_s: float, model: str = "") -> None:
         self._pool = pool
+        self._model = model  # the gateway's model directory's name: a node naming another one is logged
         self._router = router
         self._poll_interval_s = poll_interval_s
         self._registered: dict[str, Member] = {}  # node_id -> its registration
@@ -109,6 +110,10 @@ class MembershipServicer(membership_pb2_grpc.MembershipServicer):
             self._registered[member.node_id] = member
             self._pool.add(member.role, member.target, member.node_id)
         info = member.info
+        if self._model and info.model and info.model != self._model:
+            # Warned, not refused: one model may sit in directories of different names on different hosts.
+            log.warning("node %s serves model %s, the gateway's tokenizer is %s's", member.node_id, info.model,
+                        self._model)
         log.info("node %s joined: %s at %s (model %s, %dx%d ranks, %d blocks of %d tokens%s)", member.node_id,
                  member.role, member.target, info.model or "?", info.tensor_parallel_size or 1,
                  info.pipeline_parallel_size or 1, info.num_blocks, info.block_size,

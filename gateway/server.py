@@ -74,8 +74,9 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
     running.add_shutdown_hook(pool.close)
     if settings.internal_port:
         try:
-            internal = await serve_membership(MembershipServicer(pool, router, settings.stats_interval_s),
-                                              settings, security)
+            model_name = settings.model_dir.name if settings.model_dir else ""
+            membership = MembershipServicer(pool, router, settings.stats_interval_s, model_name)
+            internal = await serve_membership(membership, settings, security)
         except BaseException:
             await running.stop(0)
             raise

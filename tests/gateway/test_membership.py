@@ -231,7 +231,7 @@ async def _rest(call: grpc.aio.UnaryStreamCall) -> list[generate_pb2.GenerateRes
     return out
 
 
-def test_a_node_that_dies_is_dropped(tiny_served_model_dir: Path) -> None:
+def test_a_node_that_dies_is_dropped(tiny_served_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = ModelSettings(model=str(tiny_served_model_dir), dtype="float32")
 
     async def main() -> None:
@@ -240,7 +240,9 @@ def test_a_node_that_dies_is_dropped(tiny_served_model_dir: Path) -> None:
         channel, stub = membership(gateway)
         try:
             await stub.Register(membership_pb2.NodeInfo(node_id="d9", role="decode", address=decode.address,
-                                                        kv_endpoint=decode.address, incarnation="1"), timeout=10)
+                                                        kv_endpoint=decode.address, incarnation="1",
+                                                        model="another-model"), timeout=10)
+            assert "node d9 serves model another-model" in caplog.text  # said, not refused
             await wait_until("d9 polled", lambda: _has(gateway, decode.address))
             await decode.server.stop(0)  # the process is gone: no deregistration, no answers
             started = time.monotonic()
