@@ -33,6 +33,6 @@ while engine.has_unfinished():
 profile.disable()
 out = io.StringIO()
 stats = pstats.Stats(profile, stream=out)
-print("steps", steps, "calls", stats.total_calls)
+print("steps", steps, "calls", stats.total_calls)  # type: ignore[attr-defined]  # not in typeshed's stub
 stats.sort_stats("tottime").print_stats(12)
 print(out.getvalue())
