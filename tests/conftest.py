@@ -83,12 +83,14 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "phi3": transformers.Phi3Config,
     }[model_type]
     model_cls: Any = {
         "llama": transformers.LlamaForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
     }[model_type]
     kwargs = {**TINY_LLAMA, **overrides}
     torch.manual_seed(seed)

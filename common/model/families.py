@@ -102,6 +102,17 @@ def _qwen3_options(raw: Raw) -> ArchOptions:
     return ArchOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
+def _phi3_options(raw: Raw) -> ArchOptions:
+    # Phi-3 has no biases; its rotary may cover only part of each head (Phi-3.5 / Phi-4-mini), which Tandem's
+    # rotary does not implement.
+    params: Raw = raw.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if factor != 1.0:
+        raise ValueError(f"partial_rotary_factor {factor} is not supported (phi3): Tandem's rotary embeds the "
+                         f"whole head_dim")
+    return ArchOptions()
+
+
 def _mistral_windows(raw: Raw) -> Windows:
     # MistralModel builds a sliding-window mask for every layer whenever sliding_window is set (layer_types,
     # which transformers only warns about here, is ignored).
@@ -137,6 +148,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral", "MistralForCausalLM", lambda raw: ArchOptions(), layer_windows=_mistral_windows),
     Family("qwen2", "Qwen2ForCausalLM", _qwen2_options, layer_windows=_qwen_windows),
     Family("qwen3", "Qwen3ForCausalLM", _qwen3_options, head_dim=128, layer_windows=_qwen_windows),
+    # Phi-3: q/k/v and gate/up already fused in the checkpoint, under the model's own names (no weight map); a
+    # window on every layer when sliding_window is set, as Mistral.
+    Family("phi3", "Phi3ForCausalLM", _phi3_options, rms_norm_eps=1e-5, layer_windows=_mistral_windows,
+           fused_weights={}),
 )}
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

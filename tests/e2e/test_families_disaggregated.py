@@ -1,5 +1,6 @@
 """The model families through the disaggregated system (issue 36): a random-weight Qwen3 (decoupled head_dim,
-q/k norms), a Mistral whose window is shorter than the prompts and a Qwen2 with full and sliding layers,
+q/k norms), a Mistral whose window is shorter than the prompts, a Qwen2 with full and sliding layers and a
+Phi-3 (its checkpoint's own fused projections) with a window,
 each served by one prefill and one decode node as real processes on 127.0.0.1 (the prompt's KV crosses from
 one to the other), greedy fp32 tokens equal to transformers', twice (the second time from both nodes' prefix
 caches), and every KV block free afterwards."""
@@ -24,6 +25,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-window": ("mistral", {"sliding_window": 7}),
     "qwen2-mixed-windows": ("qwen2", {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 6,
                                       "max_window_layers": 1}),
+    # Phi3Config's token ids default to Phi-3's vocabulary: inside the tiny one here
+    "phi3-window": ("phi3", {"sliding_window": 7, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }
 NEW_TOKENS = 10
 

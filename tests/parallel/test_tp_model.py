@@ -214,10 +214,13 @@ def _world(tmp_path_factory: pytest.TempPathFactory, world: int, specs: list[tup
 def world2(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory: Callable[..., Path]) -> Iterator[World]:
     a = tiny_model_factory("llama", seed=5, **MODEL_A)
     qwen3 = tiny_model_factory("qwen3", seed=5, **QWEN3)
+    # Phi-3 (its checkpoint's fused projections) with a window shorter than the prompts, on every layer
+    phi3 = tiny_model_factory("phi3", seed=5, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     yield from _world(tmp_path_factory, 2, [
         ("tp2", a, 2, 1, False, "none"), ("tp2-fused", a, 2, 1, True, "none"),
         ("pp2", a, 1, 2, False, "none"), ("pp2-fused", a, 1, 2, True, "none"),
         ("tp2-int8", a, 2, 1, True, "int8"), ("tp2-qwen3-fused", qwen3, 2, 1, True, "none"),
+        ("tp2-phi3-window-fused", phi3, 2, 1, True, "none"),
     ], shared=False)
 
 
@@ -245,7 +248,7 @@ def _check_outputs(w: World, case: str, last_stage: list[int], atol: float = 1e-
             assert torch.equal(logits.argmax(-1), ref.logits[step].argmax(-1)), f"{where}: greedy tokens differ"
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp2-fused", "tp2-qwen3-fused"])
+@pytest.mark.parametrize("case", ["tp2", "tp2-fused", "tp2-qwen3-fused", "tp2-phi3-window-fused"])
 def test_tp2_matches_unsharded(world2: World, case: str) -> None:
     _check_outputs(world2, case, [0, 1])
 
