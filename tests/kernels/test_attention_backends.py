@@ -109,12 +109,13 @@ def make_batch(
 
 
 def dense_causal_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:
     """float64 attention of the last q_len positions of one sequence over all of it.
 
     query: [q_len, num_heads, D]; keys, values: [seq_len, num_kv_heads, D]; query row i sits at
-    position seq_len - q_len + i and sees keys 0..that position.
+    position seq_len - q_len + i and sees keys 0..that position (``window``: only the last ``window`` of them,
+    position - window + 1 .. position).
     """
     q_len, seq_len = query.shape[0], keys.shape[0]
     group = query.shape[1] // keys.shape[1]
@@ -122,15 +123,17 @@ def dense_causal_attention(
     v = values.double().cpu().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.double().cpu(), k) * scale
     position = torch.arange(q_len)[:, None] + seq_len - q_len
-    scores.masked_fill_(torch.arange(seq_len)[None, :] > position, float("-inf"))
+    cols = torch.arange(seq_len)[None, :]
+    hidden = cols > position if window is None else (cols > position) | (cols <= position - window)
+    scores.masked_fill_(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
-def dense_expected(batch: PagedBatch, scale: float) -> torch.Tensor:
+def dense_expected(batch: PagedBatch, scale: float, window: int | None = None) -> torch.Tensor:
     outs, start = [], 0
     for i, q_len in enumerate(batch.meta.query_lens_cpu):
         q = batch.query[start : start + q_len]
-        outs.append(dense_causal_attention(q, batch.dense_keys[i], batch.dense_values[i], scale))
+        outs.append(dense_causal_attention(q, batch.dense_keys[i], batch.dense_values[i], scale, window))
         start += q_len
     return torch.cat(outs)
 
@@ -150,11 +153,11 @@ def check_backend(backend: AttentionBackend, batch: PagedBatch, dtype: torch.dty
     assert_close(out, dense_expected(batch, scale), dtype)
     key_cache, value_cache = batch.kv_cache
     reference = reference_paged_attention(batch.query.cpu(), key_cache.cpu(), value_cache.cpu(),
-                                          _cpu_meta(batch.meta), scale)
+                                          cpu_meta(batch.meta), scale)
     assert_close(out, reference, dtype)
 
 
-def _cpu_meta(meta: AttentionMetadata) -> AttentionMetadata:
+def cpu_meta(meta: AttentionMetadata) -> AttentionMetadata:
     assert meta.block_tables is not None
     return AttentionMetadata(meta.query_start_loc.cpu(), meta.seq_lens.cpu(), meta.context_lens.cpu(),
                              meta.block_tables.cpu(), None, meta.query_lens_cpu, meta.seq_lens_cpu)

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from common.attention.backend import get_backend
-from common.attention.metadata import AttentionMetadata
 from common.attention.torch_backend import TorchAttentionBackend, reference_paged_attention
 from common.kernels.cpu import paged_decode_kernel
 from common.kernels.triton import attention as triton_kernels
@@ -23,6 +22,8 @@ from tests.kernels.test_attention_backends import (
     TRITON_DEVICE,
     PagedBatch,
     assert_close,
+    cpu_meta,
+    dense_expected,
     make_batch,
     needs_triton,
     requires_cuda,
@@ -31,40 +32,11 @@ from tests.kernels.test_attention_backends import (
 WINDOWS = [1, 5, 16, 33]
 
 
-def dense_window_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                           window: int) -> torch.Tensor:
-    """float64: query row i (position seq_len - q_len + i) over keys position - window + 1 .. position."""
-    q_len, seq_len = query.shape[0], keys.shape[0]
-    group = query.shape[1] // keys.shape[1]
-    k = keys.double().cpu().repeat_interleave(group, dim=1)
-    v = values.double().cpu().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", query.double().cpu(), k) * scale
-    position = torch.arange(q_len)[:, None] + seq_len - q_len
-    cols = torch.arange(seq_len)[None, :]
-    scores.masked_fill_((cols > position) | (cols <= position - window), float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
-
-
-def dense_expected(batch: PagedBatch, scale: float, window: int) -> torch.Tensor:
-    outs, start = [], 0
-    for i, q_len in enumerate(batch.meta.query_lens_cpu):
-        q = batch.query[start : start + q_len]
-        outs.append(dense_window_attention(q, batch.dense_keys[i], batch.dense_values[i], scale, window))
-        start += q_len
-    return torch.cat(outs)
-
-
-def _cpu_meta(meta: AttentionMetadata) -> AttentionMetadata:
-    assert meta.block_tables is not None
-    return AttentionMetadata(meta.query_start_loc.cpu(), meta.seq_lens.cpu(), meta.context_lens.cpu(),
-                             meta.block_tables.cpu(), None, meta.query_lens_cpu, meta.seq_lens_cpu)
-
-
 def check_window(backend_out: torch.Tensor, batch: PagedBatch, scale: float, window: int, dtype: torch.dtype) -> None:
     assert_close(backend_out, dense_expected(batch, scale, window), dtype)
     key_cache, value_cache = batch.kv_cache
     reference = reference_paged_attention(batch.query.cpu(), key_cache.cpu(), value_cache.cpu(),
-                                          _cpu_meta(batch.meta), scale, window)
+                                          cpu_meta(batch.meta), scale, window)
     assert_close(backend_out, reference, dtype)
 
 

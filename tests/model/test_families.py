@@ -118,24 +118,31 @@ def test_qwen3_offline_greedy_identical_to_transformers(tiny_model_factory: Call
             assert completion.token_ids == _hf_greedy(model_dir, prompt, GREEDY_TOKENS), name
 
 
-def test_qwen3_through_tandem_generate(tiny_model_factory: Callable[..., Path],
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def generate_cli(model_dir: Path, prompt: str, tokens: int, capsys: pytest.CaptureFixture[str],
+                 *extra: str) -> tuple[str, str, str]:
+    """``tandem generate`` of ``prompt`` (greedy, ``tokens`` tokens, ``extra`` flags): (its stdout, its stderr,
+    what transformers' greedy continuation detokenizes to)."""
     from common.detokenizer import IncrementalDetokenizer
     from common.tokenizer import Tokenizer
     from tandem_cli.cli import main
 
-    model_dir = _with_tokenizer(_qwen3(tiny_model_factory, "gqa4-decoupled-untied"))
-    prompt = "t17 t3 t99 t42 t8 t120 t64"
     code = main(["generate", "--model", str(model_dir), "--dtype", "float32", "--prompt", prompt,
-                 "--max-tokens", str(GREEDY_TOKENS), "--ignore-eos"])
+                 "--max-tokens", str(tokens), "--ignore-eos", *extra])
     out = capsys.readouterr()
     assert code == 0, out.err
     tokenizer = Tokenizer(model_dir)
     prompt_ids = tokenizer.encode(prompt)
     detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-    expected = "".join(detok.add([t]) for t in _hf_greedy(model_dir, prompt_ids, GREEDY_TOKENS))
-    assert out.out == prompt + expected + "\n"
-    assert f"[{GREEDY_TOKENS} tokens" in out.err
+    return out.out, out.err, "".join(detok.add([t]) for t in _hf_greedy(model_dir, prompt_ids, tokens))
+
+
+def test_qwen3_through_tandem_generate(tiny_model_factory: Callable[..., Path],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = _with_tokenizer(_qwen3(tiny_model_factory, "gqa4-decoupled-untied"))
+    prompt = "t17 t3 t99 t42 t8 t120 t64"
+    stdout, stderr, expected = generate_cli(model_dir, prompt, GREEDY_TOKENS, capsys)
+    assert stdout == prompt + expected + "\n"
+    assert f"[{GREEDY_TOKENS} tokens" in stderr
 
 
 def test_decode_step_is_not_installed_for_q_k_norms(tiny_model_factory: Callable[..., Path]) -> None:

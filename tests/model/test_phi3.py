@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.config.model_config import ModelConfig
-from tests.model.test_families import BASE, _hf_greedy, _with_tokenizer
+from tests.model.test_families import BASE, _hf_greedy, _with_tokenizer, generate_cli
 
 TOKENS = 12
 PHI3: dict[str, dict[str, Any]] = {
@@ -47,21 +47,10 @@ def test_phi3_offline_greedy_identical_to_transformers(tiny_model_factory: Calla
 
 def test_phi3_through_tandem_generate(tiny_model_factory: Callable[..., Path],
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from common.detokenizer import IncrementalDetokenizer
-    from common.tokenizer import Tokenizer
-    from tandem_cli.cli import main
-
     model_dir = _phi3(tiny_model_factory, "window-5")
     prompt = "t17 t3 t99 t42 t8 t120 t64 t5 t77 t31"
-    code = main(["generate", "--model", str(model_dir), "--dtype", "float32", "--prompt", prompt,
-                 "--max-tokens", str(TOKENS), "--ignore-eos"])
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    tokenizer = Tokenizer(model_dir)
-    prompt_ids = tokenizer.encode(prompt)
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-    expected = "".join(detok.add([t]) for t in _hf_greedy(model_dir, prompt_ids, TOKENS))
-    assert out.out == prompt + expected + "\n"
+    stdout, _, expected = generate_cli(model_dir, prompt, TOKENS, capsys)
+    assert stdout == prompt + expected + "\n"
 
 
 def test_phi3_config_reads_and_refusals() -> None:

@@ -19,7 +19,7 @@ from common.attention.metadata import AttentionMetadata
 from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from common.config.model_config import ModelConfig
 from common.model.loader import load_model
-from tests.model.test_families import _hf, _hf_greedy, _with_tokenizer
+from tests.model.test_families import _hf, _hf_greedy, _with_tokenizer, generate_cli
 
 # name -> (model_type, overrides of the tiny config (hidden 64, vocab 128)), each with a window shorter than
 # the prompts below.
@@ -137,22 +137,11 @@ def test_windowed_greedy_differs_from_the_whole_sequence(tiny_model_factory: Cal
 
 def test_windowed_mistral_through_tandem_generate(tiny_model_factory: Callable[..., Path],
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    from common.detokenizer import IncrementalDetokenizer
-    from common.tokenizer import Tokenizer
-    from tandem_cli.cli import main
-
     model_dir = _with_tokenizer(_model_dir(tiny_model_factory, "mistral"))
     prompt = "t17 t3 t99 t42 t8 t120 t64 t17 t3 t99 t42"
-    tokenizer = Tokenizer(model_dir)
-    prompt_ids = tokenizer.encode(prompt)
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-    expected = "".join(detok.add([t]) for t in _hf_greedy(model_dir, prompt_ids, GREEDY_TOKENS))
     for extra in ([], ["--speculative", "ngram"]):
-        code = main(["generate", "--model", str(model_dir), "--dtype", "float32", "--prompt", prompt,
-                     "--max-tokens", str(GREEDY_TOKENS), "--ignore-eos", *extra])
-        out = capsys.readouterr()
-        assert code == 0, out.err
-        assert out.out == prompt + expected + "\n", extra
+        stdout, _, expected = generate_cli(model_dir, prompt, GREEDY_TOKENS, capsys, *extra)
+        assert stdout == prompt + expected + "\n", extra
 
 
 def test_decode_step_is_not_installed_for_a_window(tiny_model_factory: Callable[..., Path]) -> None:
