@@ -84,6 +84,8 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "phi3": transformers.Phi3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[model_type]
     model_cls: Any = {
         "llama": transformers.LlamaForCausalLM,
@@ -91,16 +93,22 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
     }[model_type]
     kwargs = {**TINY_LLAMA, **overrides}
     torch.manual_seed(seed)
     config = cfg_cls(**kwargs)
     model = model_cls(config).to(torch.float32)
     # Random init leaves norms (Qwen3's q/k norms too) at 1 and biases at 0: perturb them so the test sees them.
+    # A MoE router (``...gate.weight``) is scaled up so that each token's top-k experts are chosen by clear
+    # margins (near-ties would make the choice hinge on the last bit of a sum).
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(".gate.weight"):
+                p.copy_(torch.randn_like(p))
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.model.families import SUPPORTED_MODEL_TYPES, family
+from common.model.families import SUPPORTED_MODEL_TYPES, MoEOptions, family
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -86,6 +86,7 @@ class ModelConfig:
     # Per layer, its sliding attention window (None: the whole sequence); () when no layer has one. A token at
     # position p attends to positions p - window + 1 .. p (transformers' mask), on every attention backend.
     layer_windows: tuple[int | None, ...] = ()
+    moe: MoEOptions | None = None  # routed experts and the layers that have them (None: every MLP dense)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -109,8 +110,14 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if self.moe is not None and len(self.moe.layers) != self.num_layers:
+            raise ValueError(f"the MoE layer pattern has {len(self.moe.layers)} entries for {self.num_layers} layers")
         if any(w is not None and w < 1 for w in self.layer_windows):
             raise ValueError(f"sliding_window must be >= 1, got {self.layer_windows}")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s MLP is routed experts (else the dense MLP of ``intermediate_size``)."""
+        return self.moe is not None and self.moe.layers[layer_idx]
 
     def layer_window(self, layer_idx: int) -> int | None:
         """The sliding attention window of layer ``layer_idx`` (None: it attends to the whole sequence)."""
@@ -158,6 +165,7 @@ class ModelConfig:
             mlp_bias=options.mlp_bias,
             qk_norm=options.qk_norm,
             layer_windows=options.layer_windows,
+            moe=options.moe,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,

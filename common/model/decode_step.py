@@ -94,6 +94,10 @@ class DecodeStep:
         # model (Mistral, Qwen2/Qwen3 sliding layers) keeps the op-by-op path, whose decode kernel reads the window.
         if model.config.layer_windows:
             return None
+        # Nor routed experts: cpu_step.cpp's MLP is the dense SwiGLU (a mixture of experts keeps the op-by-op
+        # path and its grouped experts, common/model/moe.py).
+        if model.config.moe is not None:
+            return None
         layers = list(model.layers)  # decoder layers: norms, self_attn (qkv, o, rotary, backend), mlp
         if not layers:
             return None

@@ -9,7 +9,9 @@ A ``Family`` says what a checkpoint of that ``model_type`` is to Tandem's one mo
   other than SiLU, a ``layer_types`` entry other than full or sliding attention) instead of running and
   answering something else;
 - how the checkpoint's per-layer weight names land in the model (``fused_weights``: the Hugging Face
-  projections that stream into one fused matrix; every other name is the model's own).
+  projections that stream into one fused matrix; ``experts``: where a mixture of experts keeps each
+  expert's projections, stacked into the model's per-layer expert tensors; every other name is the
+  model's own).
 
 ``common.config.model_config.ModelConfig.from_dict`` reads the fields every family shares (sizes, heads,
 ``head_dim``, RoPE, token ids) and asks the family for the rest; ``common.model.loader`` takes its weight map.
@@ -52,6 +54,45 @@ class ArchOptions:
     # position p attends to positions p - window + 1 .. p: transformers' sliding_window_overlay
     # (kv_idx > q_idx - sliding_window) on its causal mask.
     layer_windows: tuple[int | None, ...] = ()
+    moe: MoEOptions | None = None  # routed experts (Mixtral, Qwen3-MoE); None: every layer's MLP is dense
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """A mixture of experts: which layers route each token to ``experts_per_token`` of ``num_experts`` SwiGLU
+    experts of width ``intermediate_size``, and how the router's probabilities become the experts' weights."""
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int
+    # softmax over all experts, top-k, then (True) the k weights renormalised to sum to 1 (Mixtral always;
+    # Qwen3-MoE when norm_topk_prob)
+    norm_topk_prob: bool
+    layers: tuple[bool, ...]  # per layer: routed experts (True) or the dense MLP of the config's intermediate_size
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got "
+                             f"{self.experts_per_token}")
+        if self.intermediate_size < 1:
+            raise ValueError(f"the experts' intermediate size must be >= 1, got {self.intermediate_size}")
+
+
+# Where a MoE checkpoint keeps its experts, as transformers saves them in the hub's layout: per layer,
+# ``model.layers.L.<prefix>.gate.weight`` (the router, [num_experts, hidden]) and, per expert E,
+# ``model.layers.L.<prefix>.experts.E.<name>.weight``; ``names`` maps each expert projection to the model's
+# stacked tensor and its row block: w13 [num_experts, 2 * intermediate, hidden] (gate rows, then up rows),
+# w2 [num_experts, hidden, intermediate].
+@dataclass(frozen=True)
+class ExpertLayout:
+    prefix: str
+    names: Mapping[str, tuple[str, int]]
+
+
+MIXTRAL_EXPERTS = ExpertLayout("block_sparse_moe", {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)})
+QWEN_EXPERTS = ExpertLayout("mlp", {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)})
 
 
 Windows = tuple[int | None, ...]
@@ -73,6 +114,7 @@ class Family:
     # Each layer's attention window, as transformers' modeling code of this family sets it (() : none has one).
     layer_windows: Callable[[Raw], Windows] = _no_window
     fused_weights: Mapping[str, tuple[str, int]] = field(default_factory=lambda: SPLIT_PROJECTIONS)
+    experts: ExpertLayout | None = None  # a mixture of experts' checkpoint names (None: no experts)
 
     def read(self, raw: Raw) -> ArchOptions:
         """The options of this config, refusing (``ValueError`` naming the field) what Tandem cannot honour."""
@@ -111,6 +153,34 @@ def _phi3_options(raw: Raw) -> ArchOptions:
         raise ValueError(f"partial_rotary_factor {factor} is not supported (phi3): Tandem's rotary embeds the "
                          f"whole head_dim")
     return ArchOptions()
+
+
+def _mixtral_options(raw: Raw) -> ArchOptions:
+    # MixtralSparseMoeBlock: every layer routed, the top-k weights always renormalised; no biases.
+    layers = int(raw["num_hidden_layers"])
+    return ArchOptions(moe=MoEOptions(
+        num_experts=int(raw.get("num_local_experts", 8)), experts_per_token=int(raw.get("num_experts_per_tok", 2)),
+        intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True, layers=(True,) * layers))
+
+
+def _qwen3_moe_options(raw: Raw) -> ArchOptions:
+    """Qwen3MoeDecoderLayer: routed experts where ``layer_idx not in mlp_only_layers`` and
+    ``(layer_idx + 1) % decoder_sparse_step == 0`` (and num_experts > 0), else the dense MLP."""
+    options = _qwen3_options(raw)
+    layers = int(raw["num_hidden_layers"])
+    # The hub's files say num_experts; transformers 5 saves it as num_local_experts (its attribute_map).
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)))
+    step = int(raw.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    routed = tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(layers))
+    if not any(routed):
+        return options  # every layer dense: a Qwen3 model in MoE's clothes
+    return replace(options, moe=MoEOptions(
+        num_experts=num_experts, experts_per_token=int(raw.get("num_experts_per_tok", 8)),
+        intermediate_size=int(raw.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)), layers=routed))
 
 
 def _mistral_windows(raw: Raw) -> Windows:
@@ -152,6 +222,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # window on every layer when sliding_window is set, as Mistral.
     Family("phi3", "Phi3ForCausalLM", _phi3_options, rms_norm_eps=1e-5, layer_windows=_mistral_windows,
            fused_weights={}),
+    # Mixtral: Mistral's attention (a window on every layer when set) with routed experts in every layer.
+    Family("mixtral", "MixtralForCausalLM", _mixtral_options, rms_norm_eps=1e-5, layer_windows=_mistral_windows,
+           experts=MIXTRAL_EXPERTS),
+    # Qwen3-MoE: Qwen3's attention (q/k norms), routed experts except in mlp_only_layers.
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_options, head_dim=128, layer_windows=_qwen_windows,
+           experts=QWEN_EXPERTS),
 )}
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

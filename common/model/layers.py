@@ -5,11 +5,16 @@ Every tensor here is flat over tokens: ``[num_tokens, ...]``, never ``[batch, se
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from common.config.model_config import RopeScaling
 from common.model.linear import Linear
+
+if TYPE_CHECKING:
+    from common.model.fused_ops import FusedOps
 
 
 class RMSNorm(nn.Module):
@@ -82,6 +87,6 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
+        # x: [num_tokens, hidden] -> [num_tokens, hidden]; silu(gate) * up in one pass (ops.silu_mul)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))

@@ -1,5 +1,6 @@
-"""The one decoder of every family (common/model/families.py: Llama, Mistral, Qwen2, Qwen3) over a flat,
-ragged batch of tokens; a family's options (biases, q/k norms, sliding windows) are switches of these layers.
+"""The one decoder of every family (common/model/families.py: Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral,
+Qwen3-MoE) over a flat, ragged batch of tokens; a family's options (biases, q/k norms, sliding windows, routed
+experts in place of the dense MLP: common/model/moe.py) are switches of these layers.
 
 ``forward(input_ids [num_tokens], positions [num_tokens], meta, kv_cache)`` returns hidden states
 ``[num_tokens, hidden]``; ``compute_logits`` turns selected rows into ``[n, vocab]`` fp32 logits. The
@@ -17,6 +18,7 @@ from torch import nn
 from common.model.fused_ops import EagerOps
 from common.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from common.model.linear import Linear
+from common.model.moe import SparseMoE
 
 if TYPE_CHECKING:
     from common.attention.backend import AttentionBackend
@@ -86,7 +88,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        # The dense MLP, or (a mixture of experts' routed layers) the experts: the same forward(h, ops).
+        self.mlp: SwiGLUMLP | SparseMoE = (
+            SparseMoE(config.hidden_size, config.moe) if config.moe is not None and config.is_moe_layer(layer_idx)
+            else SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, kv_cache: LayerKV | None,
@@ -98,7 +103,7 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)
         x = self.self_attn(positions, h, meta, kv_cache, ops)
         h, residual = ops.add_rms_norm(x, residual, norm2.weight, norm2.eps)
-        return self.mlp.down_proj(ops.silu_mul(self.mlp.gate_up_proj(h))), residual
+        return self.mlp(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -19,7 +19,7 @@ from torch import nn
 
 from common.attention.backend import get_backend
 from common.config.model_config import ModelConfig
-from common.model.families import family
+from common.model.families import ExpertLayout, family
 from common.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -170,12 +170,27 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     # The row blocks of our fused matrices, in order; the family says which checkpoint projection is which block.
     blocks = {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (inter, inter)}
     # HF suffix -> (our suffix, row offset into the fused matrix)
-    fused = {theirs: (ours, sum(blocks[ours][:part]))
-             for theirs, (ours, part) in family(config.model_type).fused_weights.items()}
+    fam = family(config.model_type)
+    fused = {theirs: (ours, sum(blocks[ours][:part])) for theirs, (ours, part) in fam.fused_weights.items()}
+    experts = _ExpertNames(fam.experts, config.moe.intermediate_size) if fam.experts and config.moe else None
     for hf_name, tensor in weights:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config
-        target, offset = _map_name(hf_name, fused)
+        expert = experts.map(hf_name) if experts is not None else None
+        if expert is not None:  # one expert's projection: its rows of the layer's stacked tensor
+            stacked_name, index, row = expert
+            if stacked_name not in params:
+                raise ValueError(f"weight {hf_name!r} has no place in a {config.model_type} model")
+            stacked = params[stacked_name].data
+            if index >= stacked.shape[0]:
+                raise ValueError(f"weight {hf_name!r}: expert {index} is beyond the config's {stacked.shape[0]}")
+            rows_of = stacked[index, row : row + tensor.shape[0]]
+            if rows_of.shape != tensor.shape:
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows_of.shape)}")
+            rows_of.copy_(tensor)
+            filled[stacked_name] += tensor.numel()
+            continue
+        target, offset = _map_name(experts.router(hf_name) if experts is not None else hf_name, fused)
         if target == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some tied checkpoints still store a copy of the embedding
         if target not in params:
@@ -190,6 +205,31 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     missing = [name for name, n in filled.items() if n != params[name].numel()]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+
+
+class _ExpertNames:
+    """A mixture of experts' checkpoint names (the family's ``ExpertLayout``) -> (the layer's stacked tensor,
+    the expert's index, the row offset of this projection in it): ``model.layers.3.block_sparse_moe.experts.5.w3
+    .weight`` -> (``layers.3.mlp.w13``, 5, inter); ``router`` renames the router ``...<prefix>.gate.weight`` to
+    the model's ``...mlp.gate.weight``."""
+
+    def __init__(self, layout: ExpertLayout, inter: int) -> None:
+        self.layout = layout
+        self.offsets = {name: (ours, part * inter) for name, (ours, part) in layout.names.items()}
+        self.pattern = re.compile(rf"^model\.layers\.(\d+)\.{re.escape(layout.prefix)}\.experts\.(\d+)\.(\w+)\.weight$")
+
+    def router(self, hf_name: str) -> str:
+        if self.layout.prefix == "mlp":
+            return hf_name
+        return hf_name.replace(f".{self.layout.prefix}.gate.", ".mlp.gate.")
+
+    def map(self, hf_name: str) -> tuple[str, int, int] | None:
+        match = self.pattern.match(hf_name)
+        if match is None or match.group(3) not in self.offsets:
+            return None
+        layer, index, name = match.groups()
+        ours, offset = self.offsets[name]
+        return f"layers.{layer}.mlp.{ours}", int(index), offset
 
 
 def _map_name(hf_name: str, fused: dict[str, tuple[str, int]]) -> tuple[str, int | None]:

@@ -58,6 +58,9 @@ def check_quantization(config: QuantConfig, model: ModelConfig, device: torch.de
     """Raise ``QuantizationError`` (naming the flag and the reason) for what cannot run here."""
     if not config.enabled:
         return
+    if model.moe is not None:
+        raise QuantizationError(f"{FLAG} {config.method.value}: {model.model_type}'s routed experts run in floats "
+                                f"only (no packed experts yet); serve it without {FLAG}")
     device = torch.device(device)
     if config.method is QuantMethod.FP8:
         if device.type != "cuda" or not torch.cuda.is_available():

@@ -178,9 +178,10 @@ BASE: dict[str, Any] = {"vocab_size": 10, "hidden_size": 8, "intermediate_size":
 
 
 def test_supported_model_types_come_from_the_registry() -> None:
-    assert SUPPORTED_MODEL_TYPES == tuple(FAMILIES) == ("llama", "mistral", "qwen2", "qwen3", "phi3")
+    assert SUPPORTED_MODEL_TYPES == tuple(FAMILIES) == ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral",
+                                                        "qwen3_moe")
     with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, "
-                                         r"qwen3, phi3"):
+                                         r"qwen3, phi3, mixtral, qwen3_moe"):
         ModelConfig.from_dict({**BASE, "model_type": "gpt2"})
 
 

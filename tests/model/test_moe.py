@@ -1,0 +1,237 @@
+"""Mixtures of experts (common/model/moe.py): Mixtral and Qwen3-MoE on the one forward, greedy-identical to
+transformers, the grouped experts equal to transformers' loop in every regime, and what is refused.
+
+Configs are random-weight models saved by transformers in the hub's layout (tests/conftest.py: per-expert
+``experts.E.w1/w2/w3`` or ``gate_proj/up_proj/down_proj``): top-k 1 and 2, GQA 2:1 and 1:1, tied and untied
+heads, dense-first layers (``mlp_only_layers``), ``decoder_sparse_step``, ``norm_topk_prob`` on and off, a
+Mixtral window shorter than the prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import pytest
+import torch
+
+from common.attention.metadata import AttentionMetadata
+from common.config.model_config import ModelConfig
+from common.model.fused_ops import EagerOps
+from common.model.loader import load_model
+from common.model.moe import GroupedExperts, LoopExperts, SparseMoE, route
+from tests.model.test_families import GREEDY_TOKENS, _hf, _hf_greedy, _with_tokenizer, generate_cli
+
+if TYPE_CHECKING:
+    from common.model.families import MoEOptions
+    from common.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+# name -> (model_type, overrides of the tiny config: hidden 64, vocab 128)
+MOE: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral-top2-gqa2": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "mixtral-top1-mha-tied": ("mixtral", {"num_local_experts": 3, "num_experts_per_tok": 1, "intermediate_size": 48,
+                                          "num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "mixtral-window": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                   "sliding_window": 7}),
+    "qwen3moe-dense-first": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                           "intermediate_size": 96, "num_hidden_layers": 3, "mlp_only_layers": [0],
+                                           "head_dim": 16, "norm_topk_prob": True}),
+    "qwen3moe-sparse-step-top1": ("qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 1,
+                                                "moe_intermediate_size": 24, "num_hidden_layers": 4,
+                                                "decoder_sparse_step": 2, "head_dim": 32,
+                                                "tie_word_embeddings": True}),
+    "qwen3moe-top4-unnormed": ("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 4,
+                                             "moe_intermediate_size": 16, "head_dim": 16, "norm_topk_prob": False}),
+}
+
+
+def moe_model(factory: Callable[..., Path], name: str) -> Path:
+    model_type, overrides = MOE[name]
+    return factory(model_type, seed=6, **overrides)  # seed 6: every greedy step here wins by >= 4e-4
+
+
+def _moe_layers(model: LlamaForCausalLM) -> list[SparseMoE]:
+    return [m for m in (cast("LlamaDecoderLayer", layer).mlp for layer in model.layers) if isinstance(m, SparseMoE)]
+
+
+def _ragged_logits(model: LlamaForCausalLM, seqs: list[list[int]]) -> torch.Tensor:
+    lengths = [len(s) for s in seqs]
+    meta = AttentionMetadata.build(lengths, [0] * len(lengths))
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor([t for s in seqs for t in s]),
+                                          torch.cat([torch.arange(n) for n in lengths]), meta))
+
+
+@pytest.mark.parametrize("experts", ["grouped", "loop"])
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_ragged_batch_logits_match_transformers(tiny_model_factory: Callable[..., Path], name: str,
+                                                experts: str) -> None:
+    model_dir = moe_model(tiny_model_factory, name)
+    model = load_model(model_dir, dtype="float32")
+    config = model.config
+    assert config.moe is not None and model.decode_step is None  # the one-call C++ step has no experts
+    layers = _moe_layers(model)
+    assert len(layers) == sum(config.moe.layers) > 0
+    for layer in layers:
+        layer.experts = GroupedExperts() if experts == "grouped" else LoopExperts()
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (5, 1, 17, 40)]
+    hf = _hf(model_dir)
+    with torch.no_grad():
+        expected = torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs])
+    torch.testing.assert_close(_ragged_logits(model, seqs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_pattern_read_as_transformers_builds_it(tiny_model_factory: Callable[..., Path]) -> None:
+    import transformers
+
+    for name in ("qwen3moe-dense-first", "qwen3moe-sparse-step-top1"):
+        model_dir = moe_model(tiny_model_factory, name)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        theirs = tuple(type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf.model.layers)
+        config = ModelConfig.from_pretrained(model_dir)
+        assert config.moe is not None and config.moe.layers == theirs, name
+    mixtral = ModelConfig.from_pretrained(moe_model(tiny_model_factory, "mixtral-top2-gqa2")).moe
+    assert mixtral is not None and mixtral.layers == (True, True) and mixtral.norm_topk_prob
+
+
+def _random_moe(num_experts: int, top_k: int, hidden: int = 32, inter: int = 24, seed: int = 0) -> SparseMoE:
+    from common.model.families import MoEOptions
+
+    gen = torch.Generator().manual_seed(seed)
+    moe = SparseMoE(hidden, MoEOptions(num_experts, top_k, inter, True, (True,)))
+    with torch.no_grad():
+        for p in (moe.gate.weight, moe.w13, moe.w2):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return moe
+
+
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [
+    (1, 64, 8),     # batch-1 decode: few experts hit -> one GEMM per hit expert
+    (32, 64, 8),    # a decode step of 32: every expert hit, few rows each -> padded batched matmuls
+    (300, 8, 2),    # prefill: many rows per expert -> padded while the waste is small
+    (257, 4, 1),    # prefill, one expert each
+    (0, 8, 2),      # an empty batch
+])
+def test_grouped_experts_equal_the_loop(num_tokens: int, num_experts: int, top_k: int) -> None:
+    moe = _random_moe(num_experts, top_k)
+    x = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(1))
+    ops = EagerOps()
+    weights, ids = route(moe.gate(x), top_k, True)
+    reference = LoopExperts().apply(moe, x, ids, weights, ops)
+    torch.testing.assert_close(GroupedExperts().apply(moe, x, ids, weights, ops), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_experts_take_each_way() -> None:
+    """The three ways of GroupedExperts (padded, per-expert slices, few experts) each equal the loop, forced by
+    skewed routing: every token to the same two experts makes the padding all waste, and slices are taken."""
+    moe = _random_moe(8, 2)
+    x = torch.randn(200, 32, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([[0, 5]] * 150 + [[1, 2]] * 50)
+    weights = torch.full((200, 2), 0.5)
+    ops = EagerOps()
+    torch.testing.assert_close(GroupedExperts().apply(moe, x, ids, weights, ops),
+                               LoopExperts().apply(moe, x, ids, weights, ops), atol=1e-5, rtol=1e-5)
+
+
+def test_expert_range_holds_a_partial_sum() -> None:
+    """Expert parallelism's arithmetic: two modules holding experts [0, 4) and [4, 8) sum to the whole."""
+    whole = _random_moe(8, 2)
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(4))
+    ops = EagerOps()
+    weights, ids = route(whole.gate(x), 2, True)
+    parts = []
+    for start in (0, 4):
+        part = _random_moe(8, 2)
+        with torch.no_grad():
+            part.w13 = torch.nn.Parameter(whole.w13[start : start + 4].clone(), requires_grad=False)
+            part.w2 = torch.nn.Parameter(whole.w2[start : start + 4].clone(), requires_grad=False)
+        part.expert_start = start
+        for experts in (GroupedExperts(), LoopExperts()):
+            parts.append(experts.apply(part, x, ids, weights, ops))
+    expected = LoopExperts().apply(whole, x, ids, weights, ops)
+    torch.testing.assert_close(parts[0] + parts[2], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(parts[1] + parts[3], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", ["on", "off"])
+def test_offline_greedy_identical_to_transformers(tiny_model_factory: Callable[..., Path], fused: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offline ``LLM``: prompts through the paged KV cache, prefill then decode steps."""
+    from common.engine.llm import LLM
+    from common.sampling.params import SamplingParams
+
+    monkeypatch.setenv("TANDEM_FUSED_OPS", fused)
+    names = (("mixtral-top2-gqa2", "qwen3moe-dense-first") if fused == "on"
+             else ("mixtral-window", "qwen3moe-top4-unnormed"))
+    for name in names:
+        model_dir = _with_tokenizer(moe_model(tiny_model_factory, name))
+        gen = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (6, 13)]
+        with LLM(model_dir, dtype="float32", device="cpu") as llm:
+            done = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
+        for prompt, completion in zip(prompts, done, strict=True):
+            assert completion.token_ids == _hf_greedy(model_dir, prompt, GREEDY_TOKENS), name
+
+
+def test_through_tandem_generate(tiny_model_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = _with_tokenizer(moe_model(tiny_model_factory, "qwen3moe-sparse-step-top1"))
+    prompt = "t17 t3 t99 t42 t8 t120 t64"
+    stdout, stderr, expected = generate_cli(model_dir, prompt, GREEDY_TOKENS, capsys)
+    assert stdout == prompt + expected + "\n"
+    assert f"[{GREEDY_TOKENS} tokens" in stderr
+
+
+BASE: dict[str, Any] = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+                        "num_attention_heads": 2}
+
+
+def _options(raw: dict[str, Any]) -> MoEOptions | None:
+    return ModelConfig.from_dict({**BASE, **raw}).moe
+
+
+def test_options_read_as_transformers_reads_them() -> None:
+    mixtral = _options({"model_type": "mixtral"})  # transformers' defaults: 8 experts, top 2
+    assert mixtral is not None and (mixtral.num_experts, mixtral.experts_per_token, mixtral.intermediate_size) == (
+        8, 2, 16)
+    qwen = _options({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 6})
+    assert qwen is not None and (qwen.num_experts, qwen.intermediate_size, qwen.norm_topk_prob) == (4, 6, False)
+    saved = _options({"model_type": "qwen3_moe", "num_local_experts": 4, "num_experts_per_tok": 2})
+    assert saved is not None and saved.num_experts == 4  # transformers 5 saves num_experts under this name
+    # every layer dense: no experts at all
+    assert _options({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 1,
+                     "mlp_only_layers": [0, 1]}) is None
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5},
+     r"num_experts_per_tok must be in \[1, num_experts=4\], got 5"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 0}, r"num_experts_per_tok must be in"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 1, "decoder_sparse_step": 0},
+     r"decoder_sparse_step must be >= 1"),
+    ({"model_type": "mixtral", "hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(mixtral\)"),
+])
+def test_refused_naming_the_field(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**BASE, **raw})
+
+
+def test_quantization_of_experts_refused_naming_the_flag(tiny_model_factory: Callable[..., Path]) -> None:
+    from common.quant.config import QuantizationError
+
+    with pytest.raises(QuantizationError, match=r"--quantization int8: mixtral's routed experts run in floats"):
+        load_model(moe_model(tiny_model_factory, "mixtral-top2-gqa2"), dtype="float32", quantization="int8")
+
+
+def test_checkpoint_with_an_expert_beyond_the_config_is_refused(tiny_model_factory: Callable[..., Path]) -> None:
+    from common.model.loader import iter_weights, load_weights
+
+    model_dir = moe_model(tiny_model_factory, "mixtral-top2-gqa2")
+    model = load_model(model_dir, dtype="float32", prepare=False)
+    extra = ("model.layers.0.block_sparse_moe.experts.4.w1.weight", torch.zeros(32, 64))
+    with pytest.raises(ValueError, match=r"experts.4.w1.weight.*expert 4 is beyond the config's 4"):
+        load_weights(model, iter([*iter_weights(model_dir), extra]))
+    missing = [(n, t) for n, t in iter_weights(model_dir) if "experts.3.w2" not in n]
+    with pytest.raises(ValueError, match=r"missing weights for: layers.0.mlp.w2"):
+        load_weights(model, iter(missing))
