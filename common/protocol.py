@@ -22,8 +22,12 @@ _FINISH_TO_PROTO = {
 }
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int = 16) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults; validation errors name the field."""
+def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int = 16,
+                        resumed_output_tokens: int = 0) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults; validation errors name the field.
+
+    ``resumed_output_tokens``: a node's request says it beside the sampling (``DecodeRequest``,
+    ``PrefillRequest``): a migrated request's prompt ends with that many of its own output tokens."""
     defaults = SamplingParams()
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
@@ -41,6 +45,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int 
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
+        resumed_output_tokens=resumed_output_tokens,
     )
 
 

@@ -94,7 +94,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def _generate(self, request: decode_pb2.DecodeRequest, span: trace.Span,
                         engine_id: str) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         arrival = time.monotonic()
-        params = sampling_from_proto(request.sampling)
+        params = sampling_from_proto(request.sampling, resumed_output_tokens=request.resumed_output_tokens)
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
         eos = tuple(request.eos_token_ids)
@@ -152,7 +152,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         stream = self.engine.open_stream(engine_id)
         try:
             await self.engine.call(AddRequest(engine_id, tuple(request.prompt_token_ids),
-                                              sampling_from_proto(request.sampling), tuple(request.eos_token_ids)))
+                                              sampling_from_proto(request.sampling, resumed_output_tokens=
+                                                                  request.resumed_output_tokens),
+                                              tuple(request.eos_token_ids)))
         except BaseException:
             self.engine.close_stream(engine_id)
             raise

@@ -19,8 +19,8 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Awaitable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TypeAlias, TypeVar
 
 import grpc
@@ -30,12 +30,14 @@ from common.kv.block_hash import hash_prompt_blocks
 from common.protocol import sampling_to_proto
 from common.serving.errors import DeadlineExceededError, ServiceError, UnavailableError
 from common.telemetry import spans
+from common.telemetry.metrics import GatewayMetrics
 from gateway.model import ServedModel
 from gateway.node_pool import NodePool
-from gateway.output import Delta, OutputChunk, OutputProcessor, Timings, Usage, coalesced_chunks
+from gateway.output import Delta, OutputChunk, OutputProcessor, Timings, Usage, coalesced_chunks, visible
 from gateway.prefill_policy import LocalPrefillPolicy, prefill_locally
 from gateway.request import GatewayRequest
 from gateway.router import NodeState, Router
+from gateway.settings import DEFAULT_MIGRATION_LIMIT
 from tandem.v1 import decode_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,15 @@ _PASSED_ON = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF
 # (--kv-load-failure-policy recompute): a node or a transfer broke. Not the caller's mistakes, not the deadline.
 _RECOMPUTED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                          grpc.StatusCode.ABORTED})
+
+
+class NodeLostError(UnavailableError):
+    """A node went away under a request (its stream or call failed UNAVAILABLE, or was cancelled by the node):
+    the request may continue elsewhere (``Coordinator.generate`` migrates it)."""
+
+    def __init__(self, message: str, role: str, target: str) -> None:
+        super().__init__(message)
+        self.role, self.target = role, target
 
 
 class _StreamEnd:
@@ -84,13 +95,61 @@ class _DecodeLeg:
         return (self.reservation.node_id if self.reservation is not None else "") or self.node.node_id
 
 
+@dataclass
+class _Run:
+    """One request across its attempts: what the client is told at the end comes from the first attempt that
+    produced a first token (time to first token, queue time, cached prompt tokens), the KV moved is summed."""
+
+    migrations: int = 0
+    lost: list[str] = field(default_factory=list)  # targets of the nodes lost under this request
+    first_token_time: float | None = None
+    queue_seconds: float = 0.0
+    cached_tokens: int = 0
+    kv_seconds: float = 0.0
+    kv_bytes: int = 0
+    prefill_node: str = ""  # the node that prefilled the client's prompt
+
+    def prefilled(self, reply: prefill_pb2.PrefillResponse, node_id: str, waited_s: float, now: float) -> None:
+        """A prefill node answered with a first token ``waited_s`` after the request arrived."""
+        self.kv_seconds += reply.transfer_seconds
+        self.kv_bytes += reply.transfer_bytes
+        if self.first_token_time is None:
+            self.first_token_time, self.prefill_node = now, node_id
+            self.queue_seconds = waited_s + reply.queue_seconds
+            self.cached_tokens = reply.num_cached_tokens
+
+    def prefilled_locally(self, decode: _DecodeLeg, now: float) -> None:
+        """A decode node prefilled the prompt itself and sent its first token."""
+        if self.first_token_time is None:
+            self.first_token_time, self.prefill_node = now, decode.node_id
+            self.queue_seconds, self.cached_tokens = decode.queue_seconds, decode.cached_tokens
+
+
+def continued(req: GatewayRequest, streamed: Sequence[int]) -> GatewayRequest:
+    """``req`` continued after the ``streamed`` tokens its client already has: they join the prompt (their KV
+    is prefilled again), max_tokens and min_tokens count them, and ``resumed_output_tokens`` tells the
+    sampler they are output (penalties count them; seeded randomness goes on at their position), so the
+    continuation samples what an undisturbed run would have."""
+    if not streamed:
+        return req
+    k = len(streamed)
+    s = req.sampling
+    sampling = replace(s, max_tokens=s.max_tokens - k, min_tokens=max(0, s.min_tokens - k),
+                       resumed_output_tokens=s.resumed_output_tokens + k)
+    return replace(req, prompt_token_ids=(*req.prompt_token_ids, *streamed), sampling=sampling)
+
+
 class Coordinator:
     """The disaggregated ``GenerateBackend``: runs Generate requests over the nodes of one ``Router``."""
 
     def __init__(self, model: ServedModel, router: Router, pool: NodePool, kv_timeout_s: float,
                  local_prefill: LocalPrefillPolicy | None = None,
-                 recompute_on_kv_failure: bool = False) -> None:
+                 recompute_on_kv_failure: bool = False, migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+                 metrics: GatewayMetrics | None = None) -> None:
         self._model = model
+        # A request's stream that lost its node continues on another one this many times (0: it fails).
+        self._migration_limit = migration_limit
+        self._metrics = metrics or GatewayMetrics()
         self._router = router
         self._pool = pool
         self._kv_timeout_s = kv_timeout_s
@@ -109,19 +168,55 @@ class Coordinator:
                        ) -> AsyncGenerator[OutputChunk, None]:
         """``GenerateBackend.generate`` over the nodes; the deadline is passed on to both of them.
 
-        Raises ``ServiceError`` subclasses when a node fails or none is reachable.
+        A node lost mid-request (``NodeLostError``) is migrated around, up to ``migration_limit`` times: the
+        request continues on other nodes from its prompt plus the tokens already handed to the client
+        (``continued``), through the same ``OutputProcessor``, so the client's stream goes on where it was.
+        Raises ``ServiceError`` subclasses when a node fails past that budget or none is reachable.
         """
-        block_hashes = hash_prompt_blocks(req.prompt_token_ids, self.block_size)
-        num_prompt_blocks = len(req.prompt_token_ids) // self.block_size
-        local_target = self._prefill_locally(req, block_hashes, num_prompt_blocks)
+        out = OutputProcessor(self._model.tokenizer, req.prompt_token_ids, req.stop, req.include_stop_string)
+        run = _Run()
+        span = trace.get_current_span()
+        while True:
+            attempt = continued(req, out.token_ids)
+            try:
+                async for chunk in self._attempt(req, attempt, out, run, arrival, deadline):
+                    yield chunk
+                return
+            except NodeLostError as exc:
+                streamed = len(out.token_ids)
+                if run.migrations >= self._migration_limit or streamed >= req.sampling.max_tokens:
+                    if self._migration_limit and span.is_recording():
+                        span.add_event("migration_limit_reached", {spans.MIGRATIONS: run.migrations})
+                    raise
+                run.migrations += 1
+                run.lost.append(exc.target)
+                self._metrics.request_migrated(exc.role)
+                log.warning("%s: %s; migrating (%d of at most %d) after %d streamed token(s)", req.request_id,
+                            exc, run.migrations, self._migration_limit, streamed)
+                if span.is_recording():
+                    span.add_event("migrated", {spans.MIGRATIONS: run.migrations, spans.NODE: exc.target,
+                                                spans.LOST_ROLE: exc.role, spans.STREAMED_TOKENS: streamed,
+                                                "exception.message": str(exc)})
+                    span.set_attribute(spans.MIGRATIONS, run.migrations)
+
+    async def _attempt(self, req: GatewayRequest, attempt: GatewayRequest, out: OutputProcessor, run: _Run,
+                       arrival: float, deadline: float) -> AsyncGenerator[OutputChunk, None]:
+        """One run of ``attempt`` (``req`` itself, or ``req`` continued after a migration) on a decode node and,
+        unless it prefills locally, a prefill node; its chunks go on ``out``'s stream."""
+        resumed = bool(out.token_ids) or run.migrations > 0
+        block_hashes = hash_prompt_blocks(attempt.prompt_token_ids, self.block_size)
+        num_prompt_blocks = len(attempt.prompt_token_ids) // self.block_size
+        local_target = self._prefill_locally(attempt, block_hashes, num_prompt_blocks)
         # Until the decode node answers, neither side's backlog holds the prompt: count it meanwhile (a remote
         # one waits for its reservation before any prefill node sees it; a local one for the node's answer).
         side = _REMOTE if local_target is None else local_target
-        self._queued[side] += len(req.prompt_token_ids)
+        num_tokens = len(attempt.prompt_token_ids)
+        self._queued[side] += num_tokens
         try:
-            decode = await self._reserve(req, deadline, num_prompt_blocks, local_target is not None)
+            decode = await self._reserve(attempt, deadline, num_prompt_blocks, local_target is not None,
+                                         avoid=run.lost)
         finally:
-            self._queued[side] -= len(req.prompt_token_ids)
+            self._queued[side] -= num_tokens
         span = trace.get_current_span()
         if span.is_recording() and decode.reservation is not None:
             r = decode.reservation
@@ -130,21 +225,20 @@ class Coordinator:
                                         spans.CACHED_TOKENS: r.num_cached_tokens})
         elif span.is_recording():
             span.add_event("local_prefill", {spans.DECODE_NODE: decode.node_id})
-        queue, reader = _start_reading(decode, req.request_id)
+        queue, reader = _start_reading(decode, attempt.request_id)
         # out.source_finished: the decode node sent its finish reason, so its call ends by itself.
-        out = OutputProcessor(self._model.tokenizer, req.prompt_token_ids, req.stop, req.include_stop_string)
         try:
             first: OutputChunk | None = None
             reply: prefill_pb2.PrefillResponse | None = None
             if decode.reservation is not None:
                 try:
-                    prefill_node, reply, prefill_started = await self._prefill(req, decode, reader, block_hashes,
-                                                                               deadline)
+                    prefill_node, reply, prefill_started = await self._prefill(attempt, decode, reader, block_hashes,
+                                                                               deadline, avoid=run.lost)
                 except ServiceError as exc:
                     if not (self._recompute_on_kv_failure and exc.code in _RECOMPUTED):
                         raise
-                    # The KV never arrived and the client has seen nothing yet: the decode node prefills the
-                    # prompt itself (--kv-load-failure-policy recompute), on a fresh call.
+                    # The KV never arrived and the client has seen nothing more yet: the decode node prefills
+                    # the prompt itself (--kv-load-failure-policy recompute), on a fresh call.
                     log.warning("%s: %s; the decode node recomputes the prompt", req.request_id, exc)
                     if span.is_recording():
                         span.add_event("kv_load_failed", {"exception.message": str(exc)})
@@ -152,37 +246,32 @@ class Coordinator:
                     decode.call.cancel()
                     decode.settle_backlog()
                     decode.node.end()
-                    decode = await self._reserve(req, deadline, num_prompt_blocks, local=True)
-                    queue, reader = _start_reading(decode, req.request_id)
+                    decode = await self._reserve(attempt, deadline, num_prompt_blocks, local=True, avoid=run.lost)
+                    queue, reader = _start_reading(decode, attempt.request_id)
             if decode.reservation is not None and reply is not None:
                 first = OutputChunk()
                 out.add(first, [reply.first_token], [reply.first_logprob] if reply.HasField("first_logprob") else [])
                 decode.first_token_time = time.monotonic()
+                run.prefilled(reply, prefill_node.node_id, prefill_started - arrival, decode.first_token_time)
                 if span.is_recording():
                     span.add_event("first_token", {spans.PREFILL_NODE: prefill_node.node_id,
                                                    spans.CACHED_TOKENS: reply.num_cached_tokens})
-            to_delta = functools.partial(self._delta, decode=decode)
+            to_delta = functools.partial(self._delta, decode=decode, run=run)
             async for chunk in coalesced_chunks(out, queue, to_delta, req, first):
+                if resumed and not out.finished and not visible(chunk, req):
+                    continue  # the client's stream goes on: no empty "first" message after a migration
                 if out.finished:
                     if not out.source_finished:  # a stop string ended it: abort the rest on the decode node now
                         decode.call.cancel()
-                    cached = reply.num_cached_tokens if reply is not None else decode.cached_tokens
                     chunk.usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=out.num_tokens,
-                                        cached_tokens=cached)
-                    first_token_time = decode.first_token_time or time.monotonic()
-                    if reply is None:  # prefilled on the decode node
-                        queue_seconds, kv_seconds, kv_bytes, prefill_id = decode.queue_seconds, 0.0, 0, decode.node_id
-                    else:
-                        queue_seconds = prefill_started - arrival + reply.queue_seconds
-                        kv_seconds, kv_bytes, prefill_id = reply.transfer_seconds, reply.transfer_bytes, \
-                            prefill_node.node_id
+                                        cached_tokens=run.cached_tokens)
                     chunk.timings = Timings(
-                        queue_seconds=queue_seconds,
-                        time_to_first_token=first_token_time - arrival,
+                        queue_seconds=run.queue_seconds,
+                        time_to_first_token=(run.first_token_time or time.monotonic()) - arrival,
                         e2e_seconds=time.monotonic() - arrival,
-                        kv_transfer_seconds=kv_seconds,
-                        kv_transfer_bytes=kv_bytes,
-                        prefill_node=prefill_id,
+                        kv_transfer_seconds=run.kv_seconds,
+                        kv_transfer_bytes=run.kv_bytes,
+                        prefill_node=run.prefill_node or decode.node_id,
                         decode_node=decode.node_id,
                     )
                 yield chunk
@@ -194,7 +283,7 @@ class Coordinator:
             decode.settle_backlog()
             decode.node.end()
 
-    def _delta(self, item: _QueueItem, decode: _DecodeLeg) -> Delta:
+    def _delta(self, item: _QueueItem, decode: _DecodeLeg, run: _Run) -> Delta:
         if isinstance(item, grpc.aio.AioRpcError):
             raise self._node_error("decode", decode.node, item)
         if isinstance(item, _StreamEnd) or not item.HasField("delta"):
@@ -205,6 +294,7 @@ class Coordinator:
             decode.first_token_time = time.monotonic()
             decode.settle_backlog()
             decode.cached_tokens, decode.queue_seconds = d.num_cached_tokens, d.queue_seconds
+            run.prefilled_locally(decode, decode.first_token_time)
         return Delta(d.token_ids, d.logprobs, d.finish_reason or None)
 
     def _prefill_locally(self, req: GatewayRequest, block_hashes: list[bytes], num_prompt_blocks: int,
@@ -224,17 +314,19 @@ class Coordinator:
         return node.target if local else None
 
     async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int,
-                       local: bool = False) -> _DecodeLeg:
+                       local: bool = False, avoid: Sequence[str] = ()) -> _DecodeLeg:
         """Open a decode stream and read its reservation (``local``: its local-prefill answer); a node that
-        cannot be reached is replaced once."""
+        cannot be reached is replaced once. ``avoid``: nodes this request lost, taken only when no other is."""
         request = decode_pb2.DecodeRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_proto(req.sampling), eos_token_ids=self._model.eos_token_ids,
             kv_timeout_seconds=min(self._kv_timeout_s, _remaining(deadline)), prefill_locally=local,
+            resumed_output_tokens=req.sampling.resumed_output_tokens,
         )
         tried: list[str] = []
         while True:
-            node = self._router.pick_decode(num_prompt_blocks, exclude=tried)
+            node = (self._router.pick_decode(num_prompt_blocks, exclude=[*tried, *avoid])
+                    or self._router.pick_decode(num_prompt_blocks, exclude=tried))
             if node is None and not tried:
                 # Every node looked down at the last poll; nodes come back between polls, so ask now.
                 await self._pool.poll_once()
@@ -268,10 +360,11 @@ class Coordinator:
             return _DecodeLeg(node, call, None, backlog_tokens=len(req.prompt_token_ids))
 
     async def _prefill(self, req: GatewayRequest, decode: _DecodeLeg, reader: _Reader,
-                       block_hashes: list[bytes], deadline: float,
+                       block_hashes: list[bytes], deadline: float, avoid: Sequence[str] = (),
                        ) -> tuple[NodeState, prefill_pb2.PrefillResponse, float]:
         """Prefill into the reservation; a node that cannot be reached is replaced once (the reservation
-        stays valid: nothing was written into it). Returns the node, its answer and when it was called."""
+        stays valid: nothing was written into it). Returns the node, its answer and when it was called.
+        ``avoid``: nodes this request lost, taken only when no other is."""
         r = decode.reservation
         assert r is not None, "a local prefill has no prefill leg"
         request = prefill_pb2.PrefillRequest(
@@ -280,11 +373,13 @@ class Coordinator:
             destination=prefill_pb2.KVDestination(kv_endpoint=r.kv_endpoint, node_id=r.node_id,
                                                   transfer_id=r.transfer_id, block_ids=r.block_ids,
                                                   num_cached_tokens=r.num_cached_tokens),
+            resumed_output_tokens=req.sampling.resumed_output_tokens,
         )
         tried: list[str] = []
         matched = self._router.affinity.matched_blocks(block_hashes)  # before pick_prefill records this prompt
         while True:
-            node = self._router.pick_prefill(block_hashes, exclude=tried)
+            node = (self._router.pick_prefill(block_hashes, exclude=[*tried, *avoid])
+                    or self._router.pick_prefill(block_hashes, exclude=tried))
             if node is None and not tried:
                 await self._pool.poll_once()
                 node = self._router.pick_prefill(block_hashes, exclude=tried)
@@ -330,7 +425,7 @@ class Coordinator:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             if not self._pool.is_connected(node.target):
                 self._router.mark_unreachable(node.target)
-            return UnavailableError(f"{what} unavailable: {exc.details()}")
+            return NodeLostError(f"{what} unavailable: {exc.details()}", role, node.target)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return DeadlineExceededError(f"{what} did not finish before the request's deadline")
         if code in _PASSED_ON:

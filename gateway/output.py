@@ -75,6 +75,9 @@ class OutputProcessor:
         self._detok = IncrementalDetokenizer(tokenizer, list(prompt_token_ids))
         self._matcher = StopStringMatcher(stop, include_stop_string) if stop else None
         self.num_tokens = 0  # completion tokens, up to the one that completed a stop string
+        # Every token taken (each one's text is sent, or held back for a stop string): what a request that
+        # loses its node continues after (gateway/coordinator.py's migration).
+        self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         # The source sent its finish reason, so its stream ends by itself; when a stop string (or a failure)
         # ends the request first, the backend must abort what still runs.
@@ -95,6 +98,7 @@ class OutputProcessor:
             self.source_finished = True
         for i, token_id in enumerate(token_ids):
             self.num_tokens += 1
+            self.token_ids.append(token_id)
             chunk.token_ids.append(token_id)
             if i < len(logprobs):
                 chunk.logprobs.append(logprobs[i])
@@ -129,7 +133,8 @@ async def coalesced_chunks(out: OutputProcessor, queue: asyncio.Queue[T], to_del
     time to first token): ``first`` when the first token came another way (a prefill node's answer), else
     the queue's first batch. Later chunks are yielded when the client would see something in them, and the
     finishing one (``out.finished``) always; the caller adds usage and timings to that last one.
-    ``to_delta`` raises to end the request (a failed source).
+    ``to_delta`` raises to end the request (a failed source); what came before the failure is yielded first
+    (when the client would see it), so a backend that continues the request elsewhere loses no token.
     """
     if first is not None:
         yield first
@@ -140,7 +145,12 @@ async def coalesced_chunks(out: OutputProcessor, queue: asyncio.Queue[T], to_del
         while not queue.empty():  # coalesce whatever arrived while the previous chunk was written
             items.append(queue.get_nowait())
         for item in items:
-            delta = to_delta(item)
+            try:
+                delta = to_delta(item)
+            except BaseException:
+                if visible(chunk, req):
+                    yield chunk
+                raise
             out.add(chunk, delta.token_ids, delta.logprobs, delta.finish_reason)
             if out.finished:
                 break

@@ -61,11 +61,13 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
                     credentials=channel_credentials(security), drop_after_s=settings.node_drop_after_s,
                     close_grace_s=settings.request_timeout_s)
     await pool.start()
+    metrics = GatewayMetrics()
     coordinator = Coordinator(model, router, pool, settings.kv_timeout_s,
                               LocalPrefillPolicy(max_tokens=settings.local_prefill_max_tokens),
-                              recompute_on_kv_failure=settings.kv_load_failure_policy == "recompute")
+                              recompute_on_kv_failure=settings.kv_load_failure_policy == "recompute",
+                              migration_limit=settings.migration_limit, metrics=metrics)
     try:
-        running = await serve_fronts(model, coordinator, settings, router=router,
+        running = await serve_fronts(model, coordinator, settings, router=router, metrics=metrics,
                                      readiness=lambda: _readiness(router), security=security,
                                      kv_events=KvEventMerger(pool.kv_event_streams).subscribe)
     except BaseException:
@@ -98,10 +100,12 @@ async def serve_fronts(model: ServedModel, backend: GenerateBackend, settings: G
                        router: Router | None = None, loads: LoadsSource | None = None,
                        readiness: Readiness | None = None, security: SecuritySettings | None = None,
                        kv_events: KvEventsSource | None = None,
-                       engine_snapshot: Callable[[], EngineSnapshot] | None = None) -> RunningServer:
+                       engine_snapshot: Callable[[], EngineSnapshot] | None = None,
+                       metrics: GatewayMetrics | None = None) -> RunningServer:
     """Serve the public fronts over ``backend``: gRPC on ``settings.port``, HTTP on ``settings.http_port``
     (when set), /metrics on ``settings.metrics_port`` (when set; with ``engine_snapshot``, the engine's
-    series too). The gateway and the colocated server
+    series too; ``metrics``: the series the backend records too, such as the coordinator's migrations).
+    The gateway and the colocated server
     both start here; stopping the returned server stops all three.
 
     Both fronts take TLS from ``security`` (``tls_cert``/``tls_key``; no client certificates: the public
@@ -112,7 +116,7 @@ async def serve_fronts(model: ServedModel, backend: GenerateBackend, settings: G
     status = StatusInterceptor()
     # The API key guards the Tandem service only: health checking and reflection stay open.
     auth = [TokenAuthInterceptor(settings.api_key, [SERVICE_NAME], "API key")] if settings.api_key else []
-    metrics = GatewayMetrics()
+    metrics = metrics or GatewayMetrics()
     if engine_snapshot is not None:  # the colocated server: its engine's series beside the gateway's
         metrics.add_engine(engine_snapshot, skip=frozenset({"num_requests_running"}))  # the gateway's own
     runner = RequestRunner(model, backend, settings, metrics, status.status_for)

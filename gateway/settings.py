@@ -10,6 +10,8 @@ from common.config.settings import env_name
 from common.serving.channel import format_address
 from gateway.prefill_policy import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
 
+DEFAULT_MIGRATION_LIMIT = 3
+
 
 def _targets(value: tuple[str, ...] | str, field: str) -> tuple[str, ...]:
     """Accept a tuple or a comma-separated string (as environment variables carry it)."""
@@ -65,6 +67,10 @@ class GatewaySettings:
     # When a prompt's KV never reaches its decode node (the prefill node or the transfer failed before the
     # first token): fail the request, or recompute (the decode node prefills the prompt itself).
     kv_load_failure_policy: str = "fail"
+    # Request migration: a stream whose decode node dies (or whose prefill node fails before its first token)
+    # continues on other nodes from the prompt plus the tokens already streamed, at most this many times per
+    # request; past it the request ends UNAVAILABLE. 0: never (every such request fails).
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
     # Bearer token of the public API (gRPC Tandem service and HTTP /v1): "" = open (the loopback default).
     # Prefer the environment variable to the flag: a flag shows in `ps`.
     api_key: str = ""
@@ -98,6 +104,8 @@ class GatewaySettings:
         for name in ("request_timeout_s", "kv_timeout_s", "stats_interval_s", "node_drop_after_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0 (0: no migration), got {self.migration_limit}")
         if self.max_model_len < 0 or self.affinity_load_slack < 0 or self.shutdown_grace_s < 0:
             raise ValueError("max_model_len, affinity_load_slack and shutdown_grace_s must be >= 0")
 

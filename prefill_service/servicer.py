@@ -73,7 +73,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                        span: trace.Span) -> prefill_pb2.PrefillResponse:
         arrival = time.monotonic()
         arrival_ns = time.time_ns()
-        params = sampling_from_proto(request.sampling)
+        params = sampling_from_proto(request.sampling, resumed_output_tokens=request.resumed_output_tokens)
         prompt = list(request.prompt_token_ids)
         dest = request.destination
         bs = self.block_size

@@ -80,7 +80,7 @@ class ModelRunner:
         """Nothing to stop in one process (a parallel runner stops its ranks)."""
 
     def forget(self, request_id: str) -> None:
-        """Drop per-request sampling state (seeded generator) of a request that ended."""
+        """Drop per-request sampling state of a request that ended."""
         if self.proposer is not None:
             self.proposer.forget(request_id)
         self._sampling.pop(request_id, None)
@@ -88,13 +88,10 @@ class ModelRunner:
     def _sampling_state(self, request: Request) -> RequestSamplingState:
         state = self._sampling.get(request.request_id)
         if state is None:
-            generator = None
-            if request.params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(request.params.seed)
-            # The lists are shared with the request, so penalties always see the current output.
+            # The lists are shared with the request, so penalties (and a seeded request's position) always see
+            # the current output.
             state = RequestSamplingState(request.params, request.prompt_token_ids, request.eos_token_ids,
-                                         request.output_token_ids, generator)
+                                         request.output_token_ids)
             self._sampling[request.request_id] = state
         return state
 

@@ -37,6 +37,10 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return beside the sampled token
     # Speculative tokens per step for this request: None = the deployment's setting, 0 = off.
     num_speculative_tokens: int | None = None
+    # A migrated request (gateway/coordinator.py): the prompt's last N tokens are its own earlier output.
+    # Penalties count them as output and seeded randomness continues at their position (sampler.py), so the
+    # rest samples what an undisturbed run would. Set by the gateway (internal requests), never by clients.
+    resumed_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
@@ -61,6 +65,8 @@ class SamplingParams:
         _check(self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
                "num_speculative_tokens",
                f"must be in [0, {MAX_SPECULATIVE_TOKENS}] (or unset), got {self.num_speculative_tokens}")
+        _check(self.resumed_output_tokens >= 0, "resumed_output_tokens",
+               f"must be >= 0, got {self.resumed_output_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -1,12 +1,15 @@
-"""A batched sampler with per-request parameters and per-request seeded generators.
+"""A batched sampler with per-request parameters and per-request seeded randomness.
 
 Order of processing (as Hugging Face's warpers): penalties -> min_tokens mask -> temperature ->
 top-k -> top-p -> min-p -> sample. Returned logprobs are the model's raw log-softmax (before any of
 that processing), as vLLM returns them by default.
 
-Determinism: a request with a seed owns a ``torch.Generator`` and draws exactly ``vocab_size``
-exponentials per step from it (the "exponential race": argmax of p / Exp(1) is a sample of p), so its
-tokens do not depend on which other requests share the batch.
+Determinism: a seeded request's randomness is a function of (seed, output position, use), never a generator's
+running state (``seeded_uniform``): the token at output position i is drawn with the same uniform whichever
+node samples it, whoever shares the batch, however many draws speculation made before. So a request that
+continues on another node (the gateway's migration: the prompt then ends with ``resumed_output_tokens`` of
+its own output) samples what the undisturbed run would have, and a prefill node's first token and a decode
+node's next ones never reuse one draw. Unseeded requests draw from the global RNG.
 """
 
 from __future__ import annotations
@@ -18,6 +21,29 @@ import torch
 
 from common.sampling.params import SamplingParams
 
+# What a seeded request's uniform at one output position is for (``seeded_uniform``'s ``use``).
+SAMPLE = 0  # the token sampled at the position (and a speculative step's correction or bonus token there)
+ACCEPT = 1  # the acceptance test of a draft at the position
+DRAFT = 2  # a draft model's sampling of its proposal for the position
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit integers whose outputs pass BigCrush as a stream."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int, use: int = SAMPLE) -> float:
+    """The uniform in [0, 1) (53 bits) a request seeded with ``seed`` uses at output ``position`` for ``use``.
+
+    Counter-based (a hash of the three), so it needs no state to resume: any node computes the same number.
+    """
+    return (_mix64(_mix64(_mix64(seed) ^ position) ^ use) >> 11) * 2.0**-53
+
 
 @dataclass
 class RequestSamplingState:
@@ -27,16 +53,26 @@ class RequestSamplingState:
     prompt_token_ids: list[int]
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
 
     @staticmethod
     def create(params: SamplingParams, prompt_token_ids: list[int], eos_token_ids: tuple[int, ...] = (),
                device: torch.device | str = "cpu") -> RequestSamplingState:
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(params.seed)
-        return RequestSamplingState(params, list(prompt_token_ids), tuple(eos_token_ids), [], gen)
+        return RequestSamplingState(params, list(prompt_token_ids), tuple(eos_token_ids), [])
+
+    @property
+    def seed(self) -> int | None:
+        return self.params.seed
+
+    @property
+    def position(self) -> int:
+        """The output position of the next token sampled: a migrated request's earlier output counts."""
+        return self.params.resumed_output_tokens + len(self.output_token_ids)
+
+    def output_counted(self) -> list[int]:
+        """The output penalties count: a migrated request's earlier output (the prompt's tail) and its new."""
+        resumed = self.params.resumed_output_tokens
+        earlier = self.prompt_token_ids[len(self.prompt_token_ids) - resumed:] if resumed else []
+        return earlier + self.output_token_ids
 
 
 @dataclass(frozen=True)
@@ -70,6 +106,7 @@ class Sampler:
         if any(p.has_penalties for p in params) or any(
             len(s.output_token_ids) < s.params.min_tokens for s in states
         ):
+            # (a migrated request's min_tokens already counts its earlier output: the gateway lowered it)
             logits = logits.clone()
             self._apply_penalties_and_min_tokens(logits, states)
 
@@ -86,7 +123,7 @@ class Sampler:
         for row, s in enumerate(states):
             p = s.params
             if p.has_penalties and (s.output_token_ids or s.prompt_token_ids):
-                out = torch.tensor(s.output_token_ids, dtype=torch.long, device=logits.device)
+                out = torch.tensor(s.output_counted(), dtype=torch.long, device=logits.device)
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
                 if p.repetition_penalty != 1.0:
                     # CTRL-style: applies to prompt and output tokens; divide positive logits, multiply negative
@@ -134,16 +171,19 @@ class Sampler:
 
 
 def row_uniforms(states: Sequence[RequestSamplingState], device: torch.device) -> torch.Tensor:
-    """One uniform in [0, 1) per row (fp64): a seeded request's from its own generator, so its tokens do not
-    depend on what else is in the batch; the others' from the global RNG."""
-    uniform = torch.empty(len(states), dtype=torch.float64, device=device)
-    unseeded = [i for i, s in enumerate(states) if s.generator is None]
-    if unseeded:
-        uniform[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
-    for i, s in enumerate(states):
-        if s.generator is not None:
-            uniform[i : i + 1].uniform_(generator=s.generator)
-    return uniform
+    """One uniform in [0, 1) per row (fp64): a seeded request's ``seeded_uniform`` at its next output position,
+    so its tokens do not depend on what else is in the batch nor on which node samples; the others' from the
+    global RNG."""
+    seeded = [i for i, s in enumerate(states) if s.seed is not None]
+    if not seeded:
+        return torch.rand(len(states), dtype=torch.float64, device=device)
+    values = torch.rand(len(states), dtype=torch.float64).tolist() if len(seeded) < len(states) else \
+        [0.0] * len(states)
+    for i in seeded:
+        s = states[i]
+        assert s.seed is not None
+        values[i] = seeded_uniform(s.seed, s.position)
+    return torch.tensor(values, dtype=torch.float64, device=device)
 
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 
 from common.attention.metadata import AttentionMetadata
 from common.kv.kv_cache import KVCache, KVCacheSpec
-from common.sampling.sampler import RequestSamplingState, target_probs
+from common.sampling.sampler import DRAFT, RequestSamplingState, sample_from, seeded_uniform, target_probs
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -133,10 +133,14 @@ def sample_drafts(logits: torch.Tensor, chunks: list[ScheduledChunk], rows: list
     p = target_probs(logits, params)
     out = {}
     for row, i in enumerate(rows):
+        state = sampling_state(chunks[i].request)
         if params[row].greedy:
             token = int(p[row].argmax())
-        else:
-            token = int(torch.multinomial(p[row], 1, generator=sampling_state(chunks[i].request).generator))
+        elif state.seed is None:
+            token = int(torch.multinomial(p[row], 1))
+        else:  # the draft for output position t: seeded_uniform(seed, t, DRAFT) (common/sampling/sampler.py)
+            u = seeded_uniform(state.seed, state.position + len(drafts[i]), DRAFT)
+            token = int(sample_from(p[row : row + 1], torch.tensor([u], dtype=torch.float64, device=p.device)))
         drafts[i].append(token)
         step_probs[i].append(p[row])
         out[i] = token

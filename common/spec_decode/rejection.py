@@ -6,12 +6,13 @@ accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejectio
 emitted token then follows the target distribution ``p`` exactly, whatever ``q`` is, as long as the drafts
 really were drawn from ``q`` (a deterministic proposer such as n-gram lookup is a point mass).
 
-Randomness: each sampling request draws exactly ``k_i`` uniforms and then one more per verify call, from
-its own generator when seeded, whatever the outcome and whoever shares the batch, so a seeded request's
-tokens do not depend on its batch neighbours. The final token is picked the way ``Sampler`` picks one (the
-distribution's CDF inverted at that last uniform: ``common.sampling.sampler.sample_from``), so a request with
-no drafts consumes the same randomness and gets the same token as a plain ``Sampler`` step. Greedy requests
-draw nothing.
+Randomness: a seeded request's draft at output position t is accepted or not with ``seeded_uniform(seed, t,
+ACCEPT)``, and the token that ends the step (the correction or the bonus) at position t is drawn with
+``seeded_uniform(seed, t, SAMPLE)``, whatever the outcome and whoever shares the batch, so a seeded request's
+tokens do not depend on its batch neighbours (no decision reuses a uniform an earlier one used: positions only
+advance past the ones decided). The final token is picked the way ``Sampler`` picks one (the distribution's
+CDF inverted at that uniform: ``common.sampling.sampler.sample_from``), so a request with no drafts gets the
+same token as a plain ``Sampler`` step. Unseeded requests draw from the global RNG; greedy ones draw nothing.
 
 Penalties and the ``min_tokens`` mask are not applied (see ``target_probs``): the engine does not
 speculate for requests that use them.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.sampling.sampler import RequestSamplingState, row_uniforms, sample_from, target_probs
+from common.sampling.sampler import ACCEPT, SAMPLE, RequestSamplingState, sample_from, seeded_uniform, target_probs
 
 
 @dataclass(frozen=True)
@@ -145,15 +146,22 @@ def _speculative_sampling(
         q_start = q_len.cumsum(0) - q_len
         q_row = torch.where(valid & has_q.unsqueeze(1), q_start.unsqueeze(1) + positions, q_row)
 
-    # Randomness, a fixed amount per request: k_i uniforms for the drafts, then one for the final token.
-    uniform = torch.zeros((num_reqs, pad), device=device)  # [num_reqs, pad]
-    unseeded = [i for i, s in enumerate(states) if s.generator is None]
-    if unseeded:
-        uniform[unseeded] = torch.rand((len(unseeded), pad), device=device)
-    for i, s in enumerate(states):
-        if s.generator is not None and ks[i]:
-            uniform[i, : ks[i]].uniform_(generator=s.generator)
-    final_uniform = row_uniforms(states, device)  # [num_reqs]
+    # Randomness: per request, an acceptance uniform per draft position and a final-token uniform for each
+    # position the step may end at (the one after the accepted prefix is picked below). fp64: [num_reqs, pad]
+    # and [num_reqs, pad + 1].
+    uniform = torch.rand((num_reqs, pad), dtype=torch.float64, device=device)
+    final_uniforms = torch.rand((num_reqs, pad + 1), dtype=torch.float64, device=device)
+    seeded = [i for i, s in enumerate(states) if s.seed is not None]
+    if seeded:
+        accepts, finals = [], []
+        for i in seeded:
+            seed, base = states[i].seed, states[i].position
+            assert seed is not None
+            accepts.append([seeded_uniform(seed, base + j, ACCEPT) for j in range(pad)])
+            finals.append([seeded_uniform(seed, base + j, SAMPLE) for j in range(pad + 1)])
+        index = torch.tensor(seeded, device=device)
+        uniform[index] = torch.tensor(accepts, dtype=torch.float64, device=device)
+        final_uniforms[index] = torch.tensor(finals, dtype=torch.float64, device=device)
 
     # Accept d_j with probability min(1, p(d_j) / q(d_j)): u * q < p avoids dividing by q.
     p_draft = p[p_row, draft]  # [num_reqs, pad]
@@ -176,6 +184,7 @@ def _speculative_sampling(
     # p <= q everywhere only when p == q up to rounding, and then rejection is a rounding artefact: use p.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p_final, residual)
+    final_uniform = final_uniforms[rows_idx, num_accepted]  # [num_reqs]: at the position the step ends at
     final = sample_from(residual, final_uniform)  # inverse CDF: needs no normalisation
 
     out: list[list[int]] = torch.stack([num_accepted, final]).tolist()

@@ -243,6 +243,9 @@ class GatewayMetrics(ServiceMetrics):
                                 ["node", "finish_reason"], registry=self.registry)
         self._failure = Counter(PREFIX + "request_failure", "Requests that ended with an error status, by status.",
                                 ["node", "code"], registry=self.registry)
+        self._migrations = Counter(PREFIX + "request_migrations", "Requests continued on other nodes after a node "
+                                   "was lost under them, by the lost node's role.", ["node", "role"],
+                                   registry=self.registry)
 
     def request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft_s: float,
                          e2e_s: float, queue_s: float) -> None:
@@ -257,6 +260,10 @@ class GatewayMetrics(ServiceMetrics):
 
     def request_failed(self, code: str) -> None:
         self._failure.labels(self.node, code).inc()
+
+    def request_migrated(self, role: str) -> None:
+        """A request lost its ``role`` node (prefill or decode) and continues on another."""
+        self._migrations.labels(self.node, role).inc()
 
 
 class _TransferMetrics(ServiceMetrics):

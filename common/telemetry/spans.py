@@ -82,6 +82,9 @@ PREEMPTIONS = "tandem.num_preemptions"
 SPEC_DRAFT_TOKENS = "tandem.spec.draft_tokens"
 SPEC_ACCEPTED_TOKENS = "tandem.spec.accepted_tokens"
 SPEC_ACCEPTANCE = "tandem.spec.acceptance_rate"
+MIGRATIONS = "tandem.migrations"  # times the request continued on other nodes after losing one
+LOST_ROLE = "tandem.migration.lost_role"  # prefill | decode: the node lost
+STREAMED_TOKENS = "tandem.migration.streamed_tokens"  # tokens the client had when its node was lost
 
 SERVER = SpanKind.SERVER
 PRODUCER = SpanKind.PRODUCER

@@ -65,7 +65,9 @@ def logprob(token: int, position: int) -> common_pb2.TokenLogprob:
 
 @dataclass
 class Script:
-    """The generation every request gets: ``tokens[0]`` comes from the prefill, the rest from the decode."""
+    """The generation every request gets: ``tokens[0]`` comes from the prefill, the rest from the decode.
+    A migrated request (``resumed_output_tokens = k``: its prompt ends with ``tokens[:k]``) goes on at
+    ``tokens[k]``, as a real engine's would."""
 
     tokens: list[int]
     token_delay_s: float = 0.0  # between decode deltas
@@ -91,6 +93,9 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
         self.kv_endpoint = "127.0.0.1:1"
         self.stats_delay_s = 0.0  # how late Stats answers (a busy node)
         self.block_size = 16  # what Stats reports
+        # After streaming this many token deltas of a request, hang (until the test stops the node: its death).
+        self.hang_after: int | None = None
+        self.hanging = asyncio.Event()  # set once a stream hangs there
 
     async def Generate(self, request: decode_pb2.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -108,9 +113,9 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
             except TimeoutError:
                 self.record.expired.append(rid)
                 raise DeadlineExceededError(f"no KV for {transfer_id} in {request.kv_timeout_seconds:.3g} s") from None
-            max_tokens = request.sampling.max_tokens
-            tokens = self.script.tokens[1:max_tokens]
-            finish = (common_pb2.FINISH_REASON_LENGTH if max_tokens <= len(self.script.tokens)
+            max_tokens, k = request.sampling.max_tokens, request.resumed_output_tokens
+            tokens = self.script.tokens[k + 1:k + max_tokens]
+            finish = (common_pb2.FINISH_REASON_LENGTH if k + max_tokens <= len(self.script.tokens)
                       else common_pb2.FINISH_REASON_STOP)
             if self.script.gate is not None:
                 await self.script.gate.wait()
@@ -119,8 +124,11 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
             for i, token in enumerate(tokens):
                 if self.script.token_delay_s:
                     await asyncio.sleep(self.script.token_delay_s)
+                if i == self.hang_after:
+                    self.hanging.set()
+                    await asyncio.Event().wait()  # until the node is stopped
                 last = i == len(tokens) - 1
-                logprobs = [logprob(token, i + 1)] if request.sampling.HasField("logprobs") else []
+                logprobs = [logprob(token, k + i + 1)] if request.sampling.HasField("logprobs") else []
                 yield decode_pb2.DecodeResponse(delta=decode_pb2.TokenDelta(
                     token_ids=[token], logprobs=logprobs,
                     finish_reason=finish if last else common_pb2.FINISH_REASON_UNSPECIFIED))
@@ -145,23 +153,26 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):
         self.delay_after_push_s = 0.0
         self.fail_with: grpc.StatusCode | None = None
         self.num_cached_tokens = 0
+        self.last_request: prefill_pb2.PrefillRequest | None = None
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         rid = request.request_id
         self.record.requests.append(rid)
+        self.last_request = request
         try:
             if self.fail_with is not None:
                 await context.abort(self.fail_with, f"scripted failure on {self.node_id}")
             await asyncio.sleep(self.delay_before_push_s)
-            self.board.push(request.destination.transfer_id, self.script.tokens[0])
+            k = request.resumed_output_tokens  # a migrated request goes on at tokens[k]
+            self.board.push(request.destination.transfer_id, self.script.tokens[k])
             await asyncio.sleep(self.delay_after_push_s)
             self.record.completed.append(rid)
-            first = self.script.tokens[0]
+            first = self.script.tokens[k]
             reply = prefill_pb2.PrefillResponse(first_token=first, num_cached_tokens=self.num_cached_tokens,
                                                 transfer_bytes=1234, transfer_seconds=0.01, queue_seconds=0.001)
             if request.sampling.HasField("logprobs"):
-                reply.first_logprob.CopyFrom(logprob(first, 0))
+                reply.first_logprob.CopyFrom(logprob(first, k))
             return reply
         except asyncio.CancelledError:
             self.record.cancelled.append(rid)

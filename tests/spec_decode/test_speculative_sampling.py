@@ -8,7 +8,7 @@ test runs at p=0.001 and is paired with a check that it rejects a wrong distribu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -97,8 +97,10 @@ def _run(params: SamplingParams, dense_draft: bool, shared_seed: bool,
     q = torch.stack([q0.expand(N, V), q1[d0]], dim=1)  # [N, 2, V]
     draft_probs: list[torch.Tensor | None] = list(q.to(device).unbind(0)) if dense_draft else [None] * N
     if shared_seed:
-        shared = RequestSamplingState.create(params, [0], device=device)  # one generator, row after row
-        states = [shared] * N
+        # Seeded: a request's randomness is a function of (seed, position), so one seed per trial.
+        assert params.seed is not None
+        states = [RequestSamplingState.create(replace(params, seed=params.seed + n), [0], device=device)
+                  for n in range(N)]
     else:
         states = [RequestSamplingState.create(params, [0], device=device) for _ in range(N)]
     out = verify(logits.to(device), drafts, draft_probs, states)

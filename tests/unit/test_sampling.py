@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -65,11 +66,13 @@ def test_seeded_sampling_is_independent_of_batch_composition() -> None:
 
 
 def _empirical(params: SamplingParams, logits: torch.Tensor, n: int) -> torch.Tensor:
-    state = _state(params)
     counts = torch.zeros(logits.shape[-1])
     batch = 500
-    for _ in range(n // batch):
-        out = Sampler()(logits.expand(batch, -1).contiguous(), [state] * batch)
+    for b in range(n // batch):
+        # A seeded request's randomness is a function of (seed, position): a sample per seed.
+        seeds = [None] * batch if params.seed is None else [params.seed + b * batch + i for i in range(batch)]
+        states = [_state(replace(params, seed=seed)) for seed in seeds]
+        out = Sampler()(logits.expand(batch, -1).contiguous(), states)
         counts += torch.bincount(torch.tensor(out.token_ids), minlength=logits.shape[-1])
     return counts / counts.sum()
 

@@ -1,0 +1,183 @@
+"""Request migration: a stream whose node dies continues on another node from the prompt plus the tokens
+already streamed (real gateway, scripted nodes on 127.0.0.1, nodes stopped as a death), within the
+``migration_limit`` budget; past it the request ends UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from scripted_nodes import Cluster, eventually, free_port, logprob, run_async, scripted_cluster
+
+from gateway.model import ServedModel
+from tandem.v1 import common_pb2, generate_pb2
+
+pytestmark = pytest.mark.real_model
+
+G = generate_pb2.GenerateRequest
+S = common_pb2.SamplingParams
+TEXT = " The quick brown fox jumps over the lazy dog. It was a sunny day."  # 16 tokens
+
+
+def script(model: ServedModel) -> list[int]:
+    return model.tokenizer.encode(TEXT, add_special_tokens=False)
+
+
+async def received_until_hang(c: Cluster, call: grpc.aio.UnaryStreamCall, node: int,
+                              ) -> list[generate_pb2.GenerateResponse]:
+    """Read the stream until decode node ``node`` hangs (what it streamed has reached the gateway)."""
+    messages = [await call.read()]
+    await asyncio.wait_for(c.decodes[node].hanging.wait(), 10)
+    return messages
+
+
+async def read_rest(call: grpc.aio.UnaryStreamCall) -> list[generate_pb2.GenerateResponse]:
+    messages = []
+    while (m := await call.read()) is not grpc.aio.EOF:
+        messages.append(m)
+    return messages
+
+
+def migrations_metric(port: int) -> dict[str, float]:
+    """tandem:request_migrations_total by lost role, scraped from the gateway's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("tandem:request_migrations_total{"):
+            role = line.split('role="')[1].split('"')[0]
+            out[role] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_decode_death_mid_stream_continues_on_another_node(served_model: ServedModel, smollm2_dir: Path) -> None:
+    tokens = script(served_model)
+    metrics_port = free_port()
+
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, tokens, num_decode=2, stats_interval_s=60,
+                                    metrics_port=metrics_port) as c:
+            c.decodes[0].hang_after = 4  # the prefill's token and 4 decode tokens reach the client, then it dies
+            c.script.token_delay_s = 0.005
+            call = c.stub.Generate(G(text="Hi", request_id="m1", sampling=S(max_tokens=12, logprobs=0),
+                                     stream=generate_pb2.StreamOptions(include_token_ids=True)))
+            before = await received_until_hang(c, call, 0)
+            await c.node_servers["decode-0"].stop(0)  # the node dies under the stream
+            messages = before + await read_rest(call)
+            # One uninterrupted stream: every token once, in order, its text and logprobs at their positions.
+            assert [t for m in messages for t in m.token_ids] == tokens[:12]
+            assert "".join(m.text for m in messages) == served_model.tokenizer.decode(tokens[:12])
+            assert [lp for m in messages for lp in m.logprobs] == [logprob(t, i) for i, t in enumerate(tokens[:12])]
+            last = messages[-1]
+            assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            prompt = served_model.tokenizer.encode("Hi")
+            assert last.usage == generate_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=12, cached_tokens=0)
+            assert last.timings.decode_node == "decode-1"
+            assert 0 < last.timings.time_to_first_token < last.timings.e2e_seconds
+            # The continuation: the prompt plus the 5 streamed tokens, re-prefilled, max_tokens counting them.
+            resumed = c.decodes[1].last_request
+            assert resumed is not None and list(resumed.prompt_token_ids) == prompt + tokens[:5]
+            assert (resumed.resumed_output_tokens, resumed.sampling.max_tokens) == (5, 7)
+            prefill = c.prefills[0].last_request
+            assert prefill is not None and list(prefill.prompt_token_ids) == prompt + tokens[:5]
+            assert prefill.resumed_output_tokens == 5 and prefill.destination.node_id == "decode-1"
+            assert c.prefills[0].record.completed == ["m1", "m1"]
+            assert migrations_metric(metrics_port) == {"decode": 1.0}
+            # The dead node is out of routing: new requests go to decode-1 without a try on decode-0.
+            loads = {n.node_id or n.target: n for n in (await c.stub.GetLoads(generate_pb2.GetLoadsRequest())).nodes}
+            assert not loads["decode-0"].reachable
+            again = [m async for m in c.stub.Generate(G(text="Hi", sampling=S(max_tokens=3)))]
+            assert again[-1].timings.decode_node == "decode-1"
+
+    run_async(scenario())
+
+
+def test_stop_string_and_min_tokens_across_a_migration(served_model: ServedModel, smollm2_dir: Path) -> None:
+    tokens = script(served_model)
+    stop_at = served_model.tokenizer.decode(tokens[:9])  # " ... lazy dog": ends in the continuation
+
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, tokens, num_decode=2, stats_interval_s=60) as c:
+            c.decodes[0].hang_after = 2
+            call = c.stub.Generate(G(text="Hi", sampling=S(max_tokens=16, min_tokens=6), stop=[" dog"]))
+            before = await received_until_hang(c, call, 0)
+            await c.node_servers["decode-0"].stop(0)
+            messages = before + await read_rest(call)
+            assert "".join(m.text for m in messages) == stop_at.removesuffix(" dog")
+            last = messages[-1]
+            assert (last.finish_reason, last.stop_string) == (common_pb2.FINISH_REASON_STOP, " dog")
+            assert last.usage.completion_tokens == 9
+            resumed = c.decodes[1].last_request
+            assert resumed is not None
+            assert (resumed.sampling.max_tokens, resumed.sampling.min_tokens, resumed.resumed_output_tokens) == \
+                (13, 3, 3)
+
+    run_async(scenario())
+
+
+def test_past_the_budget_the_request_ends_unavailable(served_model: ServedModel, smollm2_dir: Path) -> None:
+    tokens = script(served_model)
+
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, tokens, num_decode=3, stats_interval_s=60,
+                                    migration_limit=1) as c:
+            c.decodes[0].hang_after = 3
+            c.decodes[1].hang_after = 2
+            c.decodes[2].hang_after = 0
+            call = c.stub.Generate(G(text="Hi", request_id="b1", sampling=S(max_tokens=12),
+                                     stream=generate_pb2.StreamOptions(include_token_ids=True)))
+            before = await received_until_hang(c, call, 0)
+            await c.node_servers["decode-0"].stop(0)  # migration 1 of 1: to decode-1
+            await asyncio.wait_for(c.decodes[1].hanging.wait(), 10)
+            await c.node_servers["decode-1"].stop(0)  # a second loss: past the budget
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                before += await read_rest(call)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "decode node" in err.value.details()
+            assert c.decodes[2].record.requests == []
+
+    run_async(scenario())
+
+
+def test_migration_limit_zero_disables_it(served_model: ServedModel, smollm2_dir: Path) -> None:
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, script(served_model), num_decode=2,
+                                    stats_interval_s=60, migration_limit=0) as c:
+            c.decodes[0].hang_after = 1
+            call = c.stub.Generate(G(text="Hi"))
+            await received_until_hang(c, call, 0)
+            await c.node_servers["decode-0"].stop(0)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await read_rest(call)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert c.decodes[1].record.requests == []
+
+    run_async(scenario())
+
+
+def test_prefill_deaths_mid_transfer_rerun_on_other_prefills(served_model: ServedModel, smollm2_dir: Path) -> None:
+    tokens = script(served_model)
+    metrics_port = free_port()
+
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, tokens, num_prefill=3, stats_interval_s=60,
+                                    metrics_port=metrics_port) as c:
+            c.prefills[0].delay_before_push_s = c.prefills[1].delay_before_push_s = 30  # mid-prefill when they die
+            call = c.stub.Generate(G(text="Hi", request_id="p1", sampling=S(max_tokens=6),
+                                     stream=generate_pb2.StreamOptions(include_token_ids=True)))
+            # The first death: the reservation is tried once more, on another prefill node ...
+            await eventually(lambda: c.prefills[0].record.requests == ["p1"])
+            await c.node_servers["prefill-0"].stop(0)
+            # ... the second: a migration (a fresh reservation, the lost nodes avoided).
+            await eventually(lambda: c.prefills[1].record.requests == ["p1"])
+            await c.node_servers["prefill-1"].stop(0)
+            messages = await read_rest(call)
+            assert [t for m in messages for t in m.token_ids] == tokens[:6]
+            assert messages[-1].timings.prefill_node == "prefill-2"
+            assert c.prefills[2].record.completed == ["p1"]
+            await eventually(lambda: len(c.decodes[0].record.cancelled) == 1)  # the first reservation freed
+            assert migrations_metric(metrics_port) == {"prefill": 1.0}
+
+    run_async(scenario())
