@@ -207,7 +207,7 @@ def test_node_failures(tiny_served_model_dir: Path, tmp_path: Path) -> None:
         for p in prompts(3, seed=4):
             tokens, last = generate(gateway, request(p, 4))
             assert len(tokens) == 4 and last.timings.prefill_node == "prefill-1"
-        # A decode node dies mid-stream: its streams end UNAVAILABLE, the others finish, new requests work.
+        # A decode node dies mid-stream: its streams continue on the other one (migration), new requests work.
         channel = grpc.insecure_channel(gateway)
         stub = generate_pb2_grpc.TandemStub(channel)
         calls = [stub.Generate(request(p, 300), timeout=TIMEOUT_S) for p in prompts(4, seed=5)]
@@ -224,8 +224,7 @@ def test_node_failures(tiny_served_model_dir: Path, tmp_path: Path) -> None:
             except grpc.RpcError as exc:
                 codes.append(exc.code())
         channel.close()
-        assert grpc.StatusCode.UNAVAILABLE in codes
-        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
+        assert codes == [grpc.StatusCode.OK] * len(calls)
         for p in prompts(3, seed=6):
             tokens, last = generate(gateway, request(p, 4))
             assert len(tokens) == 4 and last.timings.decode_node == "decode-1"
