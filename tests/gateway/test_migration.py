@@ -5,14 +5,24 @@ already streamed (real gateway, scripted nodes on 127.0.0.1, nodes stopped as a 
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from scripted_nodes import Cluster, eventually, free_port, logprob, run_async, scripted_cluster
 
+from common.telemetry import spans
+from common.telemetry.metrics import GatewayMetrics
+from gateway.coordinator import Coordinator
 from gateway.model import ServedModel
+from gateway.node_pool import NodePool
+from gateway.request import GatewayRequest
+from gateway.router import Router
 from tandem.v1 import common_pb2, generate_pb2
 
 pytestmark = pytest.mark.real_model
@@ -181,3 +191,49 @@ def test_prefill_deaths_mid_transfer_rerun_on_other_prefills(served_model: Serve
             assert migrations_metric(metrics_port) == {"prefill": 1.0}
 
     run_async(scenario())
+
+
+def test_migrations_are_marked_on_the_request_span(served_model: ServedModel, smollm2_dir: Path) -> None:
+    """The coordinator alone over the scripted nodes, under a real SDK tracer of the test's own (the process-wide
+    provider stays untouched): a ``migrated`` event per migration and the count as an attribute."""
+    tokens = script(served_model)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, tokens, num_decode=2) as c:
+            c.decodes[0].hang_after = 3
+            targets = [c.node_servers[d.node_id].address for d in c.decodes]
+            router = Router([c.node_servers["prefill-0"].address], targets)
+            pool = NodePool(router, stats_interval_s=60)
+            await pool.start()
+            metrics = GatewayMetrics()
+            coordinator = Coordinator(served_model, router, pool, kv_timeout_s=10, migration_limit=2,
+                                      metrics=metrics)
+            req = GatewayRequest.from_proto(G(text="Hi", request_id="s1", sampling=S(max_tokens=10)), served_model)
+            got: list[int] = []
+            try:
+                with provider.get_tracer("test").start_as_current_span("generate"):
+                    async def kill_when_hanging() -> None:
+                        await c.decodes[0].hanging.wait()
+                        await c.node_servers["decode-0"].stop(0)
+
+                    killer = asyncio.create_task(kill_when_hanging())
+                    async for chunk in coordinator.generate(req, time.monotonic(), time.monotonic() + 20):
+                        got += chunk.token_ids
+                    await killer
+            finally:
+                await pool.close()
+            assert got == tokens[:10]
+            assert metrics.registry.get_sample_value("tandem:request_migrations_total",
+                                                     {"node": "gateway", "role": "decode"}) == 1.0
+            assert not router.decode[targets[0]].reachable  # the dead node is out of routing
+
+    run_async(scenario())
+    (span,) = exporter.get_finished_spans()
+    migrated = [e for e in span.events if e.name == "migrated"]
+    assert len(migrated) == 1 and span.attributes is not None and span.attributes[spans.MIGRATIONS] == 1
+    attributes = migrated[0].attributes or {}
+    assert attributes[spans.LOST_ROLE] == "decode" and attributes[spans.STREAMED_TOKENS] == 4
+    assert [e.name for e in span.events].count("reserved") == 2
