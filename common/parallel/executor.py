@@ -9,7 +9,7 @@ pinned to its own cores with one torch thread per core). Per step the node:
 3. waits for every rank's ``WorkerReply``: then every rank's KV writes for the step have landed, and the
    last pipeline stage's ranks have written their vocabulary columns of the sampled rows' logits into the
    shared logits buffer;
-4. samples from that buffer with its own sampler (seeded generators, penalties: one place, as with T = 1).
+4. samples from that buffer with its own sampler (seeded randomness, penalties: one place, as with T = 1).
 
 Shared memory, one host: the node's whole KV cache (``[num_blocks, layers, 2, block_size, kv_heads,
 head_dim]``) is one shared segment that every rank maps; a rank reads and writes only its KV heads (and,
