@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from scripted_nodes import Cluster, eventually, free_port, logprob, run_async, scripted_cluster
 
+from common.config.settings import load_settings
 from common.telemetry import spans
 from common.telemetry.metrics import GatewayMetrics
 from gateway.coordinator import Coordinator
@@ -23,6 +24,7 @@ from gateway.model import ServedModel
 from gateway.node_pool import NodePool
 from gateway.request import GatewayRequest
 from gateway.router import Router
+from gateway.settings import GatewaySettings
 from tandem.v1 import common_pb2, generate_pb2
 
 pytestmark = pytest.mark.real_model
@@ -237,3 +239,12 @@ def test_migrations_are_marked_on_the_request_span(served_model: ServedModel, sm
     attributes = migrated[0].attributes or {}
     assert attributes[spans.LOST_ROLE] == "decode" and attributes[spans.STREAMED_TOKENS] == 4
     assert [e.name for e in span.events].count("reserved") == 2
+
+
+def test_migration_limit_setting(tmp_path: Path) -> None:
+    env = {"TANDEM_MODEL_DIR": str(tmp_path), "TANDEM_PREFILL_TARGETS": "127.0.0.1:7001",
+           "TANDEM_DECODE_TARGETS": "127.0.0.1:7101"}
+    assert load_settings(GatewaySettings, environ=env).migration_limit == 3
+    assert load_settings(GatewaySettings, environ={**env, "TANDEM_MIGRATION_LIMIT": "0"}).migration_limit == 0
+    with pytest.raises(ValueError, match="migration_limit must be >= 0"):
+        load_settings(GatewaySettings, {"migration_limit": -1}, environ=env)
