@@ -15,6 +15,7 @@ a failure, the client's cancel, a deadline) cancels whichever leg is still runni
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -179,8 +180,10 @@ class Coordinator:
         while True:
             attempt = continued(req, out.token_ids)
             try:
-                async for chunk in self._attempt(req, attempt, out, run, arrival, deadline):
-                    yield chunk
+                # aclosing: when the client goes away mid-attempt, its legs are cancelled now, not at collection.
+                async with contextlib.aclosing(self._attempt(req, attempt, out, run, arrival, deadline)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
                 return
             except NodeLostError as exc:
                 streamed = len(out.token_ids)
