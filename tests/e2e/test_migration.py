@@ -31,12 +31,16 @@ def migrations(metrics_port: int) -> float:
                if line.startswith("tandem:request_migrations_total{") and 'role="decode"' in line)
 
 
-def test_decode_node_killed_mid_stream_fails_no_request(tiny_served_model_dir: Path, tmp_path: Path) -> None:
+# The continuation's prompt (prompt + streamed tokens) prefilled by the prefill node, or by the decode node
+# itself under conditional disaggregation.
+@pytest.mark.parametrize("local_prefill_max_tokens", ["0", "1024"], ids=["disaggregated", "local-prefill"])
+def test_decode_node_killed_mid_stream_fails_no_request(tiny_served_model_dir: Path, tmp_path: Path,
+                                                        local_prefill_max_tokens: str) -> None:
     topology = Topology(num_prefill=1, num_decode=2, free_ports=True, http_port=None, metrics_base_port=0,
                         model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
                         node_args=("--num-blocks", "256", "--kv-timeout-s", "20", "--grace-s", "1"),
-                        gateway_args=("--local-prefill-max-tokens", "0", "--stats-interval-s", "0.3",
-                                      "--shutdown-grace-s", "1"))
+                        gateway_args=("--local-prefill-max-tokens", local_prefill_max_tokens,
+                                      "--stats-interval-s", "0.3", "--shutdown-grace-s", "1"))
     ps = prompts(NUM_REQUESTS, seed=21)
     expected = reference(tiny_served_model_dir, ps, MAX_TOKENS)
     with Launcher(topology, log_dir=tmp_path) as launcher:
