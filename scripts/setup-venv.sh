@@ -55,10 +55,13 @@ if [[ $FLAVOUR == cuda ]]; then
 fi
 # Bytecode for what every Tandem process imports (a node, a rank, the CLI), written once here even where
 # PYTHONDONTWRITEBYTECODE is set: without it each process compiles torch's sources anew (4 s of CPU each).
-PYTHONDONTWRITEBYTECODE= "$VENV/bin/python" -W ignore -c \
-    "import torch, grpc, tokenizers, safetensors, transformers, tandem_cli.cli, tandem_cli.colocated_server, \
+# The Dockerfile's dependency layer runs this script before the sources are copied in: no Tandem module then.
+if [[ -f tandem_cli/cli.py ]]; then
+    PYTHONDONTWRITEBYTECODE= "$VENV/bin/python" -W ignore -c \
+        "import torch, grpc, tokenizers, safetensors, transformers, tandem_cli.cli, tandem_cli.colocated_server, \
 decode_service.server, prefill_service.server, gateway.server, gateway.http_server, common.parallel.worker, \
 common.engine.llm" >/dev/null
+fi
 if [[ -n $prebuild_pid ]]; then
     wait "$prebuild_pid" || true  # a kernel that did not build is built (or reported) by the next step
     prebuild_pid=
