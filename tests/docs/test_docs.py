@@ -49,6 +49,10 @@ OTHER_VARIABLES = {
     "TANDEM_COMPOSE": "tests/deploy/test_compose_docker.py",
     "TANDEM_CONTAINER_ENGINE": "tests/deploy/test_compose_docker.py",
     "TANDEM_DOCKER_BASE_IMAGE": "tests/deploy/test_compose_docker.py",
+    "TANDEM_K8S_CRD_DIR": "tests/deploy/test_kubernetes.py",
+    "TANDEM_SMOKE_IMAGE": "scripts/k8s-smoke.sh",
+    "TANDEM_SMOKE_NETWORK": "scripts/k8s-smoke.sh",
+    "TANDEM_SMOKE_TIMEOUT_S": "scripts/k8s-smoke.sh",
     "TANDEM_PREFILL_CPUS": "compose.yaml",
     "TANDEM_DECODE_CPUS": "compose.yaml",
     "TANDEM_PREFILL_THREADS": "compose.yaml",
@@ -59,9 +63,10 @@ OTHER_VARIABLES = {
 }
 
 # Flags of tools that are not Tandem's, shown in the pages' example commands: docker / compose (`--rm`,
-# `--name`, `--build`, `--profile`, `--build-arg`), Jaeger's image (`--set`), pip (`--no-deps`, `--no-index`). They
-# cannot be checked against Tandem's parsers; keep this list to other tools' flags only.
-PEER_TOOL_FLAGS = {"--rm", "--name", "--build", "--profile", "--build-arg", "--set", "--no-deps", "--no-index"}
+# `--name`, `--build`, `--profile`, `--build-arg`), Jaeger's image (`--set`), pip (`--no-deps`, `--no-index`),
+# kubectl (`--replicas`). They cannot be checked against Tandem's parsers; keep this list to other tools' flags only.
+PEER_TOOL_FLAGS = {"--rm", "--name", "--build", "--profile", "--build-arg", "--set", "--no-deps", "--no-index",
+                   "--replicas"}
 
 TOP_LEVEL = ("common", "tandem_cli", "benchmarks", "scripts", "docs", "gateway", "kv_transfer", "prefill_service",
              "decode_service", "tests", "protos", "requirements", "docker")
