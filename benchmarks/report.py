@@ -248,6 +248,10 @@ def write_report(run_dir: Path, output: Path | None = None) -> Path:
 
         lines += [f"## {by_name['quantization'].title}", "", f"`{by_name['quantization'].command}`", "",
                   *quantization_lines(quant), ""]
+    if moe := data.get("moe"):
+        from benchmarks.bench_moe import markdown as moe_lines  # torch: only for this section
+
+        lines += [f"## {by_name['moe'].title}", "", f"`{by_name['moe'].command}`", "", moe_lines(moe), ""]
     for name in ("serve-vllm", "serve-llamacpp"):
         if data.get(name):  # the section's own Markdown, its headings one level down
             own = (run_dir / f"{name}.md").read_text().splitlines()

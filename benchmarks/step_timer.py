@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from common.model.layers import SwiGLUMLP
+
 if TYPE_CHECKING:
     from common.engine.engine_core import ColocatedEngine
     from common.engine.scheduler_output import SchedulerOutput
@@ -77,8 +79,9 @@ class StepTimer:
         setattr(model, "compute_logits", self._wrap("logits", model.compute_logits))  # noqa: B010
         setattr(runner, "sampler", self._wrap("sampler", runner.sampler))  # noqa: B010
         for layer in cast("list[LlamaDecoderLayer]", list(model.layers)):
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj):
+            mlp = layer.mlp  # a mixture of experts' routed layer counts as a whole (experts in one call)
+            mlp_parts = (mlp.gate_up_proj, mlp.down_proj) if isinstance(mlp, SwiGLUMLP) else (mlp,)
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *mlp_parts):
                 setattr(linear, "forward", self._wrap("matmul", linear.forward))  # noqa: B010
         if len(model.layers):  # one backend instance serves every layer
             backend = cast("LlamaDecoderLayer", model.layers[0]).self_attn.backend

@@ -18,7 +18,7 @@ the standard serving mix and the mixed workload (disaggregated vs conditional vs
 (disaggregated with and without prefix caching), the installed peers' own servers driven by vLLM's client
 (vLLM's; llama.cpp's ``llama-server`` beside Tandem int4, 8 requests in flight), and quantized weights (none /
 int8 / int4 / w8a8 at batch 1 and offline, beside llama.cpp on the same GGUF, with perplexity and greedy
-agreement).
+agreement), and a mixture of experts' decode step (Tandem's routed experts against transformers' loop).
 """
 
 from __future__ import annotations
@@ -189,6 +189,13 @@ def quant_command(cfg: SuiteConfig) -> list[str]:
                *(["--quick"] if cfg.quick else []), "--json", _json(cfg, "quantization"))
 
 
+def moe_command(cfg: SuiteConfig) -> list[str]:
+    # A Qwen3-MoE-shaped random model (its own weights, not the suite's model): one decode step of 32
+    # sequences, Tandem's experts against transformers' loop and transformers' own forward.
+    return _py("benchmarks.bench_moe", "--threads", str(cfg.threads), *(["--quick"] if cfg.quick else []),
+               "--json", _json(cfg, "moe"))
+
+
 def parallel_command(cfg: SuiteConfig) -> list[str]:
     # T x P layouts in fp32 (greedy tokens checked against 1x1) and the all-reduce latency, gloo vs shm.
     return _py("benchmarks.bench_parallel", "--model", str(cfg.model_dir),
@@ -223,6 +230,8 @@ SECTIONS: tuple[Section, ...] = (
             parallel_command, (420, 150)),
     Section("quantization", "Quantized weights: none / int8 / int4 / w8a8 beside llama.cpp", quant_command,
             (420, 170)),
+    Section("moe", "Mixture of experts: a decode step of 32 sequences, Tandem's experts vs transformers' loop",
+            moe_command, (120, 20)),
 )
 SECTION_NAMES = tuple(s.name for s in SECTIONS)
 

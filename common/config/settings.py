@@ -327,9 +327,10 @@ class KernelSettings:
     fused_ops: str = "auto"  # the C++ fused elementwise ops (off: the eager reference)
     decode_step: str = "auto"  # the one-call CPU decode step
     row_buckets: str = "auto"  # 16-bit CPU matmuls padded to a few row counts (auto: on for bf16/fp16)
+    cpu_moe: str = "auto"  # a mixture of experts' routed experts in one C++ call on panels (off: PyTorch's)
 
     def __post_init__(self) -> None:
-        for name in ("cpu_amx", "cpu_panels", "cpu_gemv", "fused_ops", "decode_step", "row_buckets"):
+        for name in ("cpu_amx", "cpu_panels", "cpu_gemv", "fused_ops", "decode_step", "row_buckets", "cpu_moe"):
             value = str(getattr(self, name)).strip().lower() or "auto"
             if value not in KERNEL_MODES:
                 raise ValueError(f"{env_name(name)}={value!r}; choose one of {', '.join(KERNEL_MODES)}")

@@ -12,6 +12,12 @@ all-reduce, common/parallel/tp_model.py) completes.
 
 How the routed tokens are multiplied is the module's ``experts`` strategy (vLLM's ``FusedMoEMethodBase``):
 
+- ``PanelExperts`` (CPU, the default where the C++ kernels build; ``TANDEM_CPU_MOE``): each expert's weights
+  in the 16-row float panels of common/model/gemv.py and the whole layer's experts in one C++ call
+  (``moe_experts``, common/kernels/cpu/cpu_moe.cpp): the pairs sorted by expert, every hit expert's panels read
+  once and multiplied by all its rows, the threads split by (expert, panel), no Python per expert; at prefill
+  sizes (more rows per expert than the panel kernel wins at) each expert's panels are unpacked in turn for
+  torch's GEMM, as ``PanelMethod`` does.
 - ``LoopExperts``: transformers' loop — for each expert that any token chose, gather its tokens, two matmuls,
   scatter back. The reference, and what the benchmark (benchmarks/moe_step.py) measures against.
 - ``GroupedExperts``: the (token, expert) pairs sorted by expert once per step; then, at decode sizes (few rows
@@ -25,6 +31,7 @@ How the routed tokens are multiplied is the module's ``experts`` strategy (vLLM'
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -58,9 +65,13 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 class RoutedExperts(Protocol):
-    """How a ``SparseMoE`` multiplies the routed tokens by its experts."""
+    """How a ``SparseMoE`` multiplies the routed tokens by its experts (chosen once, by ``experts_for``)."""
 
     name: str
+
+    def process_weights_after_loading(self, moe: SparseMoE) -> None:
+        """Turn the loaded (and, on a parallel rank, sliced) ``w13`` / ``w2`` into this way's layout."""
+        ...
 
     def apply(self, moe: SparseMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               ops: FusedOps) -> torch.Tensor:
@@ -73,6 +84,9 @@ class LoopExperts:
     """transformers' loop over the experts that any token chose (the reference)."""
 
     name = "loop"
+
+    def process_weights_after_loading(self, moe: SparseMoE) -> None:
+        pass
 
     def apply(self, moe: SparseMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               ops: FusedOps) -> torch.Tensor:
@@ -92,6 +106,9 @@ class GroupedExperts:
     """The pairs sorted by expert once, then each expert's GEMM once (see the module docstring)."""
 
     name = "grouped"
+
+    def process_weights_after_loading(self, moe: SparseMoE) -> None:
+        pass
 
     def apply(self, moe: SparseMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               ops: FusedOps) -> torch.Tensor:
@@ -153,6 +170,74 @@ def _slices(moe: SparseMoE, xs: torch.Tensor, counts: list[int], ops: FusedOps) 
     return torch.cat(pieces)
 
 
+class PanelExperts:
+    """Every expert's weights in 16-row float panels, the layer's experts in one C++ call (module docstring)."""
+
+    name = "panels"
+
+    def __init__(self, ops: ModuleType) -> None:
+        from common.model.gemv import PANEL_MAX_ROWS
+
+        self._ops = ops
+        self.max_rows = PANEL_MAX_ROWS  # rows per expert up to which the panel kernel beats torch's GEMM
+
+    @staticmethod
+    def fits(moe: SparseMoE) -> bool:
+        """The panel layout's shape rules: 16-row panels of 2 * inter and hidden rows, bf16 pairs."""
+        inter, hidden = moe.intermediate_size, moe.w13.shape[2]
+        return (moe.w13.device.type == "cpu" and moe.w13.dtype in (torch.float32, torch.bfloat16)
+                and (2 * inter) % 16 == 0 and hidden % 16 == 0 and inter % 2 == 0)
+
+    def process_weights_after_loading(self, moe: SparseMoE) -> None:
+        from common.model.gemv import pack_panels
+
+        w13 = torch.stack([pack_panels(w) for w in moe.w13.detach()])  # [E, 2I/16, H, 16] (bf16: [.., H/2, 16, 2])
+        w2 = torch.stack([pack_panels(w) for w in moe.w2.detach()])  # [E, H/16, I, 16]
+        moe.drop_float_weights()
+        moe.register_buffer("w13_panels", w13, persistent=False)
+        moe.register_buffer("w2_panels", w2, persistent=False)
+
+    def apply(self, moe: SparseMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              ops: FusedOps) -> torch.Tensor:
+        expert, token, weight = sort_pairs(moe, ids, weights)
+        counts = torch.bincount(expert, minlength=moe.num_local_experts)
+        w13, w2 = moe.get_buffer("w13_panels"), moe.get_buffer("w2_panels")
+        if expert.numel() and int(counts.max()) > self.max_rows:  # prefill sizes: torch's GEMM per expert
+            from common.model.gemv import unpack_panels
+
+            xs, pieces, start = x[token], [], 0
+            for e, rows in enumerate(counts.tolist()):
+                if rows:
+                    h = ops.silu_mul(nn.functional.linear(xs[start : start + rows], unpack_panels(w13[e])))
+                    pieces.append(nn.functional.linear(h, unpack_panels(w2[e])))
+                    start += rows
+            out = torch.zeros_like(x)
+            out.index_add_(0, token, torch.cat(pieces) * weight[:, None].to(x.dtype))
+            return out
+        offsets = torch.zeros(moe.num_local_experts + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        return self._ops.moe_experts(x.contiguous(), token, weight.float().contiguous(), offsets, w13, w2)
+
+
+def experts_for(moe: SparseMoE, device: torch.device) -> RoutedExperts:
+    """The way ``moe`` runs on ``device``: ``PanelExperts`` on CPU where the C++ kernels build and its shapes fit
+    (``TANDEM_CPU_MOE``: auto, on = that or an error, off = never), else ``GroupedExperts``."""
+    from common.config.settings import kernel_setting
+
+    mode = str(kernel_setting("cpu_moe"))  # TANDEM_CPU_MOE
+    if device.type != "cpu" or mode == "off":
+        return GroupedExperts()
+    from common.model.gemv import gemv_kernels
+
+    ops = gemv_kernels()
+    if ops is not None and PanelExperts.fits(moe):
+        return PanelExperts(ops)
+    if mode == "on":
+        raise RuntimeError("TANDEM_CPU_MOE=on but the CPU kernels could not be built or the experts' shapes do not "
+                           "fit 16-row panels (2 * moe_intermediate_size and hidden_size multiples of 16)")
+    return GroupedExperts()
+
+
 class SparseMoE(nn.Module):
     """A layer's routed experts: ``forward(x [T, hidden], ops) -> [T, hidden]``."""
 
@@ -169,11 +254,21 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(options.num_experts, hidden_size, inter), requires_grad=False)
         self.expert_start = 0  # global id of w13[0] (expert parallelism holds a range)
         self.reduce: Communicator | None = None  # completes a rank's partial sums (tensor or expert parallel)
-        self.experts: RoutedExperts = GroupedExperts()
+        self.experts: RoutedExperts = GroupedExperts()  # the after-load pass sets this device's (experts_for)
+
+    def set_experts(self, experts: RoutedExperts) -> None:
+        """Process the loaded weights for ``experts`` and run through it from now on (once)."""
+        experts.process_weights_after_loading(self)
+        self.experts = experts
+
+    def drop_float_weights(self) -> None:
+        """For strategies: ``w13`` / ``w2`` as loaded are no longer held (their own buffers replace them)."""
+        del self._parameters["w13"], self._parameters["w2"]
 
     @property
     def num_local_experts(self) -> int:
-        return self.w13.shape[0]
+        held = self._parameters.get("w13")
+        return int((held if held is not None else self.get_buffer("w13_panels")).shape[0])
 
     def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)

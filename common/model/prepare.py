@@ -5,6 +5,7 @@
 1. each projection and the LM head get the ``LinearMethod`` the registry (common/quant/registry.py) picks
    for their weight's format on this device and CPU: the packed weight ``quantizer.packed_weights`` gives
    (GGUF blocks as published, or quantized at load), else the float weight as loaded;
+   A mixture of experts' routed experts get their way of running on this device (``experts_for``);
 2. a tied model's token lookup reads the LM head's rows through its method (``TiedEmbedding``) where the
    head holds them exactly (16-row float panels; GGUF Q8_0 rows as published), and the float table is freed;
 3. the fused elementwise ops (common/model/fused_ops.py) and, on CPU, the one-call decode step
@@ -56,6 +57,11 @@ def prepare_model(model: LlamaForCausalLM, device: torch.device | str, quant: Qu
             layer.set_method(packed_method(weight, device, dtype, kernel_name), weight)
         else:
             layer.set_method(float_method(layer, device, dtype, panels))
+    from common.model.moe import SparseMoE, experts_for
+
+    for layer in model.modules():  # a mixture of experts' routed experts: this device's way (common/model/moe.py)
+        if isinstance(layer, SparseMoE):
+            layer.set_experts(experts_for(layer, device))
     _tie_lookup(model, dtype, published_head="lm_head" in packed and packed["lm_head"][1])
     from common.model.fused_ops import fused_ops_for
 

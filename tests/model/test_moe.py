@@ -9,6 +9,7 @@ Mixtral window shorter than the prompts.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -63,10 +64,14 @@ def _ragged_logits(model: LlamaForCausalLM, seqs: list[list[int]]) -> torch.Tens
                                           torch.cat([torch.arange(n) for n in lengths]), meta))
 
 
-@pytest.mark.parametrize("experts", ["grouped", "loop"])
+@pytest.mark.parametrize("experts", ["panels", "grouped", "loop"])
 @pytest.mark.parametrize("name", sorted(MOE))
 def test_ragged_batch_logits_match_transformers(tiny_model_factory: Callable[..., Path], name: str,
-                                                experts: str) -> None:
+                                                experts: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if experts == "panels":
+        _panel_experts()
+    else:
+        monkeypatch.setenv("TANDEM_CPU_MOE", "off")  # float w13 / w2 kept: grouped, or the loop set below
     model_dir = moe_model(tiny_model_factory, name)
     model = load_model(model_dir, dtype="float32")
     config = model.config
@@ -74,7 +79,9 @@ def test_ragged_batch_logits_match_transformers(tiny_model_factory: Callable[...
     layers = _moe_layers(model)
     assert len(layers) == sum(config.moe.layers) > 0
     for layer in layers:
-        layer.experts = GroupedExperts() if experts == "grouped" else LoopExperts()
+        assert layer.experts.name == ("panels" if experts == "panels" else "grouped")
+        if experts == "loop":
+            layer.experts = LoopExperts()
     gen = torch.Generator().manual_seed(3)
     seqs = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in (5, 1, 17, 40)]
     hf = _hf(model_dir)
@@ -235,3 +242,56 @@ def test_checkpoint_with_an_expert_beyond_the_config_is_refused(tiny_model_facto
     missing = [(n, t) for n, t in iter_weights(model_dir) if "experts.3.w2" not in n]
     with pytest.raises(ValueError, match=r"missing weights for: layers.0.mlp.w2"):
         load_weights(model, iter(missing))
+
+
+def _panel_experts() -> Any:
+    from common.model.gemv import gemv_kernels
+    from common.model.moe import PanelExperts
+
+    ops = gemv_kernels()
+    if ops is None:
+        pytest.skip("the C++ CPU kernels do not build here")
+    return PanelExperts(ops)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k"), [
+    (1, 64, 8), (32, 64, 8), (300, 8, 2), (7, 4, 1), (0, 8, 2),
+])
+def test_panel_experts_equal_the_loop(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype) -> None:
+    """The one-call C++ experts (fp32 and bf16 panels) against transformers' loop on the same weights."""
+    panels = _panel_experts()
+    moe = _random_moe(num_experts, top_k, hidden=48, inter=40).to(dtype)
+    x = torch.randn(num_tokens, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ops = EagerOps()
+    weights, ids = route(moe.gate(x), top_k, True)
+    # the loop in fp32 over the same (bf16-rounded) weights and inputs: the kernel sums in fp32
+    reference = LoopExperts().apply(copy.deepcopy(moe).float(), x.float(), ids, weights, ops)
+    moe.set_experts(panels)
+    assert moe.num_local_experts == num_experts and moe.get_buffer("w13_panels").dtype == dtype
+    out = moe.experts.apply(moe, x, ids, weights, ops)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    torch.testing.assert_close(out.float(), reference.float(), atol=tol, rtol=tol)
+
+
+def test_panel_experts_at_prefill_sizes_unpack_for_torch() -> None:
+    """More rows per expert than the panel kernel takes: each expert's panels unpacked for torch's GEMM."""
+    panels = _panel_experts()
+    panels.max_rows = 8
+    moe = _random_moe(4, 2, hidden=32, inter=24)
+    x = torch.randn(100, 32, generator=torch.Generator().manual_seed(3))
+    ops = EagerOps()
+    weights, ids = route(moe.gate(x), 2, True)
+    reference = LoopExperts().apply(moe, x, ids, weights, ops)
+    moe.set_experts(panels)
+    torch.testing.assert_close(moe.experts.apply(moe, x, ids, weights, ops), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_loaded_models_take_panels_on_cpu(tiny_model_factory: Callable[..., Path],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _panel_experts()
+    model_dir = moe_model(tiny_model_factory, "mixtral-top2-gqa2")
+    assert {m.experts.name for m in _moe_layers(load_model(model_dir, dtype="float32"))} == {"panels"}
+    monkeypatch.setenv("TANDEM_CPU_MOE", "off")
+    assert {m.experts.name for m in _moe_layers(load_model(model_dir, dtype="float32"))} == {"grouped"}

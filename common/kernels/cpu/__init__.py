@@ -1,7 +1,8 @@
 """Tandem's compiled CPU kernels: two modules per instruction set, their loaders, and the AMX switch.
 
 - ``tandem_cpu_<isa>`` (``cpu_kernels``): the quantized and float panel kernels (``cpu_base.cpp`` and the
-  ``cpu_quant*.cpp`` / ``cpu_amx.cpp`` / ``cpu_gemv.cpp`` files, namespace ``tq``), the fused layer ops and
+  ``cpu_quant*.cpp`` / ``cpu_amx.cpp`` / ``cpu_gemv.cpp`` files and a mixture of experts' routed experts on
+  those panels, ``cpu_moe.cpp``, namespace ``tq``), the fused layer ops and
   the paged K/V write (``cpu_fused.cpp``, ``cpu_kv_write.cpp``, namespace ``tf``) and the one-call decode
   step (``cpu_step.cpp``), in one translation unit. The step calls the other kernels directly, so its unit
   holds their sources anyway; exporting them from it too compiles them once rather than twice, and the
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _QUANT_FILES = ("cpu_base.cpp", "cpu_quant.cpp", "cpu_quant_a8.cpp", "cpu_quant_panel.cpp", "cpu_amx.cpp",
-                "cpu_gemv.cpp")
+                "cpu_gemv.cpp", "cpu_moe.cpp")
 # The headers, then each kernel file in its own namespace (their vector helpers share names), then the step.
 SOURCES: list[Source] = [
     _HERE / "cpu_step_includes.h",
@@ -42,7 +43,7 @@ SOURCES: list[Source] = [
 QUANT_FUNCTIONS = ("isa", "int4_matmul", "int8_matmul", "int4_matmul_a8", "int8_matmul_a8", "int4_dequantize",
                    "int8_dequantize", "dense_matmul", "int8_matmul_panel", "int4_matmul_panel", "int8_panel_path",
                    "dense_matmul_panel", "dense_panel_path", "int8_matmul_panel_amx", "int4_matmul_panel_amx",
-                   "int8_dequantize_panel", "int4_dequantize_panel")
+                   "int8_dequantize_panel", "int4_dequantize_panel", "moe_experts")
 FUSED_FUNCTIONS = ("add_rms_norm", "silu_mul", "rotary_", "rotary_write_kv_", "argmax_rows")
 STEP_FUNCTIONS = ("decode_step_plan", "decode_step_run", "decode_step_free", "decode_step_profile",
                   "decode_step_times")
