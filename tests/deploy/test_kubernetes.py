@@ -252,6 +252,8 @@ def test_containers_parse_as_tandem_would(rendered: dict[str, list[dict[str, Any
                              and a != "--node-id"], role
         model = load_settings(ModelSettings, {}, environ=env)
         assert model.model == "SmolLM2-135M-Instruct" and env["TANDEM_HOST"] == "0.0.0.0"
+        # One dtype for every node: `auto` is measured per CPU, and nodes that chose differently refuse to pair.
+        assert model.dtype == ("bfloat16" if overlay == "overlays/gpu" else "float32"), role
         if role == "gateway":
             # As cmd_serve does (the model directory, resolved from TANDEM_MODEL in the image, stands in).
             overrides = {f.name: getattr(args, f.name, None) for f in fields(GatewaySettings)}
@@ -392,6 +394,12 @@ def test_ray_cluster_runs_tandem_ray_up(rendered: dict[str, list[dict[str, Any]]
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
     assert resources == {"head": {"tandem_gateway": 1}, "prefill": {"tandem_prefill": 1},
                          "decode": {"tandem_decode": 1}}
+    templates = [cluster["spec"]["headGroupSpec"]["template"]] + [g["template"]
+                                                                  for g in cluster["spec"]["workerGroupSpecs"]]
+    for template in templates:
+        (c,) = template["spec"]["containers"]
+        env = {v["name"]: v.get("value") for v in c["env"]}
+        assert env["TANDEM_DTYPE"] == "float32" and env["TANDEM_HOST"] == "0.0.0.0"
     service = find(docs, "Service", "tandem-gateway")
     assert service["spec"]["selector"] == {"ray.io/cluster": "tandem", "ray.io/node-type": "head"}
     head_ports = {p["name"] for p in cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
