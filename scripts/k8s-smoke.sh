@@ -2,7 +2,8 @@
 # Smoke-run the plain Kubernetes manifests (deploy/kubernetes/overlays/cpu) with `podman kube play`: the
 # gateway, one prefill and one decode pod as rendered by kustomize, the nodes joining the gateway's live
 # membership through the Service name, a generation long enough to cross from the prefill pod to the decode
-# pod, and the decode pod's preStop hook (`tandem drain`) run as the kubelet would before it stops the pod.
+# pod, and the decode pod's preStop hook (`tandem drain`) run as the kubelet would before it stops the pod,
+# with a stream in flight that must complete.
 #
 #   podman build -t tandem:cpu .            # the image (Dockerfile; BASE_IMAGE=... where no registry answers)
 #   bash scripts/k8s-smoke.sh               # exit 0: every step passed; the pods are removed either way
@@ -110,10 +111,18 @@ for doc in yaml.safe_load_all(open(sys.argv[1])):
         print(shlex.join(doc["spec"]["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]))
 EOF
 )
-say "decode preStop: $hook"
+# A stream in flight when the hook runs: the drain waits for it, and it completes.
+podman exec "$gateway" tandem generate --url 127.0.0.1:50051 --prompt "Count to one hundred:" --max-tokens 160 \
+    --ignore-eos >"$work/inflight.txt" 2>&1 &
+inflight=$!
+sleep 2
+say "decode preStop, one 160-token stream in flight: $hook"
 out=$(eval "podman exec $decode $hook" 2>&1)
 echo "$out"
 grep -q "drained in" <<<"$out" || fail "the drain did not report the node drained"
+wait "$inflight" || { cat "$work/inflight.txt" >&2; fail "the stream in flight during the drain failed"; }
+tail -n1 "$work/inflight.txt"
+grep -q "^\[160 tokens" "$work/inflight.txt" || fail "the stream in flight during the drain did not complete"
 http_health >/dev/null && fail "the gateway still reports ready with its only decode node drained"
 say "gateway not ready with no decode node, as the readiness probe would see"
 
