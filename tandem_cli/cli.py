@@ -56,6 +56,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="split each layer over T rank processes [TANDEM_TENSOR_PARALLEL_SIZE, 1]")
     g.add_argument("--pipeline-parallel-size", "-pp", dest="pipeline_parallel_size", type=int,
                    help="split the layer stack into P stages [TANDEM_PIPELINE_PARALLEL_SIZE, 1]")
+    g.add_argument("--expert-parallel", dest="expert_parallel", action="store_true", default=None,
+                   help="a mixture of experts: whole experts split over the tensor-parallel ranks, not each "
+                   "expert's columns [TANDEM_EXPERT_PARALLEL, off]")
     g.add_argument("--parallel-collective", dest="parallel_collective", choices=PARALLEL_COLLECTIVES,
                    help="tensor-parallel all-reduce between ranks on one host [TANDEM_PARALLEL_COLLECTIVE, shm]")
 
@@ -63,7 +66,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 def _model_settings(args: argparse.Namespace) -> ModelSettings:
     keys = ("model", "dtype", "device", "attention_backend", "home", "num_threads", "quantization",
             "quantization_group_size", "quantization_kernel", "tensor_parallel_size", "pipeline_parallel_size",
-            "parallel_collective")
+            "expert_parallel", "parallel_collective")
     return load_settings(ModelSettings, {k: getattr(args, k, None) for k in keys})
 
 
@@ -126,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               quantization_kernel=settings.quantization_kernel, speculative=spec if spec.enabled else None,
               tensor_parallel_size=settings.tensor_parallel_size,
               pipeline_parallel_size=settings.pipeline_parallel_size,
-              parallel_collective=settings.parallel_collective)
+              expert_parallel=settings.expert_parallel, parallel_collective=settings.parallel_collective)
     # n samples: one prompt each, seeds seed + i (as the servers do), sample 0 streamed, the others after.
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                              seed=None if args.seed is None else args.seed + i, max_tokens=args.max_tokens,

@@ -79,6 +79,9 @@ class ModelSettings:
     # One node's model over T x P rank processes (common/parallel/): T splits each layer, P the layer stack.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # A mixture of experts' routed experts split over the T ranks (whole experts each) rather than each
+    # expert's columns; attention stays tensor-parallel (common/parallel/layout.py).
+    expert_parallel: bool = False
     parallel_collective: str = choice("shm", PARALLEL_COLLECTIVES)  # the tensor-parallel all-reduce on one host
 
     def __post_init__(self) -> None:
@@ -89,6 +92,9 @@ class ModelSettings:
                             ("--pipeline-parallel-size", self.pipeline_parallel_size)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError(f"--expert-parallel splits the experts over the --tensor-parallel-size ranks; "
+                             f"--tensor-parallel-size is {self.tensor_parallel_size}: give 2 or more")
 
     @property
     def parallel(self) -> bool:

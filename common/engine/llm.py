@@ -58,7 +58,7 @@ class LLM:
                  quantization_kernel: str | None = None, cache: CacheConfig | None = None,
                  scheduler: SchedulerConfig | None = None, speculative: SpeculativeConfig | None = None,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
-                 parallel_collective: str | None = None) -> None:
+                 expert_parallel: bool | None = None, parallel_collective: str | None = None) -> None:
         """``tensor_parallel_size`` / ``pipeline_parallel_size``: run the model in T x P rank processes
         (common/parallel/); ``close()`` (or the end of a ``with`` block) stops them. Without ``cache`` or
         ``scheduler``, the engine's knobs are a node's: their ``TANDEM_*`` variables where set, else their
@@ -68,7 +68,7 @@ class LLM:
             "attention_backend": attention_backend, "quantization": quantization,
             "quantization_group_size": quantization_group_size, "quantization_kernel": quantization_kernel,
             "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
-            "parallel_collective": parallel_collective})
+            "expert_parallel": expert_parallel, "parallel_collective": parallel_collective})
         if cache is None or scheduler is None:  # as a node reads them
             knobs = load_settings(EngineSettings).configs(self.settings.device)
             cache, scheduler = cache or knobs[0], scheduler or knobs[1]

@@ -36,12 +36,12 @@ def parallel_launch(settings: ModelSettings, model_dir: Path, dtype: torch.dtype
     if settings.device != "cpu":
         raise ValueError(f"--tensor-parallel-size / --pipeline-parallel-size > 1 runs on CPU ranks so far; "
                          f"--device {settings.device} is not supported with them yet")
-    ParallelLayout(settings.tensor_parallel_size, settings.pipeline_parallel_size).validate(
-        ModelConfig.from_pretrained(model_dir))
+    ParallelLayout(settings.tensor_parallel_size, settings.pipeline_parallel_size,
+                   settings.expert_parallel).validate(ModelConfig.from_pretrained(model_dir))
     return ParallelLaunch(model_dir, str(dtype).removeprefix("torch."), settings.tensor_parallel_size,
                           settings.pipeline_parallel_size, settings.attention_backend, settings.quantization,
                           settings.quantization_group_size, settings.quantization_kernel,
-                          settings.parallel_collective)
+                          settings.parallel_collective, expert_parallel=settings.expert_parallel)
 
 
 def load_node_model(settings: ModelSettings) -> LoadedModel:

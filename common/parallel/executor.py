@@ -89,6 +89,7 @@ class ParallelLaunch:
     collective: str = "shm"  # shm | gloo: the tensor-parallel all-reduce
     num_micro_batches: int = 0  # pipeline micro-batches per step; 0: one per stage
     cpus: tuple[int, ...] = ()  # the node's cores; (): the process's affinity
+    expert_parallel: bool = False  # a mixture of experts: whole experts per TP rank (common/parallel/layout.py)
 
     @property
     def world_size(self) -> int:
@@ -163,7 +164,8 @@ class ParallelModelRunner(ModelRunner):
                 collective=launch.collective, shm_comm_name=comm_names[rank // t] if comm_names else "",
                 kv_segment=kv.name, kv_nonce=kv.nonce, num_blocks=num_blocks, block_size=self.block_size,
                 logits_segment=logits.name, logits_nonce=logits.nonce, max_rows=self.max_rows,
-                cpus=placement[rank], num_micro_batches=launch.num_micro_batches or p, device="cpu")
+                cpus=placement[rank], num_micro_batches=launch.num_micro_batches or p, device="cpu",
+                expert_parallel=launch.expert_parallel)
             proc = subprocess.Popen([sys.executable, "-m", "common.parallel.worker"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, env=env)
             self._procs.append(proc)

@@ -10,6 +10,13 @@ whose query heads all belong to that head's group. The MLP's intermediate column
 vocabulary is padded to a multiple of T: rank r holds ids ``[r * ceil(V / T), (r + 1) * ceil(V / T))``
 clipped to ``V`` (the last rank may hold fewer, even none, of the real ids).
 
+A mixture of experts' routed layers (common/model/moe.py) split one of two ways over the T ranks, each ending
+in the same all-reduce as a dense MLP: by default every expert's intermediate columns as the dense MLP's
+(``moe_intermediate_size % T == 0``); with ``--expert-parallel``, whole experts, rank r holding experts
+``[r * E / T, (r + 1) * E / T)`` (``num_experts % T == 0``) and computing only its experts' share of each
+token (vLLM's expert parallelism with tensor-parallel attention; the router stays whole on every rank, so
+the dispatch is local and the combine is the all-reduce). The router and the dense layers split as before.
+
 Pipeline parallelism: stage s holds a contiguous layer range; layers split as evenly as possible and the
 earlier stages take the remainder (8 layers on 3 stages: 3, 3, 2). Every stage holds at least one layer.
 
@@ -26,6 +33,7 @@ if TYPE_CHECKING:
 
 TP_FLAG = "--tensor-parallel-size"
 PP_FLAG = "--pipeline-parallel-size"
+EP_FLAG = "--expert-parallel"
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,8 @@ class RankPlacement:
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]  # into the KV cache's head axis; replicated heads are shared with neighbours
     intermediate: tuple[int, int]  # columns of gate, and the same columns of up, of the MLP
+    experts: tuple[int, int]  # a mixture of experts: the experts held (all of them without expert parallelism)
+    expert_intermediate: tuple[int, int]  # and the columns of each held expert (all of them with it)
     layers: tuple[int, int]
     vocab: tuple[int, int]  # real ids only; padded_vocab_per_rank - (stop - start) padding rows are not held
     padded_vocab_per_rank: int  # ceil(vocab_size / tp_size): each rank's logits width once padded
@@ -63,6 +73,7 @@ class ParallelLayout:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for flag, size in ((TP_FLAG, self.tensor_parallel_size), (PP_FLAG, self.pipeline_parallel_size)):
@@ -76,16 +87,27 @@ class ParallelLayout:
     def validate(self, config: ModelConfig) -> None:
         """Raise ValueError naming the flag and the constraint when ``config`` cannot be split this way."""
         t, p = self.tensor_parallel_size, self.pipeline_parallel_size
-        heads, kv_heads = config.num_heads, config.num_kv_heads
+        heads, kv_heads, moe = config.num_heads, config.num_kv_heads, config.moe
         if heads % t:
             raise ValueError(f"{TP_FLAG} {t} must divide num_attention_heads ({heads}): each rank holds "
                              f"num_attention_heads / {TP_FLAG} query heads")
         if kv_heads % t and t % kv_heads:
             raise ValueError(f"{TP_FLAG} {t} must divide num_key_value_heads ({kv_heads}) or be a multiple of it "
                              f"(then each KV head is replicated on {TP_FLAG} / num_key_value_heads ranks)")
-        if config.intermediate_size % t:
+        if config.intermediate_size % t and (moe is None or not all(moe.layers)):
             raise ValueError(f"{TP_FLAG} {t} must divide intermediate_size ({config.intermediate_size}): each "
                              f"rank holds intermediate_size / {TP_FLAG} MLP columns")
+        if self.expert_parallel and moe is None:
+            raise ValueError(f"{EP_FLAG} splits a mixture of experts' experts; {config.model_type} has none")
+        if self.expert_parallel and t < 2:
+            raise ValueError(f"{EP_FLAG} splits the experts over the {TP_FLAG} ranks; {TP_FLAG} is {t}")
+        if moe is not None and self.expert_parallel and moe.num_experts % t:
+            raise ValueError(f"{TP_FLAG} {t} must divide num_experts ({moe.num_experts}) with {EP_FLAG}: each "
+                             f"rank holds num_experts / {TP_FLAG} whole experts")
+        if moe is not None and not self.expert_parallel and moe.intermediate_size % t:
+            raise ValueError(f"{TP_FLAG} {t} must divide the experts' intermediate size ({moe.intermediate_size}): "
+                             f"each rank holds that / {TP_FLAG} columns of every expert (or split whole experts: "
+                             f"{EP_FLAG})")
         if p > config.num_layers:
             raise ValueError(f"{PP_FLAG} {p} exceeds num_hidden_layers ({config.num_layers}): every pipeline "
                              f"stage needs at least one layer")
@@ -103,12 +125,20 @@ class ParallelLayout:
         # The KV heads this rank's query heads read: an even split, or the one head a replica group shares.
         kv0, kv1 = q0 // group, (q1 - 1) // group + 1
         inter = config.intermediate_size // t
+        experts, expert_inter = (0, 0), (0, 0)
+        if config.moe is not None:
+            e, i = config.moe.num_experts, config.moe.intermediate_size
+            if self.expert_parallel:
+                experts, expert_inter = (tp_rank * e // t, (tp_rank + 1) * e // t), (0, i)
+            else:
+                experts, expert_inter = (0, e), (tp_rank * i // t, (tp_rank + 1) * i // t)
         vocab_per_rank = -(-config.vocab_size // t)
         v0 = min(tp_rank * vocab_per_rank, config.vocab_size)
         v1 = min(v0 + vocab_per_rank, config.vocab_size)
         return RankPlacement(
             rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, tp_size=t, pp_size=p,
             q_heads=(q0, q1), kv_heads=(kv0, kv1), intermediate=(tp_rank * inter, (tp_rank + 1) * inter),
+            experts=experts, expert_intermediate=expert_inter,
             layers=stage_layers(config.num_layers, p)[pp_rank], vocab=(v0, v1),
             padded_vocab_per_rank=vocab_per_rank,
             tp_group=tuple(range(pp_rank * t, (pp_rank + 1) * t)),

@@ -6,7 +6,9 @@
   ``layer_idx``, which is what indexes the KV cache), the others freed;
 - with T > 1, in each layer: this rank's query heads, KV heads and MLP columns (column-parallel
   ``qkv_proj`` and ``gate_up_proj``), and row-parallel ``o_proj`` and ``down_proj`` that all-reduce over
-  ``tp_comm`` (``common/parallel/tp_layers.py``). The attention's head counts become this rank's, so
+  ``tp_comm`` (``common/parallel/tp_layers.py``); a mixture of experts' routed layer keeps its router whole and
+  holds this rank's experts (expert parallel) or its columns of every expert, its output all-reduced. The
+  attention's head counts become this rank's, so
   ``LlamaAttention`` (reference and fused paths alike) runs unchanged on its heads. Per-head q/k norms
   (Qwen3: one ``[head_dim]`` weight each, shared by all heads) stay whole on every rank;
 - the embedding on the first stage only (vocab-parallel with T > 1), the LM head on the last stage only
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from common.model.linear import Linear
+from common.model.moe import SparseMoE
 from common.parallel.tp_layers import RowParallelLinear, VocabParallelEmbedding, column_parallel
 
 if TYPE_CHECKING:
@@ -46,7 +49,6 @@ if TYPE_CHECKING:
     from common.parallel.layout import RankPlacement
     from common.quant.config import QuantConfig
 
-ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
 
 class KVCacheShard:
@@ -98,7 +100,9 @@ def shard_model(model: LlamaForCausalLM, placement: RankPlacement, tp_comm: Comm
 def _shard_layer(layer: nn.Module, config: ModelConfig, placement: RankPlacement, comm: Communicator) -> None:
     d, q, kv, inter = config.head_dim, config.q_size, config.kv_size, config.intermediate_size
     (q0, q1), (k0, k1), (i0, i1) = placement.q_heads, placement.kv_heads, placement.intermediate
-    for name in ("self_attn.qkv_proj", *ROW_PARALLEL, "mlp.gate_up_proj"):
+    routed = isinstance(layer.get_submodule("mlp"), SparseMoE)
+    dense = () if routed else ("mlp.down_proj", "mlp.gate_up_proj")
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", *dense):
         linear = layer.get_submodule(name)
         if not isinstance(linear, Linear) or linear.prepared:
             raise TypeError(f"shard_model needs float weights as loaded ({name} is prepared): load with "
@@ -111,10 +115,26 @@ def _shard_layer(layer: nn.Module, config: ModelConfig, placement: RankPlacement
     layer.set_submodule("self_attn.o_proj", RowParallelLinear.from_linear(attn.o_proj, (q0 * d, q1 * d), comm))
     attn.num_heads, attn.num_kv_heads = q1 - q0, k1 - k0
     attn.q_size, attn.kv_size = (q1 - q0) * d, (k1 - k0) * d
+    if routed:
+        _shard_experts(cast("SparseMoE", layer.get_submodule("mlp")), placement, comm)
+        return
     # gate_up rows: this rank's gate columns, then the same up columns, so silu_mul pairs them locally.
     layer.set_submodule("mlp.gate_up_proj", column_parallel(mlp.gate_up_proj, [(i0, i1), (inter + i0, inter + i1)]))
     layer.set_submodule("mlp.down_proj", RowParallelLinear.from_linear(mlp.down_proj, (i0, i1), comm))
     mlp.intermediate_size = i1 - i0
+
+
+def _shard_experts(moe: SparseMoE, placement: RankPlacement, comm: Communicator) -> None:
+    """This rank's experts (expert parallel) or this rank's columns of every expert: copies, so the whole
+    stacked tensors can be freed; the router stays whole; the output is a partial sum the all-reduce completes."""
+    (e0, e1), (i0, i1) = placement.experts, placement.expert_intermediate
+    inter = moe.intermediate_size
+    w13 = moe.w13.detach()[e0:e1]
+    w13 = torch.cat([w13[:, i0:i1], w13[:, inter + i0 : inter + i1]], dim=1)  # gate columns, then the same up
+    moe.w13 = nn.Parameter(w13.contiguous(), requires_grad=False)
+    moe.w2 = nn.Parameter(moe.w2.detach()[e0:e1, :, i0:i1].contiguous(), requires_grad=False)
+    moe.expert_start, moe.intermediate_size = e0, i1 - i0
+    moe.reduce = comm
 
 
 def _shard_vocab(model: LlamaForCausalLM, placement: RankPlacement, comm: Communicator) -> None:

@@ -108,7 +108,7 @@ class Rank:
         world = t * p
         dist.init_process_group("gloo", init_method=init.dist_init_method, rank=init.rank, world_size=world)
         config = ModelConfig.from_pretrained(init.model_dir)
-        layout = ParallelLayout(t, p)
+        layout = ParallelLayout(t, p, init.expert_parallel)
         layout.validate(config)
         self.placement = layout.placement(init.rank, config)
         tp_groups = [dist.new_group(list(range(s * t, (s + 1) * t))) for s in range(p)]

@@ -1,6 +1,6 @@
 """The model families through the disaggregated system (issue 36): a random-weight Qwen3 (decoupled head_dim,
-q/k norms), a Mistral whose window is shorter than the prompts, a Qwen2 with full and sliding layers and a
-Phi-3 (its checkpoint's own fused projections) with a window,
+q/k norms), a Mistral whose window is shorter than the prompts, a Qwen2 with full and sliding layers, a
+Phi-3 (its checkpoint's own fused projections) with a window, and the Mixtral and Qwen3-MoE mixtures of experts,
 each served by one prefill and one decode node as real processes on 127.0.0.1 (the prompt's KV crosses from
 one to the other), greedy fp32 tokens equal to transformers', twice (the second time from both nodes' prefix
 caches), and every KV block free afterwards."""
@@ -27,6 +27,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                       "max_window_layers": 1}),
     # Phi3Config's token ids default to Phi-3's vocabulary: inside the tiny one here
     "phi3-window": ("phi3", {"sliding_window": 7, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # mixtures of experts: routed experts on every layer, or after a dense first layer
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "qwen3moe-dense-first": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                           "num_hidden_layers": 3, "mlp_only_layers": [0], "head_dim": 16}),
 }
 NEW_TOKENS = 10
 

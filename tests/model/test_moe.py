@@ -295,3 +295,40 @@ def test_loaded_models_take_panels_on_cpu(tiny_model_factory: Callable[..., Path
     assert {m.experts.name for m in _moe_layers(load_model(model_dir, dtype="float32"))} == {"panels"}
     monkeypatch.setenv("TANDEM_CPU_MOE", "off")
     assert {m.experts.name for m in _moe_layers(load_model(model_dir, dtype="float32"))} == {"grouped"}
+
+
+@pytest.mark.parametrize("expert_parallel", [True, False], ids=["ep2", "tp2"])
+def test_two_ranks_greedy_identical_to_transformers(tiny_model_factory: Callable[..., Path],
+                                                    expert_parallel: bool) -> None:
+    """A node of two rank processes (common/parallel/): whole experts per rank, or each expert's columns split."""
+    from common.engine.llm import LLM
+    from common.sampling.params import SamplingParams
+
+    model_dir = _with_tokenizer(moe_model(tiny_model_factory, "qwen3moe-dense-first"))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (6, 13)]
+    with LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=2,
+             expert_parallel=expert_parallel) as llm:
+        done = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
+    for prompt, completion in zip(prompts, done, strict=True):
+        assert completion.token_ids == _hf_greedy(model_dir, prompt, GREEDY_TOKENS)
+
+
+def test_expert_parallel_flag_through_tandem_generate(tiny_model_factory: Callable[..., Path],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = _with_tokenizer(moe_model(tiny_model_factory, "mixtral-top2-gqa2"))
+    prompt = "t17 t3 t99 t42 t8"
+    stdout, _, expected = generate_cli(model_dir, prompt, 8, capsys, "--tensor-parallel-size", "2",
+                                       "--expert-parallel")
+    assert stdout == prompt + expected + "\n"
+
+
+def test_expert_parallel_without_ranks_refused_at_start(tiny_model_factory: Callable[..., Path],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem_cli.cli import main
+
+    model_dir = _with_tokenizer(moe_model(tiny_model_factory, "mixtral-top2-gqa2"))
+    code = main(["generate", "--model", str(model_dir), "--prompt", "t5", "--max-tokens", "1", "--expert-parallel"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--expert-parallel splits the experts over the --tensor-parallel-size ranks" in err
+    assert "Traceback" not in err

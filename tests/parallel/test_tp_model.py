@@ -45,6 +45,11 @@ MODEL_A: dict[str, Any] = {"vocab_size": 125, "intermediate_size": 128, "tie_wor
 MODEL_B: dict[str, Any] = {"intermediate_size": 128}
 # Qwen3: q/k norms (one [head_dim] weight each, whole on every rank), head_dim 32 apart from hidden / heads.
 QWEN3: dict[str, Any] = {"intermediate_size": 128, "head_dim": 32}
+# Mixtures of experts: each expert's columns split (T=2), or whole experts per rank (--expert-parallel); Qwen3-MoE
+# with a dense first layer (its MLP split as a dense model's) and q/k norms.
+MIXTRAL: dict[str, Any] = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}
+QWEN3_MOE: dict[str, Any] = {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                             "intermediate_size": 128, "mlp_only_layers": [0], "head_dim": 16, "norm_topk_prob": True}
 Step = tuple[list[int], list[int], list[int], list[int]]  # query_lens, context_lens, input_ids, positions
 
 
@@ -58,6 +63,7 @@ class Case:
     quantization: str
     schedule: list[Step]
     shared_kv: tuple[str, bytes] | None  # a segment the parent owns, or None: a private cache per rank
+    expert_parallel: bool = False
 
 
 @dataclass
@@ -112,7 +118,7 @@ def _run_case(case: Case, rank: int) -> dict[str, Any]:
     from common.kv.shared_segment import SharedSegment
 
     config = ModelConfig.from_pretrained(case.model_dir)
-    placement = ParallelLayout(case.tp, case.pp).placement(rank, config)
+    placement = ParallelLayout(case.tp, case.pp, case.expert_parallel).placement(rank, config)
     groups = [dist.new_group(list(range(s * case.tp, (s + 1) * case.tp))) for s in range(case.pp)]
     comm = GlooComm(groups[placement.pp_rank], list(placement.tp_group))
     model = load_model(case.model_dir, "float32", prepare=False)
@@ -185,12 +191,13 @@ class World:
     shared: dict[str, torch.Tensor] = field(repr=False)  # case -> the shared KV tensor after the run
 
 
-def _world(tmp_path_factory: pytest.TempPathFactory, world: int, specs: list[tuple[str, Path, int, int, bool, str]],
+def _world(tmp_path_factory: pytest.TempPathFactory, world: int, specs: list[tuple[Any, ...]],
            shared: bool) -> Iterator[World]:
+    """specs: (case, model, T, P, fused ops, quantization[, expert parallel])."""
     refs: dict[str, Reference] = {}
     caches: dict[str, KVCache] = {}
     cases: list[Case] = []
-    for name, model_dir, tp, pp, fused, quant in specs:
+    for name, model_dir, tp, pp, fused, quant, *ep in specs:
         ref = refs[name] = _reference(model_dir, fused, quant)
         kv = None
         if shared:
@@ -198,7 +205,7 @@ def _world(tmp_path_factory: pytest.TempPathFactory, world: int, specs: list[tup
             cache.data.fill_(SENTINEL)
             assert cache.segment is not None
             kv = (cache.segment.name, cache.segment.nonce)
-        cases.append(Case(name, str(model_dir), tp, pp, fused, quant, ref.schedule, kv))
+        cases.append(Case(name, str(model_dir), tp, pp, fused, quant, ref.schedule, kv, bool(ep and ep[0])))
     out_dir = tmp_path_factory.mktemp(f"world{world}")
     try:
         _run_world(world, cases, out_dir)
@@ -216,7 +223,11 @@ def world2(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory: Callabl
     qwen3 = tiny_model_factory("qwen3", seed=5, **QWEN3)
     # Phi-3 (its checkpoint's fused projections) with a window shorter than the prompts, on every layer
     phi3 = tiny_model_factory("phi3", seed=5, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    mixtral = tiny_model_factory("mixtral", seed=6, **MIXTRAL)
+    qwen3_moe = tiny_model_factory("qwen3_moe", seed=6, **QWEN3_MOE)
     yield from _world(tmp_path_factory, 2, [
+        ("tp2-mixtral", mixtral, 2, 1, True, "none"), ("ep2-mixtral", mixtral, 2, 1, True, "none", True),
+        ("ep2-qwen3moe", qwen3_moe, 2, 1, False, "none", True), ("pp2-qwen3moe", qwen3_moe, 1, 2, True, "none"),
         ("tp2", a, 2, 1, False, "none"), ("tp2-fused", a, 2, 1, True, "none"),
         ("pp2", a, 1, 2, False, "none"), ("pp2-fused", a, 1, 2, True, "none"),
         ("tp2-int8", a, 2, 1, True, "int8"), ("tp2-qwen3-fused", qwen3, 2, 1, True, "none"),
@@ -248,12 +259,13 @@ def _check_outputs(w: World, case: str, last_stage: list[int], atol: float = 1e-
             assert torch.equal(logits.argmax(-1), ref.logits[step].argmax(-1)), f"{where}: greedy tokens differ"
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp2-fused", "tp2-qwen3-fused", "tp2-phi3-window-fused"])
+@pytest.mark.parametrize("case", ["tp2", "tp2-fused", "tp2-qwen3-fused", "tp2-phi3-window-fused", "tp2-mixtral",
+                                  "ep2-mixtral", "ep2-qwen3moe"])
 def test_tp2_matches_unsharded(world2: World, case: str) -> None:
     _check_outputs(world2, case, [0, 1])
 
 
-@pytest.mark.parametrize("case", ["pp2", "pp2-fused"])
+@pytest.mark.parametrize("case", ["pp2", "pp2-fused", "pp2-qwen3moe"])
 def test_pp2_matches_unsharded(world2: World, case: str) -> None:
     _check_outputs(world2, case, [1])
 
@@ -371,3 +383,30 @@ def test_attention_reads_and_writes_head_sliced_cache_views(compiled: bool) -> N
         changed = (cache.data != before).nonzero()
         assert changed.numel() and set(changed[:, 1].tolist()) == {1} and set(changed[:, 4].tolist()) <= {1, 2}
         torch.testing.assert_close(cache.data[:, 1, 0, :, 1:3], dense[0])
+
+
+def test_expert_placements_split_experts_or_their_columns(tiny_model_factory: Callable[..., Path]) -> None:
+    config = ModelConfig.from_pretrained(tiny_model_factory("qwen3_moe", seed=6, **QWEN3_MOE))
+    columns = [ParallelLayout(2).placement(r, config) for r in range(2)]
+    assert [(p.experts, p.expert_intermediate) for p in columns] == [((0, 6), (0, 16)), ((0, 6), (16, 32))]
+    whole = [ParallelLayout(2, 1, expert_parallel=True).placement(r, config) for r in range(2)]
+    assert [(p.experts, p.expert_intermediate) for p in whole] == [((0, 3), (0, 32)), ((3, 6), (0, 32))]
+    assert whole[1].intermediate == (64, 128)  # the dense first layer splits as a dense model's MLP
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    ((4, 1, True), r"--tensor-parallel-size 4 must divide num_experts \(6\) with --expert-parallel"),
+    ((1, 1, True), r"--expert-parallel splits the experts over the --tensor-parallel-size ranks; "
+                   r"--tensor-parallel-size is 1"),
+    ((3, 1, False), r"--tensor-parallel-size 3 must divide num_attention_heads"),
+])
+def test_expert_layouts_refused_naming_the_flag(tiny_model_factory: Callable[..., Path], layout: tuple[int, int, bool],
+                                                message: str) -> None:
+    config = ModelConfig.from_pretrained(tiny_model_factory("qwen3_moe", seed=6, **QWEN3_MOE))
+    with pytest.raises(ValueError, match=message):
+        ParallelLayout(*layout).validate(config)
+
+
+def test_expert_parallel_needs_experts(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"--expert-parallel splits a mixture of experts' experts; llama has none"):
+        ParallelLayout(2, 1, expert_parallel=True).validate(ModelConfig.from_pretrained(tiny_model_dir))
