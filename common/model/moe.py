@@ -25,8 +25,8 @@ How the routed tokens are multiplied is the module's ``experts`` strategy (vLLM'
   over the rows padded to the busiest expert; at prefill sizes (many rows per expert, where padding would be
   wasted arithmetic) one GEMM per expert over its contiguous slice of the sorted rows; where few experts are
   hit (batch-1 decode), one GEMM per hit expert. Each expert's weights are read once per step either way.
-- On CUDA, ``TritonExperts`` (common/kernels/triton/moe.py): one grouped-GEMM launch per projection over the
-  sorted rows.
+- On CUDA, ``TritonExperts`` (common/kernels/triton/moe.py): the sorted pairs aligned to row blocks of one
+  expert each, one grouped-GEMM launch per projection (vLLM's fused-MoE layout).
 """
 
 from __future__ import annotations
@@ -219,11 +219,44 @@ class PanelExperts:
         return self._ops.moe_experts(x.contiguous(), token, weight.float().contiguous(), offsets, w13, w2)
 
 
+class TritonExperts:
+    """CUDA: the pairs aligned to row blocks of one expert each, one grouped-GEMM launch per projection
+    (common/kernels/triton/moe.py)."""
+
+    name = "triton"
+
+    def process_weights_after_loading(self, moe: SparseMoE) -> None:
+        pass
+
+    def apply(self, moe: SparseMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              ops: FusedOps) -> torch.Tensor:
+        from common.kernels.triton.moe import align, block_m_for, grouped_matmul
+
+        out = torch.zeros_like(x)
+        expert, token, weight = sort_pairs(moe, ids, weights)
+        if expert.numel() == 0:
+            return out
+        block_m = block_m_for(expert.numel(), moe.num_local_experts)
+        row_src, block_expert, slot = align(expert, token, moe.num_local_experts, block_m)
+        h = grouped_matmul(x, moe.w13, row_src, block_expert, block_m)  # [padded rows, 2 * inter]
+        # padding rows of h are never written; silu_mul passes them through, the second GEMM skips them
+        act = ops.silu_mul(h)
+        rows = torch.where(row_src >= 0, torch.arange(row_src.numel(), device=x.device), -1)
+        y = grouped_matmul(act, moe.w2, rows, block_expert, block_m)
+        out.index_add_(0, token, y[slot] * weight[:, None].to(x.dtype))
+        return out
+
+
 def experts_for(moe: SparseMoE, device: torch.device) -> RoutedExperts:
-    """The way ``moe`` runs on ``device``: ``PanelExperts`` on CPU where the C++ kernels build and its shapes fit
-    (``TANDEM_CPU_MOE``: auto, on = that or an error, off = never), else ``GroupedExperts``."""
+    """The way ``moe`` runs on ``device``: on CUDA ``TritonExperts`` (where triton is installed); on CPU
+    ``PanelExperts`` where the C++ kernels build and its shapes fit (``TANDEM_CPU_MOE``: auto, on = that or an
+    error, off = never); else ``GroupedExperts``."""
+    import importlib.util
+
     from common.config.settings import kernel_setting
 
+    if device.type == "cuda":
+        return TritonExperts() if importlib.util.find_spec("triton") is not None else GroupedExperts()
     mode = str(kernel_setting("cpu_moe"))  # TANDEM_CPU_MOE
     if device.type != "cpu" or mode == "off":
         return GroupedExperts()
