@@ -45,8 +45,11 @@ SHAPE: dict[str, Any] = {  # Qwen3-30B-A3B's proportions, scaled: experts 128 ->
 }
 QUICK: dict[str, Any] = {"num_hidden_layers": 4, "num_experts": 32, "vocab_size": 2048}
 BLOCK = 16
-LABELS = {"panels": "C++ panels (default)", "grouped": "grouped (PyTorch)", "loop": "transformers' loop"}
-WAYS = ("panels", "grouped", "loop")  # common/model/moe.py's PanelExperts, GroupedExperts, LoopExperts
+LABELS = {"panels": "C++ panels (default)", "grouped": "grouped (PyTorch)", "loop": "transformers' loop",
+          "packed-int8": "int8 experts (--quantization int8)", "packed-int4": "int4 experts (--quantization int4)"}
+# common/model/moe.py's PanelExperts, GroupedExperts, LoopExperts (fp32), then PackedExperts int8 / int4
+FLOAT_WAYS = ("panels", "grouped", "loop")
+WAYS = (*FLOAT_WAYS, "packed-int8", "packed-int4")
 
 
 def save_model(directory: Path, shape: dict[str, Any]) -> Path:
@@ -87,6 +90,7 @@ def run(shape: dict[str, Any], batch: int, context: int, repeats: int) -> dict[s
         model = load_model(model_dir, dtype="float32")  # PanelExperts where the C++ kernels build
         with _env("TANDEM_CPU_MOE", "off"):
             float_model = load_model(model_dir, dtype="float32")  # float w13 / w2: grouped, and the loop
+        packed = {f"packed-{q}": load_model(model_dir, dtype="float32", quantization=q) for q in ("int8", "int4")}
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     blocks = (context + 1 + BLOCK - 1) // BLOCK
     cache = KVCache(kv_cache_spec(model, BLOCK), num_blocks=batch * blocks + 1)
@@ -99,6 +103,8 @@ def run(shape: dict[str, Any], batch: int, context: int, repeats: int) -> dict[s
 
     def use(experts: str) -> Any:
         """The model that runs ``experts`` (panels: the default load; grouped / loop: the float one)."""
+        if experts in packed:
+            return packed[experts]
         if experts == "panels":
             assert all(m.experts.name == "panels" for m in moes(model)), "the C++ experts did not load here"
             return model
@@ -148,7 +154,9 @@ def run(shape: dict[str, Any], batch: int, context: int, repeats: int) -> dict[s
 
     tokens["transformers"] = hf_decode().argmax(-1).tolist()
     out["decode_transformers_s"] = time_call(hf_decode, max(2, repeats // 2))
-    out["tokens_agree"] = all(tokens[name] == tokens["transformers"] for name in WAYS)
+    out["tokens_agree"] = all(tokens[name] == tokens["transformers"] for name in FLOAT_WAYS)
+    out["packed_tokens_agree"] = {name: sum(a == b for a, b in zip(tokens[name], tokens["transformers"], strict=True))
+                                  / batch for name in WAYS if name not in FLOAT_WAYS}
     for name in WAYS:
         out[f"{name}_vs_loop"] = out["decode_loop_s"][0] / out[f"decode_{name}_s"][0]
         out[f"{name}_prefill_vs_loop"] = out["prefill_loop_s"][0] / out[f"prefill_{name}_s"][0]
@@ -208,7 +216,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"| transformers' own forward | {ms['decode_transformers_s']:.1f} | "
         f"{ms['decode_loop_s'] / ms['decode_transformers_s']:.2f}x | | |",
         "",
-        f"Greedy tokens of the step agree across all four: {result['tokens_agree']}. Goal (issue 36): Tandem's "
+        f"Greedy tokens of the step agree across the fp32 ways and transformers: {result['tokens_agree']}; "
+        "the packed experts' tokens equal transformers' for "
+        + ", ".join(f"{name} {share:.0%}" for name, share in result["packed_tokens_agree"].items())
+        + f" of the sequences. Goal (issue 36): Tandem's "
         f"default (C++ panels) >= 3x "
         f"the loop: {'met' if result['speedup_vs_loop'] >= 3 else 'not met'} ({result['speedup_vs_loop']:.2f}x).",
     ]

@@ -25,6 +25,7 @@ How the routed tokens are multiplied is the module's ``experts`` strategy (vLLM'
   over the rows padded to the busiest expert; at prefill sizes (many rows per expert, where padding would be
   wasted arithmetic) one GEMM per expert over its contiguous slice of the sorted rows; where few experts are
   hit (batch-1 decode), one GEMM per hit expert. Each expert's weights are read once per step either way.
+- ``PackedExperts`` (``--quantization int8 | int4`` on CPU): the same one call over int8 / int4 panels.
 - On CUDA, ``TritonExperts`` (common/kernels/triton/moe.py): the sorted pairs aligned to row blocks of one
   expert each, one grouped-GEMM launch per projection (vLLM's fused-MoE layout).
 """
@@ -247,6 +248,82 @@ class TritonExperts:
         return out
 
 
+class PackedExperts:
+    """int8 or int4 experts (``--quantization``) in the packed panel layouts of common/quant/panels.py, the layer's
+    experts in one C++ call (``moe_experts_packed``): activations rounded to int8 in blocks of 32, integer dot
+    products, as a packed ``Linear``'s ``tandem_a8`` method. Each expert is quantized as a ``Linear`` of the same
+    format is (int8: one scale per output row; int4: asymmetric groups of ``group_size``); the router stays float."""
+
+    def __init__(self, ops: ModuleType, int4: bool, group_size: int) -> None:
+        self._ops = ops
+        self.int4, self.group_size = int4, group_size
+        self.name = "int4 panels" if int4 else "int8 panels"
+
+    @staticmethod
+    def fits(moe: SparseMoE, int4: bool, group_size: int) -> str | None:
+        """Why these experts cannot be packed (None: they can): panels of 16 rows over inputs in 32-blocks."""
+        inter, hidden = moe.intermediate_size, moe.w13.shape[2]
+        if moe.w13.device.type != "cpu":
+            return f"packed experts run on CPU; the experts are on {moe.w13.device}"
+        if hidden % 32 or inter % 32 or (2 * inter) % 16 or hidden % 16:
+            return (f"hidden_size ({hidden}) and the experts' intermediate size ({inter}) must be multiples of 32 "
+                    f"(the packed kernels' block)")
+        if int4 and (hidden % group_size or inter % group_size):
+            return f"the int4 group size {group_size} must divide hidden_size ({hidden}) and the experts' ({inter})"
+        return None
+
+    def process_weights_after_loading(self, moe: SparseMoE) -> None:
+        from common.quant.formats import quantize_int4, quantize_int8
+        from common.quant.panels import pack_int4_panels, pack_int8_panels
+
+        def pack(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+            parts: list[tuple[torch.Tensor, ...]] = []
+            group = self.group_size if self.int4 else stacked.shape[2]
+            for w in stacked.detach().float():
+                parts.append(pack_int4_panels(quantize_int4(w, group)) if self.int4
+                             else (*pack_int8_panels(quantize_int8(w)), torch.empty(0)))
+            q, s, z = (torch.stack([p[i] for p in parts]) for i in range(3))
+            return q, s, z, group
+
+        q13, s13, z13, g13 = pack(moe.w13)
+        q2, s2, z2, g2 = pack(moe.w2)
+        moe.drop_float_weights()
+        for name, t in (("q13", q13), ("s13", s13), ("z13", z13), ("q2", q2), ("s2", s2), ("z2", z2)):
+            moe.register_buffer(name, t, persistent=False)
+        self._groups = (g13, g2)
+
+    def apply(self, moe: SparseMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              ops: FusedOps) -> torch.Tensor:
+        expert, token, weight = sort_pairs(moe, ids, weights)
+        counts = torch.bincount(expert, minlength=moe.num_local_experts)
+        offsets = torch.zeros(moe.num_local_experts + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        b = moe.get_buffer
+        g13, g2 = self._groups
+        xf = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        out = self._ops.moe_experts_packed(xf.contiguous(), token, weight.float().contiguous(), offsets,
+                                           b("q13"), b("s13"), b("z13"), g13, b("q2"), b("s2"), b("z2"), g2)
+        return out.to(x.dtype)
+
+
+def packed_experts_for(moe: SparseMoE, method: str, group_size: int) -> PackedExperts:
+    """``--quantization int8 | int4`` for ``moe``'s experts on CPU, or ``QuantizationError`` naming the flag."""
+    from common.kernels.cpu import quant_kernels
+    from common.quant.config import FLAG, QuantizationError
+
+    if method not in ("int8", "int4"):
+        raise QuantizationError(f"{FLAG} {method}: a mixture of experts' routed experts are packed as int8 or int4 "
+                                f"only (on CPU)")
+    why = PackedExperts.fits(moe, method == "int4", group_size)
+    if why is not None:
+        raise QuantizationError(f"{FLAG} {method}: {why}")
+    try:
+        ops = quant_kernels()
+    except RuntimeError as exc:
+        raise QuantizationError(f"{FLAG} {method}: {exc}") from exc
+    return PackedExperts(ops, method == "int4", group_size)
+
+
 def experts_for(moe: SparseMoE, device: torch.device) -> RoutedExperts:
     """The way ``moe`` runs on ``device``: on CUDA ``TritonExperts`` (where triton is installed); on CPU
     ``PanelExperts`` where the C++ kernels build and its shapes fit (``TANDEM_CPU_MOE``: auto, on = that or an
@@ -301,7 +378,9 @@ class SparseMoE(nn.Module):
     @property
     def num_local_experts(self) -> int:
         held = self._parameters.get("w13")
-        return int((held if held is not None else self.get_buffer("w13_panels")).shape[0])
+        if held is not None:
+            return int(held.shape[0])
+        return int(self.get_buffer("w13_panels" if "w13_panels" in self._buffers else "q13").shape[0])
 
     def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)

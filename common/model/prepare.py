@@ -57,11 +57,12 @@ def prepare_model(model: LlamaForCausalLM, device: torch.device | str, quant: Qu
             layer.set_method(packed_method(weight, device, dtype, kernel_name), weight)
         else:
             layer.set_method(float_method(layer, device, dtype, panels))
-    from common.model.moe import SparseMoE, experts_for
+    from common.model.moe import SparseMoE, experts_for, packed_experts_for
 
     for layer in model.modules():  # a mixture of experts' routed experts: this device's way (common/model/moe.py)
         if isinstance(layer, SparseMoE):
-            layer.set_experts(experts_for(layer, device))
+            layer.set_experts(packed_experts_for(layer, quant.method.value, quant.group_size)
+                              if quant is not None and quant.enabled else experts_for(layer, device))
     _tie_lookup(model, dtype, published_head="lm_head" in packed and packed["lm_head"][1])
     from common.model.fused_ops import fused_ops_for
 

@@ -51,16 +51,18 @@ def linear_in_features(config: ModelConfig) -> dict[str, int]:
     """Each quantized matrix's input width (what a group size must divide)."""
     return {"self_attn.qkv_proj": config.hidden_size, "self_attn.o_proj": config.q_size,
             "mlp.gate_up_proj": config.hidden_size, "mlp.down_proj": config.intermediate_size,
-            "lm_head": config.hidden_size}
+            "lm_head": config.hidden_size,
+            **({"experts' down_proj": config.moe.intermediate_size} if config.moe is not None else {})}
 
 
 def check_quantization(config: QuantConfig, model: ModelConfig, device: torch.device | str) -> None:
     """Raise ``QuantizationError`` (naming the flag and the reason) for what cannot run here."""
     if not config.enabled:
         return
-    if model.moe is not None:
-        raise QuantizationError(f"{FLAG} {config.method.value}: {model.model_type}'s routed experts run in floats "
-                                f"only (no packed experts yet); serve it without {FLAG}")
+    if model.moe is not None and (config.method not in (QuantMethod.INT8, QuantMethod.INT4)
+                                  or torch.device(device).type != "cpu"):
+        raise QuantizationError(f"{FLAG} {config.method.value}: {model.model_type}'s routed experts are packed as "
+                                f"int8 or int4 on CPU only; serve it in floats or with {FLAG} int8 / int4 on CPU")
     device = torch.device(device)
     if config.method is QuantMethod.FP8:
         if device.type != "cuda" or not torch.cuda.is_available():
@@ -105,6 +107,8 @@ def packed_weights(model: LlamaForCausalLM, config: QuantConfig, gguf: GGUFBlock
         return out
     for i, layer in enumerate(model.layers):
         for ours, theirs in FUSED.items():
+            if ours.startswith("mlp.") and not hasattr(layer.get_submodule("mlp"), "down_proj"):
+                continue  # a mixture of experts' routed layer: its experts are packed by their own strategy
             path, linear = f"layers.{i}.{ours}", layer.get_submodule(ours)
             if not isinstance(linear, Linear):  # a row-parallel layer (common/parallel): its matmul is packed
                 path, linear = f"{path}.linear", linear.get_submodule("linear")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 import pytest
@@ -224,11 +225,80 @@ def test_refused_naming_the_field(raw: dict[str, Any], message: str) -> None:
         ModelConfig.from_dict({**BASE, **raw})
 
 
-def test_quantization_of_experts_refused_naming_the_flag(tiny_model_factory: Callable[..., Path]) -> None:
+def test_experts_quantized_only_as_int8_or_int4_on_cpu(tiny_model_factory: Callable[..., Path]) -> None:
     from common.quant.config import QuantizationError
 
-    with pytest.raises(QuantizationError, match=r"--quantization int8: mixtral's routed experts run in floats"):
-        load_model(moe_model(tiny_model_factory, "mixtral-top2-gqa2"), dtype="float32", quantization="int8")
+    with pytest.raises(QuantizationError, match=r"--quantization w8a8: mixtral's routed experts are packed as int8 "
+                                                r"or int4 on CPU only"):
+        load_model(moe_model(tiny_model_factory, "mixtral-top2-gqa2"), dtype="float32", quantization="w8a8")
+
+
+# experts quantized: shapes whose widths are multiples of 32 (the packed kernels' block)
+PACKED: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}),
+    "qwen3moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                               "intermediate_size": 96, "num_hidden_layers": 3, "mlp_only_layers": [0],
+                               "head_dim": 16, "norm_topk_prob": True}),
+}
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("name", sorted(PACKED))
+def test_packed_experts_equal_their_dequantized_reference(tiny_model_factory: Callable[..., Path], name: str,
+                                                          method: str) -> None:
+    """The one-call packed experts against transformers' loop over the dequantized weights with the same int8
+    rounding of the activations (formats.reference_a8_matmul's math), layer by layer; and the whole model stays
+    close to the float one."""
+    _panel_experts()
+    from common.quant.formats import quantize_blocks_int8, quantize_int4, quantize_int8
+
+    model_type, overrides = PACKED[name]
+    model_dir = tiny_model_factory(model_type, seed=6, **overrides)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_CPU_MOE", "off")
+        ref = load_model(model_dir, dtype="float32")  # float w13 / w2
+    packed = load_model(model_dir, dtype="float32", quantization=method)
+    layers = _moe_layers(packed)
+    assert {m.experts.name for m in layers} == {f"{method} panels"}
+    assert all(m.gate.format == "float" for m in layers)  # the router stays float
+    ops = EagerOps()
+    x = torch.randn(37, packed.config.hidden_size, generator=torch.Generator().manual_seed(8))
+    for float_moe, moe in zip(_moe_layers(ref), layers, strict=True):
+        weights, ids = route(float_moe.gate(x), float_moe.top_k, float_moe.renormalize)
+        def dequantized(stacked: torch.Tensor) -> torch.Tensor:
+            return torch.stack([(quantize_int4(w, 32) if method == "int4" else quantize_int8(w)).dequantize()
+                                for w in stacked.detach()])
+
+        deq = cast("SparseMoE", SimpleNamespace(w13=dequantized(float_moe.w13), w2=dequantized(float_moe.w2)))
+
+        class A8Loop(LoopExperts):  # the loop with each GEMM's input rounded as the kernel rounds it
+            def apply(self, moe: SparseMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      ops: Any) -> torch.Tensor:
+                out = torch.zeros_like(x)
+                for e in torch.unique(ids).tolist():
+                    token, slot = torch.where(ids == e)
+                    h = ops.silu_mul(quantize_blocks_int8(x[token]) @ moe.w13[e].T)
+                    y = (quantize_blocks_int8(h) @ moe.w2[e].T) * weights[token, slot, None]
+                    out.index_add_(0, token, y)
+                return out
+
+        expected = A8Loop().apply(deq, x, ids, weights, ops)
+        got = moe.experts.apply(moe, x, ids, weights, ops)
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)
+    ids = torch.arange(3, 40)
+    meta = AttentionMetadata.build([len(ids)], [0])
+    with torch.no_grad():
+        a = ref.compute_logits(ref(ids, torch.arange(len(ids)), meta))
+        b = packed.compute_logits(packed(ids, torch.arange(len(ids)), meta))
+    assert (a - b).abs().max() < 0.15 * a.abs().max()
+
+
+def test_packed_experts_refuse_widths_off_the_block(tiny_model_factory: Callable[..., Path]) -> None:
+    from common.quant.config import QuantizationError
+
+    _panel_experts()
+    with pytest.raises(QuantizationError, match=r"--quantization int8: .*experts' down_proj has 16 input features"):
+        load_model(moe_model(tiny_model_factory, "qwen3moe-dense-first"), dtype="float32", quantization="int8")
 
 
 def test_checkpoint_with_an_expert_beyond_the_config_is_refused(tiny_model_factory: Callable[..., Path]) -> None:

@@ -96,3 +96,124 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor token, torch::Tensor we
   }
   return out.finish();
 }
+
+// ``moe_experts_packed``: the same with int8 or int4 experts in cpu_quant_panel.cpp's panel layouts, activations
+// rounded to int8 in blocks of 32 (the ``tandem_a8`` path of a packed ``Linear``):
+//
+//   q13, s13, z13  each expert's gate/up panels stacked: int8 q [E, 2I/16, H/4, 16, 4] with fp32 scales [E, 2I]
+//                  (one per row) or [E, 2I/16, H/G, 16]; int4 q [E, 2I/16, H/8, 16, 4] with fp16 scales and
+//                  zeros [E, 2I/16, H/G, 16] (z13 empty for int8)
+//   q2, s2, z2     the down panels the same way over [H, I]
+//   g13, g2        each projection's group size (int8 per row: its input width)
+
+namespace {
+
+// Rows [m0, m1) x panel p of one expert's packed panels, on the calling thread: the tiles panel_matmul runs.
+template <bool INT4>
+void packed_rows(const PanelArgs& a, int64_t m0, int64_t m1, int64_t p) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (cpu_has_vnni()) {
+    for (int64_t m = m0; m < m1; m += 4) Dispatch<4, 1, INT4, VnniTile>::run(a, m, p, std::min<int64_t>(4, m1 - m), 1);
+    return;
+  }
+#endif
+#if defined(__AVX2__)
+  for (int64_t m = m0; m < m1; m += 2) Dispatch<2, 1, INT4, Avx2Tile>::run(a, m, p, std::min<int64_t>(2, m1 - m), 1);
+#else
+  for (int64_t m = m0; m < m1; ++m) panel_tile_generic<INT4>(a, m, p);
+#endif
+}
+
+struct PackedExperts {
+  const torch::Tensor &q, &s, &z;
+  int64_t G;
+  bool int4;
+};
+
+// One projection over every hit expert: y [n, N] = its rows of x [n, K] times its packed panels.
+void packed_pass(const float* x, int64_t n, int64_t K, int64_t N, const int64_t* offsets, int64_t E,
+                 const PackedExperts& w, float* y) {
+  QuantX xq;
+  quantize_x(x, n, K, w.G, xq);
+  const int64_t panels = N / PANEL, groups = K / w.G;
+  const bool per_row = !w.int4 && w.G == K;
+  const int64_t q_bytes = w.int4 ? N * K / 2 : N * K;  // one expert's packed bytes
+  const int64_t s_count = per_row ? N : N * groups;  // one expert's scales (and zeros)
+  const auto* qp = static_cast<const uint8_t*>(w.q.data_ptr());
+  at::parallel_for(0, E * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = item / panels, p = item % panels;
+      if (offsets[e + 1] == offsets[e]) continue;
+      const PanelArgs a = w.int4
+          ? PanelArgs{xq, K, w.G, N, qp + e * q_bytes, nullptr,
+                      reinterpret_cast<const uint16_t*>(w.s.data_ptr<at::Half>()) + e * s_count,
+                      reinterpret_cast<const uint16_t*>(w.z.data_ptr<at::Half>()) + e * s_count, false, y}
+          : PanelArgs{xq, K, w.G, N, qp + e * q_bytes, w.s.data_ptr<float>() + e * s_count, nullptr, nullptr,
+                      per_row, y};
+      if (w.int4) packed_rows<true>(a, offsets[e], offsets[e + 1], p);
+      else packed_rows<false>(a, offsets[e], offsets[e + 1], p);
+    }
+  });
+}
+
+void check_packed(const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& z, bool int4, int64_t E,
+                  int64_t N, int64_t K, int64_t G, const char* name) {
+  TORCH_CHECK(q.is_contiguous() && q.dim() == 5 && q.size(0) == E && q.size(1) * PANEL == N && q.size(3) == PANEL &&
+                  q.size(4) == 4 && q.size(2) * (int4 ? 8 : 4) == K,
+              name, ": q must be contiguous [E, N/16, K/", int4 ? 8 : 4, ", 16, 4]");
+  TORCH_CHECK(G % SUB == 0 && K % G == 0, name, ": the group size must be a multiple of 32 dividing K");
+  if (int4) {
+    TORCH_CHECK(q.scalar_type() == at::kByte && s.scalar_type() == at::kHalf && z.scalar_type() == at::kHalf &&
+                    s.is_contiguous() && z.is_contiguous() && s.numel() == E * N * (K / G) && z.numel() == s.numel(),
+                name, ": int4 needs uint8 q and contiguous fp16 scales, zeros [E, N/16, K/G, 16]");
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kChar && s.scalar_type() == at::kFloat && s.is_contiguous() &&
+                    s.numel() == E * N * (K / G),
+                name, ": int8 needs int8 q and contiguous fp32 scales [E, N] or [E, N/16, K/G, 16]");
+  }
+}
+
+}  // namespace
+
+torch::Tensor moe_experts_packed(torch::Tensor x, torch::Tensor token, torch::Tensor weight, torch::Tensor offsets,
+                                 torch::Tensor q13, torch::Tensor s13, torch::Tensor z13, int64_t g13,
+                                 torch::Tensor q2, torch::Tensor s2, torch::Tensor z2, int64_t g2) {
+  const bool int4 = q13.scalar_type() == at::kByte;
+  const int64_t E = q13.size(0), T = x.size(0), n = token.size(0);
+  const int64_t I2 = q13.size(1) * PANEL, I = I2 / 2, H = q13.size(2) * (int4 ? 8 : 4);
+  check_packed(q13, s13, z13, int4, E, I2, H, g13, "q13");
+  check_packed(q2, s2, z2, int4, E, H, I, g2, "q2");
+  TORCH_CHECK(token.scalar_type() == at::kLong && token.is_contiguous() && token.dim() == 1, "token: int64 [n]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == n, "weight: fp32 [n]");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.numel() == E + 1,
+              "offsets: int64 [E + 1]");
+  const int64_t* tok = token.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == n, "offsets must run from 0 to the number of pairs");
+  std::vector<float> xscratch;
+  const float* xp = float_x(x, H, xscratch);
+  std::vector<float> xs(n * H), h13(n * I2), act(n * I), y(n * H);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(tok[i] >= 0 && tok[i] < T, "token ", tok[i], " is outside x's ", T, " rows");
+    std::memcpy(xs.data() + i * H, xp + tok[i] * H, H * sizeof(float));
+  }
+  packed_pass(xs.data(), n, H, I2, off, E, PackedExperts{q13, s13, z13, g13, int4}, h13.data());
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = h13.data() + r * I2;
+      const float* u = g + I;
+      float* o = act.data() + r * I;
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  packed_pass(act.data(), n, I, H, off, E, PackedExperts{q2, s2, z2, g2, int4}, y.data());
+  Out out(x, T, H);
+  std::fill(out.data, out.data + T * H, 0.f);
+  const float* wt = weight.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    float* o = out.data + tok[i] * H;
+    const float* yi = y.data() + i * H;
+    for (int64_t j = 0; j < H; ++j) o[j] += wt[i] * yi[j];
+  }
+  return out.finish();
+}

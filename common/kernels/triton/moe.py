@@ -75,7 +75,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_src: torch.Tensor, bloc
     if x.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError("the Triton grouped GEMM needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                            "common.kernels.triton.moe is imported (CPU, slow: tests only)")
-    num_experts, n, k = w.shape
+    _, n, k = w.shape
     x = x.contiguous()
     y = torch.empty(row_src.numel(), n, dtype=x.dtype, device=x.device)
     if row_src.numel() == 0:
