@@ -402,3 +402,27 @@ def test_expert_parallel_without_ranks_refused_at_start(tiny_model_factory: Call
     err = capsys.readouterr().err
     assert code == 2 and "--expert-parallel splits the experts over the --tensor-parallel-size ranks" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_layers"])
+def test_speculative_decoding_keeps_greedy_output(tiny_model_factory: Callable[..., Path], method: str) -> None:
+    """Speculation on a mixture of experts verifies drafts through the routed layers: n-gram lookup, another family
+    member with the same tokenizer as the draft model (a dense Qwen3 for a Qwen3-MoE target), the target's own
+    first layers. Greedy tokens stay transformers'."""
+    from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
+    from common.engine.llm import LLM
+    from common.sampling.params import SamplingParams
+
+    model_dir = _with_tokenizer(moe_model(tiny_model_factory, "qwen3moe-dense-first"))
+    draft = _with_tokenizer(tiny_model_factory("qwen3", seed=3, head_dim=16, num_hidden_layers=1))
+    spec = SpeculativeConfig(method=SpeculativeMethod(method), num_speculative_tokens=3,
+                             draft_model=str(draft) if method == "draft_model" else "", draft_layers=2)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (6, 13)]
+    prompts.append([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])  # repeats: the n-gram lookup finds drafts
+    with LLM(model_dir, dtype="float32", device="cpu", speculative=spec) as llm:
+        done = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
+        drafted = llm.engine.scheduler.num_draft_tokens
+    assert drafted > 0
+    for prompt, completion in zip(prompts, done, strict=True):
+        assert completion.token_ids == _hf_greedy(model_dir, prompt, GREEDY_TOKENS)
