@@ -25,6 +25,7 @@ class RequestRecord:
     queue_s: float | None = None
     kv_transfer_s: float | None = None
     error: str = ""
+    output_ids: list[int] = field(default_factory=list)  # the generated tokens (gRPC), a later turn's history
 
     @property
     def ok(self) -> bool:

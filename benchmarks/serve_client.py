@@ -2,7 +2,9 @@
 OpenAI HTTP API: benchmarks/openai_client.py) and records what it saw of each.
 
 Open loop: each request leaves at its ``arrival_s`` whatever the answers do (a system slower than the
-load builds a queue, as in production). Closed loop: ``concurrency`` requests in flight at all times, sent
+load builds a queue, as in production); a later turn of a conversation (``TimedRequest.follows``) leaves its
+think time after the turn before it ends, carrying that turn's prompt and answer. Closed loop:
+``concurrency`` requests in flight at all times, sent
 in the workload's order. Every time is the client's ``time.perf_counter``.
 """
 
@@ -55,6 +57,7 @@ async def _send(stub: TandemStub, req: TimedRequest, record: RequestRecord, time
             record.last = now
             record.num_tokens += n
             record.num_messages += 1
+            record.output_ids.extend(response.token_ids)
     except grpc.aio.AioRpcError as exc:
         record.error = f"{exc.code().name}: {exc.details()}"
 
@@ -68,6 +71,9 @@ async def drive(targets: Sequence[str], requests: Sequence[TimedRequest], concur
     """Send ``requests`` at their ``arrival_s`` (open loop, ``concurrency`` None) or ``concurrency`` at a
     time in their order (closed loop); return the records and the run's duration (first send to last
     answer). ``temperature``: the OpenAI API's only (None: the server's default); gRPC requests are greedy."""
+    if api is Api.OPENAI and any(r.follows is not None for r in requests):
+        raise ValueError("a multi-turn workload runs over gRPC only (--api grpc): a later turn's prompt carries "
+                         "the token ids the server generated, which the OpenAI client does not record")
     if api is Api.OPENAI:
         from benchmarks.openai_client import open_client, send_openai, served_model
 
@@ -102,15 +108,25 @@ async def _drive(targets: Sequence[str], requests: Sequence[TimedRequest], concu
     outstanding = [0] * len(targets)
     rotation = itertools.count()
     records = [RequestRecord(r.index, r.kind, len(r.prompt_token_ids), r.output_len) for r in requests]
+    done = [asyncio.Event() for _ in requests]
+    prompts: dict[int, tuple[int, ...]] = {}  # a conversation's turns: each one's whole prompt, for the next
 
     async def one(i: int) -> None:
+        try:
+            req = await _with_history(requests[i], records, prompts, done)
+            if req is not None:
+                await _one(i, req)
+        finally:
+            done[i].set()
+
+    async def _one(i: int, req: TimedRequest) -> None:
         # Fewest outstanding requests first; ties rotate, so an idle pair of replicas shares the load.
         start = next(rotation)
         k = min(range(len(targets)), key=lambda j: (outstanding[j], (j - start) % len(targets)))
         outstanding[k] += 1
         records[i].target = targets[k]
         try:
-            await send(k, requests[i], records[i], timeout_s)
+            await send(k, req, records[i], timeout_s)
         finally:
             outstanding[k] -= 1
 
@@ -131,3 +147,24 @@ async def _drive(targets: Sequence[str], requests: Sequence[TimedRequest], concu
 
         await asyncio.gather(*(at(i) for i in range(len(requests))))
     return records, time.perf_counter() - began
+
+
+async def _with_history(req: TimedRequest, records: Sequence[RequestRecord], prompts: dict[int, tuple[int, ...]],
+                        done: Sequence[asyncio.Event]) -> TimedRequest | None:
+    """``req`` as sent: a later turn waits for its previous turn and its think time, then carries the history
+    (that turn's prompt and generated tokens) before its own message. None: the previous turn failed."""
+    import dataclasses
+
+    if req.follows is None:
+        prompts[req.index] = req.prompt_token_ids
+        return req
+    await done[req.follows].wait()
+    before = records[req.follows]
+    if not before.ok:
+        records[req.index].error = f"turn {req.follows} of this conversation failed: {before.error or 'no tokens'}"
+        return None
+    await asyncio.sleep(req.think_s)
+    prompt = prompts[req.follows] + tuple(before.output_ids) + req.prompt_token_ids
+    prompts[req.index] = prompt
+    records[req.index].prompt_len = len(prompt)
+    return dataclasses.replace(req, prompt_token_ids=prompt)

@@ -12,6 +12,8 @@ requests is the same at every rate (and in a closed loop, which sends them in th
 - ``serving``: independent chat requests; nothing to share between prompts.
 - ``shared-prefix``: one long system prompt before every short question, the case prefix caching is for.
 - ``mixed``: long prompts arriving while short chats decode, the case disaggregation is for.
+- ``multi-turn``: conversations of several turns over a growing history (the previous turns' prompts and
+  answers, then a new message), with think time between turns: the case KV reuse across turns is for.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class TimedRequest:
     output_len: int  # exactly this many tokens are generated (EOS ignored)
     arrival_s: float  # seconds after the run's start at which the client sends it (open loop)
     kind: str  # the workload's class of request, for per-kind statistics ("chat", "question", "short", "long")
+    # A later turn of a conversation: sent ``think_s`` after request ``follows`` ends, its prompt that request's
+    # whole prompt, then the tokens it generated, then ``prompt_token_ids`` (the new message); the client
+    # builds it (benchmarks/serve_client.py). None: an independent request, sent at ``arrival_s``.
+    follows: int | None = None
+    think_s: float = 0.0
 
 
 class Workload(Protocol):
@@ -213,6 +220,72 @@ class MixedWorkload:
                 f"{_spread(self.long_output_len)}")
 
 
+@dataclass(frozen=True)
+class MultiTurnWorkload:
+    """Conversations: a shared system prompt, then ``turns`` turns each adding a user message and the model's
+    answer to the history; kinds "turn 1", "turn 2", "turns 3+".
+
+    Turn k + 1 is sent ``think`` seconds (exponential, mean ``think_s``) after turn k's last token, its prompt
+    the system prompt, every earlier message and answer (the tokens the server generated, as the client
+    received them) and the new message. With ``--rate R`` new conversations start as a Poisson process of R per
+    second (every later turn follows its conversation); ``inf`` starts them all at once. Requests are numbered
+    turn by turn (every conversation's first turn, then every second turn, ...), so a closed loop of C starts C
+    conversations and keeps C requests in flight. Run it against a KV pool too small for every conversation's
+    history (``--kv-cache-memory``) to see what survives between turns.
+    """
+
+    name: ClassVar[str] = "multi-turn"
+    num_conversations: int = 16
+    turns: int = 4
+    system_len: int = 256
+    message_len: tuple[int, int] = (16, 96)
+    output_len: tuple[int, int] = (16, 64)
+    think_s: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_at_least("num_conversations", self.num_conversations, 1)
+        _check_at_least("turns", self.turns, 1)
+        _check_at_least("system_len", self.system_len, 0)
+        _check_range("message_len", self.message_len)
+        _check_range("output_len", self.output_len)
+        if self.think_s < 0:
+            raise ValueError(f"think_s must be >= 0, got {self.think_s}")
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_conversations * self.turns
+
+    @property
+    def max_total_len(self) -> int:
+        return self.system_len + self.turns * (self.message_len[1] + self.output_len[1])
+
+    def requests(self, vocab_size: int, rate: float) -> list[TimedRequest]:
+        lengths, ids, arrivals = _streams(self.seed)
+        c, t = self.num_conversations, self.turns
+        message_lens = log_uniform_ints(lengths, *self.message_len, c * t)
+        output_lens = log_uniform_ints(lengths, *self.output_len, c * t)
+        starts = _scaled(_unit_arrivals(arrivals, c), rate)
+        thinks = arrivals.exponential(self.think_s, c * t) if self.think_s > 0 else [0.0] * (c * t)
+        system = _token_ids(ids, vocab_size, self.system_len)
+        out = []
+        for turn in range(t):
+            kind = "turn 1" if turn == 0 else "turn 2" if turn == 1 else "turns 3+"
+            for conv in range(c):
+                i = turn * c + conv
+                message = _token_ids(ids, vocab_size, int(message_lens[i]))
+                out.append(TimedRequest(i, (system + message) if turn == 0 else message, int(output_lens[i]),
+                                        starts[conv], kind, follows=None if turn == 0 else i - c,
+                                        think_s=0.0 if turn == 0 else float(thinks[i])))
+        return out
+
+    def describe(self) -> str:
+        return (f"{self.num_conversations} conversations of {self.turns} turns after one shared "
+                f"{self.system_len}-token system prompt, messages {_spread(self.message_len)}, answers "
+                f"{_spread(self.output_len)}, think time {self.think_s:g} s (exponential mean) between turns; "
+                f"--rate: new conversations per second")
+
+
 def log_uniform_ints(rng: np.random.Generator, low: int, high: int, n: int) -> np.ndarray:
     """``n`` integers in ``[low, high]``: floor(exp(u)) with u uniform on [ln low, ln(high + 1))."""
     import numpy as np
@@ -299,4 +372,8 @@ WORKLOADS: Mapping[str, WorkloadPreset] = {p.full.name: p for p in (
     WorkloadPreset(MixedWorkload(), MixedWorkload(num_requests=12, short_prompt_len=(32, 96),
                                                   short_output_len=(32, 64), long_prompt_len=(512, 768)),
                    SLO(ttft_s=4.0, tpot_s=0.2)),
+    # Quick: 4 conversations of 3 turns within a 1024-token context (the tiny test models').
+    WorkloadPreset(MultiTurnWorkload(), MultiTurnWorkload(num_conversations=4, turns=3, system_len=64,
+                                                          message_len=(16, 32), output_len=(16, 32), think_s=0.2),
+                   SLO(ttft_s=2.5, tpot_s=0.2)),
 )}

@@ -192,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
     cache, scheduler = node_configs(load_settings(NodeSettings), settings.device, model_config, dtype)
 
     requests = workload.requests(model_config.vocab_size, args.rate)
+    if any(r.follows is not None for r in requests):
+        raise ValueError(f"--workload {workload.name}: the planner's simulator sends independent requests; it does "
+                         f"not model conversations whose turns wait for each other")
     results = [Candidate(simulate(requests, d, cost, scheduler, cache), slo)
                for d in candidates(args.nodes, thresholds)]
     best = recommend(results)

@@ -83,7 +83,8 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_each_workload_has_a_default_slo_and_goodput_overrides_it() -> None:
     assert {name: p.slo for name, p in WORKLOADS.items()} == {
-        "serving": SLO(2.5, 0.2), "shared-prefix": SLO(1.5, 0.2), "mixed": SLO(4.0, 0.2)}
+        "serving": SLO(2.5, 0.2), "shared-prefix": SLO(1.5, 0.2), "mixed": SLO(4.0, 0.2),
+        "multi-turn": SLO(2.5, 0.2)}
     assert slo_of(parse("--workload", "mixed")) == SLO(4.0, 0.2)
     assert slo_of(parse("--workload", "mixed", "--goodput", "ttft:800,tpot:90")) == SLO(0.8, 0.09)
 

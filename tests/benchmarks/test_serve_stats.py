@@ -29,7 +29,7 @@ def _object(properties: dict[str, object], **extra: object) -> dict[str, object]
 SCHEMA = _object({
     "model": {"type": "string"}, "dtype": {"type": "string"},
     "workload": {"type": "object", "required": ["name"],
-                 "properties": {"name": {"enum": ["serving", "shared-prefix", "mixed"]}}},
+                 "properties": {"name": {"enum": ["serving", "shared-prefix", "mixed", "multi-turn"]}}},
     "rate": {"type": ["number", "null"]}, "rates": {"type": "array", "items": {"type": "number"}},
     "concurrency": {"type": ["integer", "null"]},
     "cpus": {"type": "array", "items": {"type": "integer"}},

@@ -55,8 +55,10 @@ def test_requests_in_arrival_order_within_the_context_with_ordinary_ids(workload
     requests = workload.requests(VOCAB, 2.0)
     assert len(requests) == workload.num_requests
     assert [r.index for r in requests] == list(range(workload.num_requests))
-    arrivals = [r.arrival_s for r in requests]
+    # a later turn of a conversation leaves after its previous turn: its arrival is the conversation's start
+    arrivals = [r.arrival_s for r in requests if r.follows is None]
     assert arrivals[0] == 0.0 and arrivals == sorted(arrivals)
+    assert all(r.follows < r.index for r in requests if r.follows is not None)
     assert max(len(r.prompt_token_ids) + r.output_len for r in requests) <= workload.max_total_len
     ids = [t for r in requests for t in r.prompt_token_ids]
     assert min(ids) >= 100 and max(ids) < VOCAB
@@ -79,7 +81,7 @@ def test_a_rate_that_is_not_positive_is_refused(rate: float) -> None:
 
 
 def test_registry_names_defaults_and_quick_variants() -> None:
-    assert list(WORKLOADS) == ["serving", "shared-prefix", "mixed"]
+    assert list(WORKLOADS) == ["serving", "shared-prefix", "mixed", "multi-turn"]
     for name, preset in WORKLOADS.items():
         assert preset.full.name == preset.quick.name == name
         assert 8 <= preset.quick.num_requests <= 12 < preset.full.num_requests
@@ -214,3 +216,24 @@ def test_mixed_statistics_long_prompts_at_a_quarter_of_the_rate() -> None:
 def test_bad_parameters_are_refused_naming_the_field(cls: type, kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         cls(**kwargs)
+
+
+def test_multi_turn_conversations_follow_their_previous_turns() -> None:
+    from benchmarks.workloads import MultiTurnWorkload
+
+    workload = MultiTurnWorkload(num_conversations=3, turns=4, system_len=10, message_len=(2, 5), output_len=(1, 3),
+                                 think_s=0.5, seed=1)
+    requests = workload.requests(vocab_size=1000, rate=2.0)
+    assert len(requests) == workload.num_requests == 12 and [r.index for r in requests] == list(range(12))
+    assert [r.kind for r in requests] == ["turn 1"] * 3 + ["turn 2"] * 3 + ["turns 3+"] * 6
+    first = requests[:3]
+    assert all(r.follows is None and r.think_s == 0 for r in first)
+    assert len({r.prompt_token_ids[:10] for r in first}) == 1  # one shared system prompt
+    assert [r.arrival_s for r in first] == sorted(r.arrival_s for r in first) and first[0].arrival_s == 0
+    for r in requests[3:]:
+        assert r.follows == r.index - 3 and r.think_s > 0 and 2 <= len(r.prompt_token_ids) <= 5  # the message
+        assert r.arrival_s == requests[r.index % 3].arrival_s  # a conversation starts once
+    assert workload.max_total_len == 10 + 4 * (5 + 3)
+    assert workload.requests(1000, 2.0) == requests  # seeded
+    with pytest.raises(ValueError, match=r"turns must be >= 1, got 0"):
+        MultiTurnWorkload(turns=0)

@@ -172,3 +172,29 @@ def test_openai_client_streams_a_chat_from_the_http_api(server: Launcher) -> Non
     assert reply.usage is not None and reply.usage.completion_tokens == 8
     # The second sample reused the first's prompt blocks (the prefix cache), when the prompt fills one.
     assert reply.usage.prompt_tokens_details is not None
+
+
+def test_benchmark_client_runs_multi_turn_conversations(server: Launcher, tiny_served_model_dir: Path) -> None:
+    """Each later turn is sent after the one before it, carrying that turn's prompt and the tokens the server
+    generated for it: the prompt the next turn sends is exactly the conversation so far; TTFT per turn kind."""
+    from benchmarks.workloads import MultiTurnWorkload
+
+    workload = MultiTurnWorkload(num_conversations=3, turns=3, system_len=24, message_len=(4, 12),
+                                 output_len=(3, 6), think_s=0.05, seed=2)
+    requests = workload.requests(vocab_size=49152, rate=20.0)
+    for closed_loop in (None, 2):
+        records, duration = asyncio.run(drive([target(server)], requests, closed_loop, 60.0))
+        summary = summarize("colocated", "here", records, duration)
+        assert (summary.completed, summary.failed, summary.wrong_length) == (9, 0, 0)
+        assert {kind: k.completed for kind, k in summary.by_kind.items()} == {"turn 1": 3, "turn 2": 3,
+                                                                            "turns 3+": 3}
+        for req in requests:
+            if req.follows is not None:
+                before = records[req.follows]
+                assert records[req.index].prompt_len == (before.prompt_len + len(before.output_ids)
+                                                         + len(req.prompt_token_ids))
+                assert records[req.index].sent >= before.last  # sent after the previous turn's answer
+    # the prompts the server saw are the conversation so far: the last turn's equals a reference of the whole
+    conversation = [r for r in requests if r.index % 3 == 0]
+    with pytest.raises(ValueError, match=r"multi-turn workload runs over gRPC only"):
+        asyncio.run(drive([f"http://127.0.0.1:{HTTP_PORT}"], conversation, None, 10.0, api=Api.OPENAI))
