@@ -231,7 +231,7 @@ class MultiTurnWorkload:
     second (every later turn follows its conversation); ``inf`` starts them all at once. Requests are numbered
     turn by turn (every conversation's first turn, then every second turn, ...), so a closed loop of C starts C
     conversations and keeps C requests in flight. Run it against a KV pool too small for every conversation's
-    history (``--kv-cache-memory``) to see what survives between turns.
+    history (``--kv-cache-memory-gb`` / ``--num-blocks``) to see what survives between turns.
     """
 
     name: ClassVar[str] = "multi-turn"
