@@ -51,7 +51,7 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
     # Same-host transport: the receiver moves the KV tensor into shared memory (before the engine's first step).
     receiver = KVReceiver(core.runner.kv_cache, layout, node_id, host=node.host, store_port=node.kv_store_port,
                           group_timeout_s=node.kv_timeout_s, transport=node.kv_transport,
-                          on_finished=consumer.load_finished)
+                          on_finished=consumer.load_finished, host_identity=node.host_id)
     # The KV endpoint is this very server (KVTransfer is registered beside Decode); with port 0 its
     # address is known only once bound, so it is filled in below.
     status = StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})

@@ -56,8 +56,10 @@ class KVReceiver:
         group_timeout_s: float = 30.0,
         transport: str = "auto",
         on_finished: Callable[[str, int | None, str | None], None] | None = None,
+        host_identity: str = "",
     ) -> None:
-        """``transport``: auto (shared memory for same-host senders, sockets otherwise) | shm | socket.
+        """``transport``: auto (shared memory for same-host senders, sockets otherwise) | shm | socket;
+        ``host_identity``: this node's host for that choice ("": the machine's, ``transport.host_id``).
 
         ``on_finished(transfer_id, first_token, error)``: each expected transfer's end, reported once no recv
         for it is in flight and its blocks are the caller's again (the decode engine's ``KVConsumer``).
@@ -98,7 +100,7 @@ class KVReceiver:
             timeout=datetime.timedelta(seconds=group_timeout_s), wait_for_workers=False,
             master_listen_fd=listener.detach(), use_libuv=True,
         )
-        self._host_id = host_id()
+        self._host_id = host_identity or host_id()
         self._shared: SharedKVOwner | None = None
         if self.transport != SOCKET:
             self._shared = SharedKVOwner.maybe_create(kv_cache, node_id, required=self.transport == SHM)

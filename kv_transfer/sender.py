@@ -57,16 +57,18 @@ class KVSender:
         host: str | None = None,
         transport: str = "auto",
         open_channel: Callable[[str], grpc.aio.Channel] | None = None,
+        host_identity: str = "",
     ) -> None:
         """``host``: local address the data plane listens on; None = the one that routes to the decode node.
         ``transport``: auto (shared memory with a decode node on this host, sockets otherwise) | shm | socket.
         ``open_channel``: dials a decode node's KVTransfer service (the cluster's TLS credentials and token,
-        ``common.serving.security.ChannelFactory``); None = a plaintext channel.
+        ``common.serving.security.ChannelFactory``); None = a plaintext channel. ``host_identity``: this node's
+        host for the transport choice ("": the machine's, ``transport.host_id``).
         """
         self._open_channel = open_channel or grpc.aio.insecure_channel
         self.transport = transport
         self._offered = offered_transports(transport)
-        self._host_id = host_id()
+        self._host_id = host_identity or host_id()
         self.kv_cache = kv_cache
         self.layout = layout
         self.node_id = node_id

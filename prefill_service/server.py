@@ -43,7 +43,7 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
     node_id = node.node_id or f"prefill-{node.port}"
     sender = KVSender(core.runner.kv_cache, layout, node_id, group_timeout_s=node.kv_timeout_s,
-                      transport=node.kv_transport, open_channel=ChannelFactory(security))
+                      transport=node.kv_transport, open_channel=ChannelFactory(security), host_identity=node.host_id)
     status = StatusInterceptor(extra={TransferFailed: grpc.StatusCode.UNAVAILABLE})
     metrics = PrefillMetrics(node_id)
     # Read on scrape from the HTTP thread: O(1) reads of lengths and counters, atomic under the GIL.

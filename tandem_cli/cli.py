@@ -404,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "node_drop_after_s"))
     add_settings_flags(colo, NodeSettings, "engine (flags override TANDEM_* environment variables)",
                        skip=("kv_store_port", "advertise_host", "kv_timeout_s", "grace_s", "gateway",
-                             "register_interval_s"))
+                             "register_interval_s", "host_id"))
     _add_speculative_flags(colo)
     add_settings_flags(colo, SecuritySettings, _SECURITY_FLAGS, skip=("internal_token",))
     add_settings_flags(colo, TelemetrySettings, _TELEMETRY_FLAGS)

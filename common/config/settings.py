@@ -194,6 +194,10 @@ class NodeSettings(EngineSettings):
     # shm: shared memory / CUDA IPC, same host only; socket: gloo / NCCL pair groups
     kv_transport: str = choice("auto", KV_TRANSPORTS, "KV data plane between prefill and decode nodes: auto "
                                "(shared memory on one host, sockets otherwise) | shm | socket")
+    # This node's host identity, which decides the KV data plane (same identity: shared memory; else sockets).
+    # "": the machine's own (boot id and hostname). Set it to stand in several machines on one box (a test,
+    # the raylets of a one-box Ray cluster); nodes that share memory must share the identity.
+    host_id: str = ""
     # Admission queues instead of refusing: requests beyond free KV (a decode node's reservations included)
     # wait, at most max_waiting (an engine knob) of them, each at most queue_timeout_s (then RESOURCE_EXHAUSTED).
     queue_timeout_s: float = 300.0

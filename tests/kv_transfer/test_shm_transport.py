@@ -139,9 +139,7 @@ def _pair(body: Callable[[KVReceiver, str], Awaitable[None]], decode_transport: 
 
 async def _pair_transport(endpoint: str, transport: str, host: str | None = None) -> str:
     sender = KVSender(KVCache(SPEC, 16), make_layout(SPEC, "tiny", "f0"), "prefill-0", group_timeout_s=5,
-                      transport=transport)
-    if host is not None:
-        sender._host_id = host
+                      transport=transport, host_identity=host or "")
     try:
         await sender.open("t0", prefill_pb2.KVDestination(kv_endpoint=endpoint, node_id="decode-0"))
         (pair,) = sender._all_pairs
