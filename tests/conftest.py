@@ -86,6 +86,7 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "phi3": transformers.Phi3Config,
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "gpt_oss": transformers.GptOssConfig,
     }[model_type]
     model_cls: Any = {
         "llama": transformers.LlamaForCausalLM,
@@ -95,6 +96,7 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "phi3": transformers.Phi3ForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "gpt_oss": transformers.GptOssForCausalLM,
     }[model_type]
     kwargs = {**TINY_LLAMA, **overrides}
     torch.manual_seed(seed)
@@ -107,7 +109,7 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith(".gate.weight"):
+            elif name.endswith((".gate.weight", ".router.weight")):
                 p.copy_(torch.randn_like(p))
     model.save_pretrained(directory, safe_serialization=True)
     return directory

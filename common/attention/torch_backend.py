@@ -91,6 +91,17 @@ class TorchAttentionBackend(AttentionBackend):
                                       window)
         return out
 
+    def forward_with_sinks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata, scale: float,
+                           window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+        """``forward`` for a layer with attention sinks (gpt-oss): ``sinks`` ``[num_heads]``, one logit per query
+        head beside every row's scores in the softmax, dropped after it (transformers' eager gpt-oss attention).
+        One masked attention per sequence over its cached context and new tokens, in fp32 softmax: the correct
+        path, not a fast one (sinks have no compiled kernel here)."""
+        if kv_cache is not None and meta.slot_mapping is not None:
+            self._write_kv(kv_cache[0], kv_cache[1], key, value, meta.slot_mapping)
+        return sink_attention(query, key, value, kv_cache, meta, scale, window, sinks)
+
     def _write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
         kernel = paged_decode_kernel() if self.compiled_decode and key.device.type == "cpu" else None
@@ -335,6 +346,38 @@ def paged_extend_attention(
                 enable_gqa=True,
             )
             out[start:stop] = o[0].transpose(0, 1)
+        start = stop
+    return out
+
+
+def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata, scale: float,
+                   window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """Each sequence's new tokens over its context and themselves (causal, within ``window``) with a sink logit
+    per query head in the softmax's denominator. query [num_tokens, H, D]; K/V of a sequence with cached context
+    are read from ``kv_cache`` (the new tokens' already written), else from ``key`` / ``value``."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        stop = start + q_len
+        if not q_len:
+            continue
+        if seq_len == q_len:  # no cached context: the new tokens' own K/V
+            k, v = key[start:stop], value[start:stop]
+        else:
+            if kv_cache is None or meta.block_tables is None:
+                raise ValueError("sequences with cached context need kv_cache and meta.block_tables")
+            k, v = _gather_sequence(kv_cache[0], kv_cache[1], meta.block_tables[i], seq_len, kv_cache[0].shape[1])
+        group = num_heads // k.shape[1]
+        q = query[start:stop].transpose(0, 1).float()  # [H, q_len, D]
+        kh = k.transpose(0, 1).float().repeat_interleave(group, dim=0)  # [H, seq_len, D]
+        vh = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
+        scores = torch.matmul(q, kh.transpose(1, 2)) * scale  # [H, q_len, seq_len]
+        scores.masked_fill_(~window_mask(q_len, seq_len, window, query.device)[None], float("-inf"))
+        sink = sinks.float()[:, None, None].expand(num_heads, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out[start:stop] = torch.matmul(probs, vh).transpose(0, 1).to(query.dtype).view(q_len, num_heads, head_dim)
         start = stop
     return out
 

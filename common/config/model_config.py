@@ -16,7 +16,7 @@ from typing import Any
 
 from common.model.families import SUPPORTED_MODEL_TYPES, MoEOptions, family
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,12 @@ class RopeScaling:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 and yarn
+    beta_fast: float = 32.0  # yarn: the correction range's bounds, in rotations
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+    # yarn: the factor cos and sin are multiplied by (None: 0.1 ln(factor) + 1, transformers' default)
+    attention_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -38,12 +43,23 @@ class RopeScaling:
         if self.factor <= 0:
             raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
 
-    def scale_inv_freq(self, inv_freq: list[float]) -> list[float]:
-        """Apply the scaling to RoPE inverse frequencies (one per pair of head dims)."""
+    @property
+    def cos_sin_factor(self) -> float:
+        """What cos and sin are multiplied by (yarn's attention factor; 1 otherwise)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+    def scale_inv_freq(self, inv_freq: list[float], theta: float = 10000.0) -> list[float]:
+        """Apply the scaling to RoPE inverse frequencies (one per pair of head dims; ``theta``: their base)."""
         if self.rope_type == "default":
             return inv_freq
         if self.rope_type == "linear":
             return [f / self.factor for f in inv_freq]
+        if self.rope_type == "yarn":
+            return self._yarn(inv_freq, theta)
         # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between.
         low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
         high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
@@ -59,6 +75,28 @@ class RopeScaling:
                     self.high_freq_factor - self.low_freq_factor
                 )
                 out.append((1 - smooth) * f / self.factor + smooth * f)
+        return out
+
+    def _yarn(self, inv_freq: list[float], theta: float) -> list[float]:
+        """transformers' ``_compute_yarn_parameters``: interpolated (f / factor) below the correction range's
+        low dimension, extrapolated (f) above its high one, a linear ramp between."""
+        dim = 2 * len(inv_freq)
+        original = self.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        out: list[float] = []
+        for i, f in enumerate(inv_freq):
+            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+            extrapolation = 1 - ramp
+            out.append(f / self.factor * (1 - extrapolation) + f * extrapolation)
         return out
 
 
@@ -83,6 +121,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before rotary (Qwen3)
+    attention_sinks: bool = False  # a learned logit per query head in every softmax's denominator (gpt-oss)
     # Per layer, its sliding attention window (None: the whole sequence); () when no layer has one. A token at
     # position p attends to positions p - window + 1 .. p (transformers' mask), on every attention backend.
     layer_windows: tuple[int | None, ...] = ()
@@ -164,6 +203,7 @@ class ModelConfig:
             o_bias=options.o_bias,
             mlp_bias=options.mlp_bias,
             qk_norm=options.qk_norm,
+            attention_sinks=options.attention_sinks,
             layer_windows=options.layer_windows,
             moe=options.moe,
             bos_token_id=raw.get("bos_token_id"),
@@ -187,10 +227,21 @@ def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
     rope_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default")) if scaling_raw else "default"
     if rope_type == "default":
         return theta, RopeScaling()
+    if rope_type == "yarn":
+        for name in ("mscale", "mscale_all_dim"):  # DeepSeek's variant of the attention factor
+            if scaling_raw.get(name) and scaling_raw.get("attention_factor") is None:
+                raise ValueError(f"rope_scaling.{name} is not supported (yarn's attention factor from mscale)")
+        if scaling_raw.get("factor") is None:
+            raise ValueError("rope_scaling.factor is required for yarn")
+    attention_factor = scaling_raw.get("attention_factor")
     return theta, RopeScaling(
         rope_type=rope_type,
         factor=float(scaling_raw.get("factor", 1.0)),
         low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(scaling_raw.get("original_max_position_embeddings", 8192)),
+        beta_fast=float(scaling_raw.get("beta_fast") or 32.0),
+        beta_slow=float(scaling_raw.get("beta_slow") or 1.0),
+        truncate=bool(scaling_raw.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
     )

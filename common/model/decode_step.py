@@ -96,7 +96,7 @@ class DecodeStep:
             return None
         # Nor routed experts: cpu_step.cpp's MLP is the dense SwiGLU (a mixture of experts keeps the op-by-op
         # path and its grouped experts, common/model/moe.py).
-        if model.config.moe is not None:
+        if model.config.moe is not None or model.config.attention_sinks:  # nor sinks (gpt-oss)
             return None
         layers = list(model.layers)  # decoder layers: norms, self_attn (qkv, o, rotary, backend), mlp
         if not layers:

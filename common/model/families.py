@@ -50,6 +50,7 @@ class ArchOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before rotary (Qwen3)
+    attention_sinks: bool = False  # a learned logit per query head in every softmax's denominator (gpt-oss)
     # Per layer, the sliding attention window (None: the whole sequence); () when no layer has one. A token at
     # position p attends to positions p - window + 1 .. p: transformers' sliding_window_overlay
     # (kv_idx > q_idx - sliding_window) on its causal mask.
@@ -69,6 +70,14 @@ class MoEOptions:
     # Qwen3-MoE when norm_topk_prob)
     norm_topk_prob: bool
     layers: tuple[bool, ...]  # per layer: routed experts (True) or the dense MLP of the config's intermediate_size
+    # gpt-oss's variant: top-k of the router's logits first, then a softmax over those k; a bias on the router
+    # and on every expert's projections; its clamped SwiGLU: gate * sigmoid(alpha * gate) * (up + 1), the gate
+    # clamped above at ``swiglu_limit``, up to +-``swiglu_limit`` (None: silu(gate) * up)
+    topk_before_softmax: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -89,8 +98,14 @@ class MoEOptions:
 class ExpertLayout:
     prefix: str
     names: Mapping[str, tuple[str, int]]
+    # gpt-oss keeps each layer's experts already stacked, x @ W style: ``experts.gate_up_proj`` [E, hidden,
+    # 2 * inter] with gate and up columns interleaved (gate even, up odd), ``experts.down_proj`` [E, inter,
+    # hidden], their biases, and the router as ``router``: the loader transposes and de-interleaves them.
+    stacked: bool = False
+    router: str = "gate"
 
 
+GPT_OSS_EXPERTS = ExpertLayout("mlp", {}, stacked=True, router="router")
 MIXTRAL_EXPERTS = ExpertLayout("block_sparse_moe", {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)})
 QWEN_EXPERTS = ExpertLayout("mlp", {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)})
 
@@ -183,6 +198,39 @@ def _qwen3_moe_options(raw: Raw) -> ArchOptions:
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)), layers=routed))
 
 
+def _gpt_oss_options(raw: Raw) -> ArchOptions:
+    """GptOssForCausalLM: q/k/v/o biases (``attention_bias``), attention sinks, routed experts in every layer
+    (top-k of the logits, softmax over them, biases everywhere, the clamped SwiGLU)."""
+    quant = raw.get("quantization_config") or {}
+    if quant.get("quant_method"):
+        raise ValueError(f"quantization_config.quant_method {quant['quant_method']!r} is not supported (gpt_oss's "
+                         f"published MXFP4 experts): load a dequantized checkpoint (bf16 weights)")
+    bias = bool(raw.get("attention_bias", True))
+    layers = int(raw["num_hidden_layers"])
+    return ArchOptions(qkv_bias=bias, o_bias=bias, attention_sinks=True, moe=MoEOptions(
+        num_experts=int(raw.get("num_local_experts", 128)), experts_per_token=int(raw.get("num_experts_per_tok", 4)),
+        intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=False, layers=(True,) * layers,
+        topk_before_softmax=True, router_bias=True, expert_bias=True,
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)), swiglu_alpha=float(raw.get("swiglu_alpha", 1.702))))
+
+
+def _layer_type_windows(raw: Raw) -> Windows:
+    """gpt-oss: ``layer_types`` (default: sliding on even layers, full on odd) with ``sliding_window``."""
+    num_layers = int(raw["num_hidden_layers"])
+    layer_types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                             for i in range(num_layers)]
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported: Tandem runs full_attention and "
+                         f"sliding_attention layers")
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} num_hidden_layers")
+    window = raw.get("sliding_window")
+    if window is None:
+        return ()
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
+
+
 def _mistral_windows(raw: Raw) -> Windows:
     # MistralModel builds a sliding-window mask for every layer whenever sliding_window is set (layer_types,
     # which transformers only warns about here, is ignored).
@@ -228,6 +276,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # Qwen3-MoE: Qwen3's attention (q/k norms), routed experts except in mlp_only_layers.
     Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_options, head_dim=128, layer_windows=_qwen_windows,
            experts=QWEN_EXPERTS),
+    # gpt-oss: attention sinks, alternating sliding (128) and full layers, YaRN rope, biased routed experts with
+    # a clamped SwiGLU (why gpt-oss rather than DeepSeek-V3: docs/models.md).
+    Family("gpt_oss", "GptOssForCausalLM", _gpt_oss_options, rms_norm_eps=1e-5, head_dim=64,
+           layer_windows=_layer_type_windows, experts=GPT_OSS_EXPERTS),
 )}
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

@@ -53,10 +53,15 @@ class RotaryEmbedding(nn.Module):
         if table is None or table.device != device or table.dtype != dtype or table.shape[0] < needed:
             n = max(self.max_positions, needed)
             inv_freq = [self.theta ** (-2 * i / self.head_dim) for i in range(self.head_dim // 2)]
-            inv = torch.tensor(self.scaling.scale_inv_freq(inv_freq), dtype=torch.float32, device=device)
+            inv = torch.tensor(self.scaling.scale_inv_freq(inv_freq, self.theta), dtype=torch.float32, device=device)
             freqs = torch.outer(torch.arange(n, dtype=torch.float32, device=device), inv)
-            # cos/sin are computed in fp32, then cast to the activation dtype (as the reference does).
-            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+            # cos/sin are computed in fp32 (yarn: times its attention factor), then cast to the activation dtype
+            # (as the reference does).
+            factor = self.scaling.cos_sin_factor
+            cos, sin = freqs.cos(), freqs.sin()
+            if factor != 1.0:
+                cos, sin = cos * factor, sin * factor
+            table = torch.cat([cos, sin], dim=-1).to(dtype)
             self._cos_sin = table
         return table
 

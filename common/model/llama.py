@@ -23,6 +23,7 @@ from common.model.moe import SparseMoE
 if TYPE_CHECKING:
     from common.attention.backend import AttentionBackend
     from common.attention.metadata import AttentionMetadata
+    from common.attention.torch_backend import TorchAttentionBackend
     from common.config.model_config import ModelConfig
     from common.model.decode_step import DecodeStep
     from common.model.fused_ops import FusedOps
@@ -56,6 +57,13 @@ class LlamaAttention(nn.Module):
         # by all heads (so a tensor-parallel rank keeps them whole). Float under every quantization.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # gpt-oss: one learned logit per query head in the softmax's denominator (the torch backend's path).
+        self.sinks: nn.Parameter | None = None
+        if config.attention_sinks:
+            if backend.name != "torch":  # TorchAttentionBackend.forward_with_sinks
+                raise ValueError(f"attention sinks ({config.model_type}) run on the torch attention backend only; "
+                                 f"--attention-backend {backend.name} has no sinks")
+            self.sinks = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: LayerKV | None, ops: FusedOps) -> torch.Tensor:
@@ -72,7 +80,11 @@ class LlamaAttention(nn.Module):
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         table = self.rotary.table(qkv.device, qkv.dtype, meta.max_seq_len)
         layer_cache = kv_cache.layer(self.layer_idx) if kv_cache is not None else None
-        if layer_cache is not None and meta.slot_mapping is not None:
+        if self.sinks is not None:
+            ops.rotary_(q, k, table, positions)
+            backend = cast("TorchAttentionBackend", self.backend)
+            out = backend.forward_with_sinks(q, k, v, layer_cache, meta, self.scale, self.window, self.sinks)
+        elif layer_cache is not None and meta.slot_mapping is not None:
             # rotary and the K/V write in one pass; the backend then only reads (slot_mapping None)
             ops.rotary_write_kv_(q, k, v, table, positions, layer_cache, meta.slot_mapping)
             out = self.backend.forward(q, k, v, layer_cache, meta.kv_written, self.scale, self.window)

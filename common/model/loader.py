@@ -35,6 +35,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\."
+                      r"(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
 
 
 def resolve_dtype(name: str, device: torch.device | str = "cpu", config: ModelConfig | None = None,
@@ -101,6 +103,9 @@ def load_model(
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(dtype, device, config) if isinstance(dtype, str) else dtype
+    if config.attention_sinks and attention_backend != "torch":  # before building a backend this device may lack
+        raise ValueError(f"attention sinks ({config.model_type}) run on the torch attention backend only; "
+                         f"--attention-backend {attention_backend} has no sinks")
     backend = get_backend(attention_backend)
     quant = None
     if quantization != "none":
@@ -176,6 +181,15 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     for hf_name, tensor in weights:
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config
+        whole = experts.whole(hf_name, tensor) if experts is not None else None
+        if whole is not None:  # a layer's experts stacked already (gpt-oss)
+            target, stacked_tensor = whole
+            if target not in params or params[target].shape != stacked_tensor.shape:
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, which does not fit "
+                                 f"{target} {tuple(params[target].shape) if target in params else '(absent)'}")
+            params[target].data.copy_(stacked_tensor)
+            filled[target] += stacked_tensor.numel()
+            continue
         expert = experts.map(hf_name) if experts is not None else None
         if expert is not None:  # one expert's projection: its rows of the layer's stacked tensor
             stacked_name, index, row = expert
@@ -219,9 +233,26 @@ class _ExpertNames:
         self.pattern = re.compile(rf"^model\.layers\.(\d+)\.{re.escape(layout.prefix)}\.experts\.(\d+)\.(\w+)\.weight$")
 
     def router(self, hf_name: str) -> str:
-        if self.layout.prefix == "mlp":
+        prefix, router = self.layout.prefix, self.layout.router
+        if (prefix, router) == ("mlp", "gate"):
             return hf_name
-        return hf_name.replace(f".{self.layout.prefix}.gate.", ".mlp.gate.")
+        return hf_name.replace(f".{prefix}.{router}.", ".mlp.gate.")
+
+    def whole(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """A stacked layout's tensor (gpt-oss) as the model holds it: (target, tensor), or None."""
+        if not self.layout.stacked:
+            return None
+        match = _STACKED.match(hf_name)
+        if match is None:
+            return None
+        layer, name = match.groups()
+        if name == "gate_up_proj":  # [E, hidden, 2I], gate / up interleaved -> [E, 2I, hidden], gate rows first
+            return f"layers.{layer}.mlp.w13", torch.cat([tensor[..., 0::2], tensor[..., 1::2]], -1).transpose(1, 2)
+        if name == "gate_up_proj_bias":
+            return f"layers.{layer}.mlp.b13", torch.cat([tensor[..., 0::2], tensor[..., 1::2]], -1)
+        if name == "down_proj":  # [E, inter, hidden] -> [E, hidden, inter]
+            return f"layers.{layer}.mlp.w2", tensor.transpose(1, 2)
+        return f"layers.{layer}.mlp.b2", tensor
 
     def map(self, hf_name: str) -> tuple[str, int, int] | None:
         match = self.pattern.match(hf_name)

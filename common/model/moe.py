@@ -55,9 +55,14 @@ PADDED_MAX_WASTE = 1.5
 FEW_EXPERTS_FRACTION = 0.25
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, topk_first: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits ``[T, experts]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]`` int64), as transformers'
-    routers compute them: softmax over every expert in fp32, top-k, optionally renormalised."""
+    routers compute them: softmax over every expert in fp32, top-k, optionally renormalised; ``topk_first``
+    (gpt-oss): the top-k logits, then a softmax over those k."""
+    if topk_first:
+        values, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(values, dim=-1, dtype=torch.float32), ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -97,8 +102,8 @@ class LoopExperts:
             if not 0 <= e < moe.num_local_experts:
                 continue
             token, slot = torch.where(local == e)
-            h = ops.silu_mul(nn.functional.linear(x[token], moe.w13[e]))
-            y = nn.functional.linear(h, moe.w2[e]) * weights[token, slot, None].to(x.dtype)
+            h = moe.activate(nn.functional.linear(x[token], moe.w13[e], moe.bias13(e)), ops)
+            y = nn.functional.linear(h, moe.w2[e], moe.bias2(e)) * weights[token, slot, None].to(x.dtype)
             out.index_add_(0, token, y)
         return out
 
@@ -155,8 +160,11 @@ def _padded(moe: SparseMoE, x: torch.Tensor, expert: torch.Tensor, token: torch.
     xp = x.new_zeros(num_experts, max_rows, hidden)
     xp[expert, row] = x[token]
     h = torch.bmm(xp, moe.w13.transpose(1, 2))  # [experts, max_rows, 2 * inter]
-    act = ops.silu_mul(h.view(num_experts * max_rows, -1)).view(num_experts, max_rows, -1)
-    return torch.bmm(act, moe.w2.transpose(1, 2))[expert, row]  # [n, hidden]
+    if moe.b13 is not None:
+        h += moe.b13[:, None, :]
+    act = moe.activate(h.view(num_experts * max_rows, -1), ops).view(num_experts, max_rows, -1)
+    y = torch.bmm(act, moe.w2.transpose(1, 2))[expert, row]  # [n, hidden]
+    return y if moe.b2 is None else y + moe.b2[expert]
 
 
 def _slices(moe: SparseMoE, xs: torch.Tensor, counts: list[int], ops: FusedOps) -> torch.Tensor:
@@ -165,8 +173,8 @@ def _slices(moe: SparseMoE, xs: torch.Tensor, counts: list[int], ops: FusedOps) 
     start = 0
     for e, rows in enumerate(counts):
         if rows:
-            h = ops.silu_mul(nn.functional.linear(xs[start : start + rows], moe.w13[e]))
-            pieces.append(nn.functional.linear(h, moe.w2[e]))
+            h = moe.activate(nn.functional.linear(xs[start : start + rows], moe.w13[e], moe.bias13(e)), ops)
+            pieces.append(nn.functional.linear(h, moe.w2[e], moe.bias2(e)))
             start += rows
     return torch.cat(pieces)
 
@@ -186,7 +194,7 @@ class PanelExperts:
     def fits(moe: SparseMoE) -> bool:
         """The panel layout's shape rules: 16-row panels of 2 * inter and hidden rows, bf16 pairs."""
         inter, hidden = moe.intermediate_size, moe.w13.shape[2]
-        return (moe.w13.device.type == "cpu" and moe.w13.dtype in (torch.float32, torch.bfloat16)
+        return (moe.plain and moe.w13.device.type == "cpu" and moe.w13.dtype in (torch.float32, torch.bfloat16)
                 and (2 * inter) % 16 == 0 and hidden % 16 == 0 and inter % 2 == 0)
 
     def process_weights_after_loading(self, moe: SparseMoE) -> None:
@@ -263,6 +271,8 @@ class PackedExperts:
     def fits(moe: SparseMoE, int4: bool, group_size: int) -> str | None:
         """Why these experts cannot be packed (None: they can): panels of 16 rows over inputs in 32-blocks."""
         inter, hidden = moe.intermediate_size, moe.w13.shape[2]
+        if not moe.plain:
+            return "the packed experts run silu(gate) * up without biases (gpt_oss's experts are not packed yet)"
         if moe.w13.device.type != "cpu":
             return f"packed experts run on CPU; the experts are on {moe.w13.device}"
         if hidden % 32 or inter % 32 or (2 * inter) % 16 or hidden % 16:
@@ -333,7 +343,8 @@ def experts_for(moe: SparseMoE, device: torch.device) -> RoutedExperts:
     from common.config.settings import kernel_setting
 
     if device.type == "cuda":
-        return TritonExperts() if importlib.util.find_spec("triton") is not None else GroupedExperts()
+        triton = importlib.util.find_spec("triton") is not None
+        return TritonExperts() if triton and moe.plain else GroupedExperts()
     mode = str(kernel_setting("cpu_moe"))  # TANDEM_CPU_MOE
     if device.type != "cpu" or mode == "off":
         return GroupedExperts()
@@ -357,11 +368,16 @@ class SparseMoE(nn.Module):
         self.top_k = options.experts_per_token
         self.renormalize = options.norm_topk_prob
         self.intermediate_size = options.intermediate_size  # held here (a tensor-parallel rank: its columns)
+        self.topk_first = options.topk_before_softmax
+        self.swiglu_limit, self.swiglu_alpha = options.swiglu_limit, options.swiglu_alpha
         # The router: replicated on every rank, and float under every quantization (routing must not move).
-        self.gate = Linear(hidden_size, options.num_experts, bias=False)
-        inter = options.intermediate_size
-        self.w13 = nn.Parameter(torch.empty(options.num_experts, 2 * inter, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(options.num_experts, hidden_size, inter), requires_grad=False)
+        self.gate = Linear(hidden_size, options.num_experts, bias=options.router_bias)
+        inter, e = options.intermediate_size, options.num_experts
+        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, hidden_size, inter), requires_grad=False)
+        # gpt-oss: each expert's biases (gate rows then up rows, as w13; down)
+        self.b13 = nn.Parameter(torch.empty(e, 2 * inter), requires_grad=False) if options.expert_bias else None
+        self.b2 = nn.Parameter(torch.empty(e, hidden_size), requires_grad=False) if options.expert_bias else None
         self.expert_start = 0  # global id of w13[0] (expert parallelism holds a range)
         self.reduce: Communicator | None = None  # completes a rank's partial sums (tensor or expert parallel)
         self.experts: RoutedExperts = GroupedExperts()  # the after-load pass sets this device's (experts_for)
@@ -370,6 +386,27 @@ class SparseMoE(nn.Module):
         """Process the loaded weights for ``experts`` and run through it from now on (once)."""
         experts.process_weights_after_loading(self)
         self.experts = experts
+
+    @property
+    def plain(self) -> bool:
+        """silu(gate) * up with no biases: what the compiled and Triton strategies run."""
+        return self.b13 is None and self.swiglu_limit is None
+
+    def bias13(self, e: int) -> torch.Tensor | None:
+        return None if self.b13 is None else self.b13[e]
+
+    def bias2(self, e: int) -> torch.Tensor | None:
+        return None if self.b2 is None else self.b2[e]
+
+    def activate(self, h: torch.Tensor, ops: FusedOps) -> torch.Tensor:
+        """h ``[n, 2 * inter]`` (gate columns, then up) -> ``[n, inter]``: silu(gate) * up, or gpt-oss's clamped
+        SwiGLU (transformers' ``GptOssExperts._apply_gate``)."""
+        if self.swiglu_limit is None:
+            return ops.silu_mul(h)
+        gate, up = h.split(self.intermediate_size, dim=-1)
+        gate = gate.clamp(max=self.swiglu_limit)
+        up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
 
     def drop_float_weights(self) -> None:
         """For strategies: ``w13`` / ``w2`` as loaded are no longer held (their own buffers replace them)."""
@@ -383,7 +420,7 @@ class SparseMoE(nn.Module):
         return int(self.get_buffer("w13_panels" if "w13_panels" in self._buffers else "q13").shape[0])
 
     def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, self.topk_first)
         out = self.experts.apply(self, x, ids, weights, ops)
         return out if self.reduce is None else self.reduce.all_reduce_(out)
 

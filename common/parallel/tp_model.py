@@ -114,6 +114,8 @@ def _shard_layer(layer: nn.Module, config: ModelConfig, placement: RankPlacement
     layer.set_submodule("self_attn.qkv_proj", column_parallel(attn.qkv_proj, qkv_rows))
     layer.set_submodule("self_attn.o_proj", RowParallelLinear.from_linear(attn.o_proj, (q0 * d, q1 * d), comm))
     attn.num_heads, attn.num_kv_heads = q1 - q0, k1 - k0
+    if attn.sinks is not None:  # gpt-oss: one logit per query head, this rank's heads
+        attn.sinks = nn.Parameter(attn.sinks.detach()[q0:q1].clone(), requires_grad=False)
     attn.q_size, attn.kv_size = (q1 - q0) * d, (k1 - k0) * d
     if routed:
         _shard_experts(cast("SparseMoE", layer.get_submodule("mlp")), placement, comm)
@@ -133,6 +135,14 @@ def _shard_experts(moe: SparseMoE, placement: RankPlacement, comm: Communicator)
     w13 = torch.cat([w13[:, i0:i1], w13[:, inter + i0 : inter + i1]], dim=1)  # gate columns, then the same up
     moe.w13 = nn.Parameter(w13.contiguous(), requires_grad=False)
     moe.w2 = nn.Parameter(moe.w2.detach()[e0:e1, :, i0:i1].contiguous(), requires_grad=False)
+    if moe.b13 is not None and moe.b2 is not None:  # gpt-oss's expert biases, split as their weights
+        b13 = moe.b13.detach()[e0:e1]
+        moe.b13 = nn.Parameter(torch.cat([b13[:, i0:i1], b13[:, inter + i0 : inter + i1]], 1).contiguous(),
+                               requires_grad=False)
+        b2 = moe.b2.detach()[e0:e1].clone()
+        if (e0, e1) == (0, moe.num_experts) and placement.tp_rank:  # columns split: the all-reduce adds it once
+            b2.zero_()
+        moe.b2 = nn.Parameter(b2, requires_grad=False)
     moe.expert_start, moe.intermediate_size = e0, i1 - i0
     moe.reduce = comm
 

@@ -1,6 +1,7 @@
 """The model families through the disaggregated system (issue 36): a random-weight Qwen3 (decoupled head_dim,
 q/k norms), a Mistral whose window is shorter than the prompts, a Qwen2 with full and sliding layers, a
-Phi-3 (its checkpoint's own fused projections) with a window, and the Mixtral and Qwen3-MoE mixtures of experts,
+Phi-3 (its checkpoint's own fused projections) with a window, the Mixtral and Qwen3-MoE mixtures of experts and
+gpt-oss,
 each served by one prefill and one decode node as real processes on 127.0.0.1 (the prompt's KV crosses from
 one to the other), greedy fp32 tokens equal to transformers', twice (the second time from both nodes' prefix
 caches), and every KV block free afterwards."""
@@ -31,6 +32,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
     "qwen3moe-dense-first": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                            "num_hidden_layers": 3, "mlp_only_layers": [0], "head_dim": 16}),
+    # gpt-oss: attention sinks, a window on every other layer, YaRN, biased experts
+    "gpt-oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                            "head_dim": 16, "sliding_window": 7, "max_position_embeddings": 256}),
 }
 NEW_TOKENS = 10
 

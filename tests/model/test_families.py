@@ -179,9 +179,9 @@ BASE: dict[str, Any] = {"vocab_size": 10, "hidden_size": 8, "intermediate_size":
 
 def test_supported_model_types_come_from_the_registry() -> None:
     assert SUPPORTED_MODEL_TYPES == tuple(FAMILIES) == ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral",
-                                                        "qwen3_moe")
+                                                        "qwen3_moe", "gpt_oss")
     with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, "
-                                         r"qwen3, phi3, mixtral, qwen3_moe"):
+                                         r"qwen3, phi3, mixtral, qwen3_moe, gpt_oss"):
         ModelConfig.from_dict({**BASE, "model_type": "gpt2"})
 
 
@@ -240,7 +240,7 @@ def test_a_window_no_layer_uses_is_accepted(model_type: str, fields: dict[str, A
 
 @pytest.mark.parametrize(("fields", "needle"), [
     ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, r"rope_scaling.rope_type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, r"rope_scaling.rope_type 'longrope'"),
     ({"layer_types": ["chunked_attention"] * 4}, r"layer_types \['chunked_attention'\]"),
 ])
 def test_other_settings_tandem_does_not_implement_are_refused(fields: dict[str, Any], needle: str) -> None:

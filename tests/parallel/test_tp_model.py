@@ -48,6 +48,9 @@ QWEN3: dict[str, Any] = {"intermediate_size": 128, "head_dim": 32}
 # Mixtures of experts: each expert's columns split (T=2), or whole experts per rank (--expert-parallel); Qwen3-MoE
 # with a dense first layer (its MLP split as a dense model's) and q/k norms.
 MIXTRAL: dict[str, Any] = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}
+# gpt-oss: sinks per query head (split with the heads), biased experts (the down bias added once), a window
+GPT_OSS: dict[str, Any] = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "head_dim": 16,
+                           "sliding_window": 6, "max_position_embeddings": 256}
 QWEN3_MOE: dict[str, Any] = {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                              "intermediate_size": 128, "mlp_only_layers": [0], "head_dim": 16, "norm_topk_prob": True}
 Step = tuple[list[int], list[int], list[int], list[int]]  # query_lens, context_lens, input_ids, positions
@@ -225,7 +228,9 @@ def world2(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory: Callabl
     phi3 = tiny_model_factory("phi3", seed=5, sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     mixtral = tiny_model_factory("mixtral", seed=6, **MIXTRAL)
     qwen3_moe = tiny_model_factory("qwen3_moe", seed=6, **QWEN3_MOE)
+    gpt_oss = tiny_model_factory("gpt_oss", seed=6, **GPT_OSS)
     yield from _world(tmp_path_factory, 2, [
+        ("tp2-gptoss", gpt_oss, 2, 1, True, "none"), ("ep2-gptoss", gpt_oss, 2, 1, False, "none", True),
         ("tp2-mixtral", mixtral, 2, 1, True, "none"), ("ep2-mixtral", mixtral, 2, 1, True, "none", True),
         ("ep2-qwen3moe", qwen3_moe, 2, 1, False, "none", True), ("pp2-qwen3moe", qwen3_moe, 1, 2, True, "none"),
         ("tp2", a, 2, 1, False, "none"), ("tp2-fused", a, 2, 1, True, "none"),
@@ -260,7 +265,7 @@ def _check_outputs(w: World, case: str, last_stage: list[int], atol: float = 1e-
 
 
 @pytest.mark.parametrize("case", ["tp2", "tp2-fused", "tp2-qwen3-fused", "tp2-phi3-window-fused", "tp2-mixtral",
-                                  "ep2-mixtral", "ep2-qwen3moe"])
+                                  "ep2-mixtral", "ep2-qwen3moe", "tp2-gptoss", "ep2-gptoss"])
 def test_tp2_matches_unsharded(world2: World, case: str) -> None:
     _check_outputs(world2, case, [0, 1])
 
