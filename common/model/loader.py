@@ -117,7 +117,9 @@ def load_model(
     # Build on the meta device (no random init of ~all parameters), then allocate for real.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend)
-    model = _allocate(model, torch.device(device)).to(torch_dtype)
+    # The dtype is set on the meta model, so each weight is allocated once, in its final dtype (a model that fits
+    # a GPU in bf16 may not fit it in fp32 first); the checkpoint's tensors are rounded into it as they stream in.
+    model = _allocate(model.to(torch_dtype), torch.device(device))
     load_weights(model, iter_weights(model_dir))
     model.eval()
     model.requires_grad_(False)

@@ -135,3 +135,20 @@ def test_half_precision_close_to_fp32(tiny_model_dir: Path, dtype: str) -> None:
         a = ref.compute_logits(ref(ids, pos, meta))
         b = half.compute_logits(half(ids, pos, meta))
     assert (a - b).abs().max() < 0.1 * a.abs().max()
+
+
+def test_weights_are_allocated_once_in_their_final_dtype(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No fp32 copy first: the meta model takes the dtype, then each weight is allocated (issue 37: a model that
+    fits a GPU in bf16 need not fit it in fp32)."""
+    import common.model.loader as loader
+
+    seen: set[torch.dtype] = set()
+    allocate = loader._allocate
+
+    def spy(model: Any, device: torch.device) -> Any:
+        seen.update(p.dtype for p in model.parameters())
+        return allocate(model, device)
+
+    monkeypatch.setattr(loader, "_allocate", spy)
+    model = loader.load_model(tiny_model_dir, dtype="bfloat16")
+    assert seen == {torch.bfloat16} and model.dtype == torch.bfloat16
