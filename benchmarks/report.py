@@ -258,7 +258,7 @@ def write_report(run_dir: Path, output: Path | None = None) -> Path:
             lines += [f"## {by_name[name].title}", "", f"`{by_name[name].command}`", "",
                       *(f"#{line}" if line.startswith("## ") else line for line in own if not line.startswith("# ")),
                       ""]
-    for name in ("serve-serving", "serve-shared-prefix", "serve-mixed"):
+    for name in ("serve-serving", "serve-shared-prefix", "serve-mixed", "serve-multi-turn"):
         if serve := data.get(name):
             lines += [f"## {by_name[name].title}", "", f"`{by_name[name].command}`", "", *serving_lines(serve)]
             _image(lines, plots.serving_latency(serve, plot_dir / f"{name}_latency.png"), base, f"{name} latency")

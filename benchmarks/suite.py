@@ -167,16 +167,18 @@ def http_relay_command(cfg: SuiteConfig) -> list[str]:
                "--log-dir", str(cfg.out_dir / "logs" / "http-relay"), "--json", _json(cfg, "http-relay"))
 
 
-def serve_command(workload: str, systems: str, rates: str, num_requests: int,
+def serve_command(workload: str, systems: str, rates: str, num_requests: int | None,
                   quick_systems: str | None = None) -> Callable[[SuiteConfig], list[str]]:
     """``rates``: bench serve's ``--rate`` (a list sweeps the load; --quick runs only the highest rate, which
-    sends its few requests soonest). ``quick_systems``: the systems a --quick run starts (default: all); each
-    start is most of a quick section's time."""
+    sends its few requests soonest). ``num_requests`` None: the workload's own count (multi-turn: conversations
+    x turns). ``quick_systems``: the systems a --quick run starts (default: all); each start is most of a quick
+    section's time."""
     def command(cfg: SuiteConfig) -> list[str]:
         chosen = (quick_systems or systems) if cfg.quick else systems
+        count = [] if num_requests is None else ["--num-requests", str(num_requests)]
         return _py("benchmarks.bench_serve", "--model", str(cfg.model_dir), "--dtype", cfg.dtype,
                    "--workload", workload, "--systems", chosen, "--rate", rates.split(",")[-1] if cfg.quick else rates,
-                   *(["--quick"] if cfg.quick else ["--num-requests", str(num_requests)]),
+                   *(["--quick"] if cfg.quick else count),
                    "--log-dir", str(cfg.out_dir / "logs" / workload), "--json", _json(cfg, f"serve-{workload}"))
 
     return command
@@ -222,6 +224,10 @@ SECTIONS: tuple[Section, ...] = (
                                                "disaggregated,disaggregated-nocache"), (300, 40)),
     Section("serve-mixed", "Mixed workload (long prompts during decoding): disaggregated vs conditional vs "
             "colocated", serve_command("mixed", "disaggregated,conditional,colocated", "1,4,8,10", 48), (480, 100)),
+    # Conversations over a growing history (--rate: new conversations per second): TTFT per turn shows what
+    # each system keeps between turns.
+    Section("serve-multi-turn", "Multi-turn workload (conversations): disaggregated vs colocated, TTFT per turn",
+            serve_command("multi-turn", "disaggregated,colocated", "0.5", None, "disaggregated"), (300, 60)),
     Section("serve-vllm", "Serving against vLLM's own server, measured by vLLM's own client", serve_vllm_command,
             (3600, 600)),
     Section("serve-llamacpp", "Serving against llama.cpp's own server (Tandem int4, 8 requests in flight), measured "

@@ -46,6 +46,8 @@ def test_quick_suite_on_the_tiny_model_writes_report_and_plots(
     mixed = json.loads((out / "serve-mixed.json").read_text())
     assert {s["system"] for s in mixed["systems"]} == {"disaggregated", "conditional", "colocated"}
     assert all(s["failed"] == 0 and set(s["by_kind"]) == {"short", "long"} for s in mixed["systems"])
+    turns = json.loads((out / "serve-multi-turn.json").read_text())
+    assert all(s["failed"] == 0 and set(s["by_kind"]) == {"turn 1", "turn 2", "turns 3+"} for s in turns["systems"])
 
     report = (out / "report.md").read_text()
     for heading in ("## Limits of this machine", "## Offline throughput", "## Speculative decoding",
@@ -54,4 +56,4 @@ def test_quick_suite_on_the_tiny_model_writes_report_and_plots(
     plots = sorted(p.name for p in (out / "report-plots").iterdir())
     assert plots == sorted(["offline_throughput.png", "speculative_speedup.png", "kv_transfer_bandwidth.png",
                             "serve-serving_latency.png", "serve-shared-prefix_latency.png",
-                            "serve-mixed_latency.png"])
+                            "serve-mixed_latency.png", "serve-multi-turn_latency.png"])
