@@ -217,7 +217,7 @@ class Coordinator:
         self._queued[side] += num_tokens
         try:
             decode = await self._reserve(attempt, deadline, num_prompt_blocks, local_target is not None,
-                                         avoid=run.lost)
+                                         avoid=run.lost, block_hashes=block_hashes)
         finally:
             self._queued[side] -= num_tokens
         span = trace.get_current_span()
@@ -249,7 +249,8 @@ class Coordinator:
                     decode.call.cancel()
                     decode.settle_backlog()
                     decode.node.end()
-                    decode = await self._reserve(attempt, deadline, num_prompt_blocks, local=True, avoid=run.lost)
+                    decode = await self._reserve(attempt, deadline, num_prompt_blocks, local=True, avoid=run.lost,
+                                                 block_hashes=block_hashes)
                     queue, reader = _start_reading(decode, attempt.request_id)
             if decode.reservation is not None and reply is not None:
                 first = OutputChunk()
@@ -266,6 +267,10 @@ class Coordinator:
                 if out.finished:
                     if not out.source_finished:  # a stop string ended it: abort the rest on the decode node now
                         decode.call.cancel()
+                    # The decode node's prefix cache now holds the conversation so far (every token but the last,
+                    # whose K/V no step computed): its next turn is routed there (Router.pick_decode).
+                    history = (*req.prompt_token_ids, *out.token_ids[:-1])
+                    self._router.record_history(hash_prompt_blocks(history, self.block_size), decode.node.target)
                     chunk.usage = Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=out.num_tokens,
                                         cached_tokens=run.cached_tokens)
                     chunk.timings = Timings(
@@ -306,20 +311,23 @@ class Coordinator:
         prompt itself, else None."""
         if self._local_prefill.max_tokens == 0:
             return None
-        node = self._router.pick_decode(num_prompt_blocks)
+        node = self._router.pick_decode(num_prompt_blocks, block_hashes=block_hashes)
         if node is None:
             return None
         cached = {target: blocks * self.block_size for target, blocks in
                   self._router.affinity.matched_blocks(block_hashes).items()}
+        history = self._router.history_blocks(block_hashes, node.target) * self.block_size
         local = prefill_locally(self._local_prefill, len(req.prompt_token_ids), node,
                                 list(self._router.prefill.values()), self.block_size, cached,
-                                self._queued[_REMOTE], self._queued[node.target])
+                                self._queued[_REMOTE], self._queued[node.target], history)
         return node.target if local else None
 
     async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int,
-                       local: bool = False, avoid: Sequence[str] = ()) -> _DecodeLeg:
+                       local: bool = False, avoid: Sequence[str] = (), block_hashes: Sequence[bytes] = ()
+                       ) -> _DecodeLeg:
         """Open a decode stream and read its reservation (``local``: its local-prefill answer); a node that
-        cannot be reached is replaced once. ``avoid``: nodes this request lost, taken only when no other is."""
+        cannot be reached is replaced once. ``avoid``: nodes this request lost, taken only when no other is;
+        ``block_hashes``: the prompt's, for the node holding its history (``Router.pick_decode``)."""
         request = decode_pb2.DecodeRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_proto(req.sampling), eos_token_ids=self._model.eos_token_ids,
@@ -328,8 +336,8 @@ class Coordinator:
         )
         tried: list[str] = []
         while True:
-            node = (self._router.pick_decode(num_prompt_blocks, exclude=[*tried, *avoid])
-                    or self._router.pick_decode(num_prompt_blocks, exclude=tried))
+            node = (self._router.pick_decode(num_prompt_blocks, exclude=[*tried, *avoid], block_hashes=block_hashes)
+                    or self._router.pick_decode(num_prompt_blocks, exclude=tried, block_hashes=block_hashes))
             if node is None and not tried:
                 # Every node looked down at the last poll; nodes come back between polls, so ask now.
                 await self._pool.poll_once()

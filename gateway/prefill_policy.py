@@ -20,6 +20,10 @@ produced their first token yet), and weighs them with ``local_cost_factor`` (f):
 - a prefill node's side counts only the prompt's tokens it does not hold already (its prefix cache, as the
   router's affinity index knows it), and its share of the prompts bound for the prefill nodes that still
   wait for their decode reservation (the admission queue: no prefill node has seen them yet);
+- the decode node's side counts only the prompt's tokens it does not hold already: a conversation's next turn
+  routed to the decode node that served the last one (``Router.pick_decode``'s history) finds the earlier turns
+  in its prefix cache and prefills only the new message — locally, whenever those uncached tokens are few
+  (``max_tokens``) or cheaper there than on a prefill node, which would prefill the whole history again;
 - with no reachable prefill node at all, every prompt that fits prefills locally (degraded, not down).
 
 ``max_tokens = 0`` turns it off: every prompt goes to a prefill node (full disaggregation).
@@ -56,44 +60,47 @@ class LocalPrefillPolicy:
 
 
 def local_wins(policy: LocalPrefillPolicy, num_prompt_tokens: int, local_backlog: int,
-               remote: Iterable[tuple[int, int]]) -> bool:
+               remote: Iterable[tuple[int, int]], local_cached: int = 0) -> bool:
     """Whether the decode node prefills a prompt itself, comparing the backlogs (the rules above).
 
     ``local_backlog``: the decode node's prefill backlog in tokens; ``remote``: (backlog, cached prompt
-    tokens) of each reachable prefill node.
+    tokens) of each reachable prefill node; ``local_cached``: the prompt's leading tokens the decode node holds.
     """
     n, f = num_prompt_tokens, policy.local_cost_factor
-    if n <= policy.max_tokens:
+    local_new = n - local_cached
+    if local_new <= policy.max_tokens:
         return True  # the decode node's shortest-first prefill order puts it ahead of every longer prompt
     remote_cost = min(backlog + n - cached for backlog, cached in remote)
-    return f * (local_backlog + n) < remote_cost
+    return f * (local_backlog + local_new) < remote_cost
 
 
 def prefill_locally(policy: LocalPrefillPolicy, num_prompt_tokens: int, decode: NodeState,
                     prefill_nodes: Sequence[NodeState], block_size: int,
                     prefill_cached_tokens: Mapping[str, int] | None = None, queued_remote_tokens: int = 0,
-                    queued_local_tokens: int = 0) -> bool:
+                    queued_local_tokens: int = 0, decode_cached_tokens: int = 0) -> bool:
     """Whether ``decode`` should prefill a prompt of ``num_prompt_tokens`` tokens itself.
 
     ``prefill_cached_tokens``: per prefill node's target, the prompt's leading tokens it probably has cached;
     ``queued_remote_tokens``: prompts already bound for the prefill nodes but not sent to one yet (waiting for
     their decode reservation), spread evenly over the reachable ones; ``queued_local_tokens``: prompts already
     bound for this decode node's own prefill whose call it has not answered yet (its backlog counts them only
-    from the answer on: without them, a burst's concurrent decisions all see the backlog before the burst).
+    from the answer on: without them, a burst's concurrent decisions all see the backlog before the burst);
+    ``decode_cached_tokens``: the prompt's leading tokens ``decode`` probably holds (a conversation's history).
     """
     if policy.max_tokens == 0:
         return False
     reachable = [n for n in prefill_nodes if n.routable]  # a draining node takes no new prompt
     if not reachable:
         return True
-    if num_prompt_tokens > policy.max_tokens:
+    local_cached = min(decode_cached_tokens, num_prompt_tokens - 1)  # the last token is always computed
+    if num_prompt_tokens - local_cached > policy.max_tokens:
         load = decode.load
         if load is None:
             return False
-        if load.free_blocks < -(-num_prompt_tokens // block_size) + policy.headroom_blocks:
+        if load.free_blocks < -(-(num_prompt_tokens - local_cached) // block_size) + policy.headroom_blocks:
             return False
     cached = prefill_cached_tokens or {}
     queued = queued_remote_tokens // len(reachable)
     return local_wins(policy, num_prompt_tokens, decode.prefill_tokens + queued_local_tokens,
                       ((n.prefill_tokens + queued, min(cached.get(n.target, 0), num_prompt_tokens - 1))
-                       for n in reachable))
+                       for n in reachable), local_cached)

@@ -5,8 +5,11 @@ from other gateways) and the gateway's own in-flight count (exact and current, w
 interval old). A node's queue depth is the larger of the two, so neither is counted twice.
 
 Decode: nodes whose free blocks fit the prompt first, then the shallowest queue, then the most free
-blocks, then the order of the targets. Prefill: the node that last computed the longest prefix of this
-prompt (its prefix cache probably still holds it), unless its queue is more than ``affinity_load_slack``
+blocks, then the order of the targets — unless a node holds the longest part of this prompt as the history of
+a conversation it served (the ``history`` index: the prompt and answer of each request a decode node finished,
+whose blocks its prefix cache keeps), and its queue is at most ``affinity_load_slack`` deeper: then that node,
+which can prefill the next turn from its own cache. Prefill: the node that last computed the longest prefix of
+this prompt (its prefix cache probably still holds it), unless its queue is more than ``affinity_load_slack``
 deeper than the shallowest one; otherwise the shallowest queue.
 """
 
@@ -122,6 +125,7 @@ class Router:
             for target in targets:
                 self.add(role, target)
         self.affinity = AffinityIndex(affinity_capacity)
+        self.history = AffinityIndex(affinity_capacity)  # decode nodes: the conversations each one served last
         self._slack = affinity_load_slack
 
     def node(self, target: str) -> NodeState:
@@ -153,19 +157,38 @@ class Router:
         if (node := self.find(target)) is not None:  # a node that left meanwhile is no member to mark
             node.reachable = False
 
-    def pick_decode(self, num_prompt_blocks: int, exclude: Collection[str] = ()) -> NodeState | None:
-        """The decode node for a prompt of ``num_prompt_blocks`` blocks, or None if none is reachable."""
+    def pick_decode(self, num_prompt_blocks: int, exclude: Collection[str] = (),
+                    block_hashes: Sequence[BlockHash] = ()) -> NodeState | None:
+        """The decode node for a prompt of ``num_prompt_blocks`` blocks (with these full-block hashes: a node
+        holding its history is preferred within the slack), or None if none is reachable."""
         candidates = _candidates(self.decode, exclude)
         if not candidates:
             return None
         needed = num_prompt_blocks + 1  # the prompt and the first generated token
 
-        def key(n: NodeState) -> tuple[bool, int, int, int]:
+        def fits(n: NodeState) -> bool:
             free = n.load.free_blocks if n.load is not None else None
-            fits = free is None or free >= needed  # never polled: assume it fits
-            return (not fits, n.queue_depth, -(free or 0), n.index)
+            return free is None or free >= needed  # never polled: assume it fits
 
-        return min(candidates, key=key)
+        def key(n: NodeState) -> tuple[bool, int, int, int]:
+            return (not fits(n), n.queue_depth, -(n.load.free_blocks if n.load is not None else 0), n.index)
+
+        chosen = min(candidates, key=key)
+        matched = self.history.matched_blocks(block_hashes) if block_hashes else {}
+        warm = [n for n in candidates if matched.get(n.target, 0) > 0 and fits(n)]
+        if warm:
+            best = max(warm, key=lambda n: (matched[n.target], -n.queue_depth, -n.index))
+            if best.queue_depth <= chosen.queue_depth + self._slack:
+                chosen = best
+        return chosen
+
+    def history_blocks(self, block_hashes: Sequence[BlockHash], target: str) -> int:
+        """How many leading blocks of a prompt decode node ``target`` holds as a conversation's history."""
+        return self.history.matched_blocks(block_hashes).get(target, 0)
+
+    def record_history(self, block_hashes: Sequence[BlockHash], target: str) -> None:
+        """Decode node ``target`` finished a request over these blocks (its prompt and answer, full blocks)."""
+        self.history.record(block_hashes, target)
 
     def pick_prefill(self, block_hashes: Sequence[BlockHash], exclude: Collection[str] = ()) -> NodeState | None:
         """The prefill node for a prompt with these full-block hashes, or None if none is reachable.

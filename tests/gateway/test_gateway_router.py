@@ -142,3 +142,19 @@ def test_a_draining_node_takes_no_new_request() -> None:
     assert target(r.pick_decode(1)) == "d1"
     r.node("d1").draining = True
     assert r.pick_decode(1) is None
+
+
+def test_a_conversations_next_turn_goes_to_the_decode_node_holding_its_history() -> None:
+    r = Router(["p0"], ["d0", "d1"], affinity_load_slack=2)
+    history = blocks(9, n=6)
+    r.record_history(history[:5], "d1")  # d1 served the last turn: 5 blocks of prompt and answer
+    assert r.history_blocks(history, "d1") == 5 and r.history_blocks(history, "d0") == 0
+    assert target(r.pick_decode(6, block_hashes=history)) == "d1"
+    assert target(r.pick_decode(6)) == "d0"  # without the hashes: the usual order
+    r.update("d1", load(running=3))  # 3 deeper than d0: past the slack
+    assert target(r.pick_decode(6, block_hashes=history)) == "d0"
+    r.update("d1", load(running=2))
+    assert target(r.pick_decode(6, block_hashes=history)) == "d1"
+    r.update("d1", load(free=6, running=0))  # no room for 6 blocks + the first token: not there
+    assert target(r.pick_decode(6, block_hashes=history)) == "d0"
+    assert target(r.pick_decode(6, exclude=["d0"], block_hashes=history)) == "d1"  # the only one left

@@ -90,3 +90,17 @@ def test_prompts_bound_for_the_decode_node_count_on_its_side() -> None:
     prefill = [node("p", backlog=2000)]
     assert prefill_locally(POLICY, 1000, node("d"), prefill, 16)  # 1500 < 3000
     assert not prefill_locally(POLICY, 1000, node("d"), prefill, 16, queued_local_tokens=1001)  # 3001.5 > 3000
+
+
+def test_a_decode_node_holding_the_history_prefills_only_the_new_tokens() -> None:
+    """A 1000-token turn whose first 960 tokens (the conversation so far) the decode node holds: 40 new tokens,
+    within max_tokens: local, though a prefill node is idle; with 800 held, 200 new: 1.5 * 200 < 1000 remote."""
+    prefill = [node("p")]
+    assert not prefill_locally(POLICY, 1000, node("d"), prefill, 16)
+    assert prefill_locally(POLICY, 1000, node("d"), prefill, 16, decode_cached_tokens=960)
+    assert prefill_locally(POLICY, 1000, node("d"), prefill, 16, decode_cached_tokens=800)
+    # ... unless the prefill node holds as much: 1.5 * 200 > 200
+    assert not prefill_locally(POLICY, 1000, node("d"), prefill, 16, {"p": 800}, decode_cached_tokens=800)
+    # the blocks it needs are the new ones only: 3 + 8 headroom fit in 11 free blocks
+    assert prefill_locally(POLICY, 1000, node("d", free=11), prefill, 16, decode_cached_tokens=960)
+    assert local_wins(POLICY, 1000, 0, [(0, 0)], local_cached=900)  # 100 new: within max_tokens

@@ -1,0 +1,42 @@
+"""A conversation's next turn over the disaggregated system reuses the decode node's KV of the turns before it
+(issue 38): the gateway records, for each finished request, the blocks of its prompt and answer against the decode
+node that served it; the next turn, whose prompt starts with them, is routed there and prefilled locally over its
+prefix cache — only the new message is computed — instead of prefilling the whole history again on a prefill
+node. Greedy tokens stay the colocated engine's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tandem_cli.launcher import Launcher, Topology
+from tests.e2e.test_disaggregated import generate, prompts, reference, request, wait_all_blocks_free
+
+pytestmark = pytest.mark.e2e
+
+
+def test_next_turn_prefills_on_the_decode_node_that_holds_the_history(tiny_served_model_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    topology = Topology(num_prefill=1, num_decode=2, free_ports=True,
+                        model_args=("--model", str(tiny_served_model_dir), "--dtype", "float32"),
+                        node_args=("--num-blocks", "256", "--kv-timeout-s", "20", "--grace-s", "1"),
+                        gateway_args=("--local-prefill-max-tokens", "24", "--stats-interval-s", "0.3",
+                                      "--shutdown-grace-s", "1"))
+    env = {"TANDEM_HOME": os.environ["TANDEM_HOME"]} if os.environ.get("TANDEM_HOME") else None
+    system, first_message, second_message = (prompts(1, seed=s)[0] for s in (7, 8, 9))
+    turn1 = [*system, *first_message, *range(300, 340)][:80]  # 80 tokens: past max_tokens, to a prefill node
+    with Launcher(topology, log_dir=tmp_path, env=env) as launcher:
+        target = launcher.gateway.target
+        answer1, last1 = generate(target, request(turn1, 40))
+        turn2 = [*turn1, *answer1, *second_message[:10]]
+        answer2, last2 = generate(target, request(turn2, 12))
+        wait_all_blocks_free(launcher)
+    assert answer1 == reference(tiny_served_model_dir, [turn1], 40)[0]
+    assert answer2 == reference(tiny_served_model_dir, [turn2], 12)[0]
+    # turn 1: prefilled on the prefill node; turn 2: on the decode node that decoded turn 1, from its cache
+    assert last1.timings.prefill_node.startswith("prefill") and last1.timings.decode_node.startswith("decode")
+    assert last2.timings.prefill_node == last2.timings.decode_node == last1.timings.decode_node
+    history = len(turn1) + len(answer1) - 1  # every token's K/V but the last answer token's
+    assert last2.usage.cached_tokens == history // 16 * 16  # its full blocks
