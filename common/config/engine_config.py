@@ -28,6 +28,12 @@ class CacheConfig:
                                         "--kv-cache-memory-gb and the model's bytes per block)")
     kv_cache_memory_gb: float = knob(1.0, "GiB of KV cache when --num-blocks is unset")
     enable_prefix_caching: bool = knob(True, "reuse cached full blocks of a prompt's prefix")
+    # The tier under the pool (common/kv/offload.py): evicted full blocks kept by their prefix-cache hash and
+    # restored on a hit instead of recomputed.
+    kv_offload: str = knob("none", "KV offload tier under the pool: none | cpu (host memory) | disk (a file)",
+                           ("none", "cpu", "disk"))
+    kv_offload_gb: float = knob(4.0, "GiB of the KV offload tier")
+    kv_offload_dir: str = knob("", "directory of the disk tier's file ('': the system's temporary directory)")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -36,6 +42,12 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_offload not in ("none", "cpu", "disk"):
+            raise ValueError(f"kv_offload must be none, cpu or disk, got {self.kv_offload!r}")
+        if self.kv_offload != "none" and self.kv_offload_gb <= 0:
+            raise ValueError(f"kv_offload_gb must be > 0, got {self.kv_offload_gb}")
+        if self.kv_offload != "none" and not self.enable_prefix_caching:
+            raise ValueError("kv_offload needs prefix caching: the tier is indexed by the prefix cache's block hashes")
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
         if self.num_blocks is not None:

@@ -152,6 +152,9 @@ class EngineSettings:
     num_blocks: int | None = ENGINE_DEFAULT
     kv_cache_memory_gb: float = ENGINE_DEFAULT
     enable_prefix_caching: bool = ENGINE_DEFAULT
+    kv_offload: str = ENGINE_DEFAULT
+    kv_offload_gb: float = ENGINE_DEFAULT
+    kv_offload_dir: str = ENGINE_DEFAULT
     max_num_seqs: int = ENGINE_DEFAULT
     # The step budget: unset, the device's (CPU 512 / 256, load-aware; GPU 2048 / 512: scheduler_config).
     max_num_batched_tokens: int | None = DEVICE_DEFAULT

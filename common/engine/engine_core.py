@@ -32,6 +32,7 @@ from common.kv.kv_cache_manager import KVCacheManager
 if TYPE_CHECKING:
     from common.engine.commands import KVEventSink
     from common.engine.scheduler_output import SchedulerOutput
+    from common.kv.offload import OffloadTier
     from common.model.llama import LlamaForCausalLM
     from common.parallel.executor import ParallelLaunch
     from common.sampling.params import SamplingParams
@@ -74,6 +75,10 @@ class EngineCore:
         else:
             self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative, draft_model)
         self._kv_event_sink: KVEventSink | None = None  # set by SetKVEventSink while someone subscribes
+        self.offload: OffloadTier | None = None
+        if cache.kv_offload != "none":
+            self.offload = self._offload_tier(cache, draft_model is not None)
+            self.kv.set_offload(self.offload)
 
     # ---- commands --------------------------------------------------------------------------------
 
@@ -220,9 +225,26 @@ class EngineCore:
         else:
             self.kv.enable_events(command.capacity)
 
+    def _offload_tier(self, cache: CacheConfig, drafts: bool) -> OffloadTier:
+        """The KV offload tier under the pool (``--kv-offload``); refused where a draft model keeps its own KV at
+        the same block ids (the tier would restore the target's KV without the draft's)."""
+        import tempfile
+        from pathlib import Path
+
+        from common.kv.offload import OffloadTier
+
+        if drafts:
+            raise ValueError("--kv-offload with --speculative draft_model is not supported: the draft model's KV "
+                             "at the same blocks is not offloaded")
+        directory = Path(cache.kv_offload_dir or tempfile.gettempdir())
+        return OffloadTier.create(cache.kv_offload, self.runner.kv_cache, cache.kv_offload_gb, directory)
+
     def close(self) -> None:
-        """Stop what the engine started (a parallel node's rank processes)."""
+        """Stop what the engine started (a parallel node's rank processes, the offload tier's file)."""
         self.runner.close()
+        if self.offload is not None:
+            self.kv.set_offload(None)
+            self.offload.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.connector.finished)

@@ -14,7 +14,7 @@ the least recently used ones. Pure Python: no torch, the tensors live in the eng
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from common.kv.block_hash import BlockHash
@@ -47,6 +47,9 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         # Prefix-cache events for external routers; None (the default) records nothing and allocates nothing.
         self.events: KVEventLog | None = None
+        # Called with (block id, hash) for each cached block about to be reused, while its KV is still there:
+        # the offload tier keeps it (common/kv/offload.py). None: evicted blocks are simply forgotten.
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -97,6 +100,8 @@ class BlockPool:
             assert block.ref_cnt == 0, f"free block {block_id} has ref count {block.ref_cnt}"
             if block.block_hash is not None:
                 # Eviction: the memory is about to be overwritten, so the hash must stop pointing at it.
+                if self.on_evict is not None:
+                    self.on_evict(block_id, block.block_hash)
                 if evicted is not None:
                     evicted.append(block.block_hash)
                 del self._cached[block.block_hash]

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.kv.block_hash import BlockHash, hash_block
 from common.kv.block_pool import BlockPool
 from common.kv.kv_events import DEFAULT_LOG_CAPACITY, KVEventBatch, KVEventLog
+
+if TYPE_CHECKING:
+    from common.kv.offload import Tier
 
 BlockCopy = tuple[int, int]
 """(src_block_id, dst_block_id): copy the KV of ``src`` into ``dst`` before the next write to ``dst``."""
@@ -58,6 +62,8 @@ class KVCacheManager:
         # allocate, which is retried), and only while prefix caching is enabled.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.offload: Tier | None = None  # the tier under the pool (set_offload); None: evicted blocks are gone
+        self.offload_hits = 0  # prompt tokens restored from it, in tokens like prefix_cache_hits (a part of them)
 
     # ------------------------------------------------------------------ queries
 
@@ -126,6 +132,12 @@ class KVCacheManager:
         """The events recorded since the last drain (None when none, or when not recording)."""
         return self.pool.events.drain() if self.pool.events is not None else None
 
+    def set_offload(self, tier: Tier | None) -> None:
+        """Keep evicted full blocks in ``tier`` and restore them on a prefix hit (None: off)."""
+        assert tier is None or self.enable_prefix_caching, "an offload tier is indexed by the prefix cache"
+        self.offload = tier
+        self.pool.on_evict = None if tier is None else tier.save
+
     # ------------------------------------------------------------------ mutations
 
     def allocate(self, request_id: str, token_ids: Sequence[int], salt: bytes | None = None) -> Allocation | None:
@@ -136,6 +148,8 @@ class KVCacheManager:
         cached_hashes: list[BlockHash] = []
         if self.enable_prefix_caching:
             cached_ids, cached_hashes = self._match_prefix(token_ids, salt)
+        # The hash chain goes on in the offload tier: blocks it holds past the pool's hits are restored below.
+        offloaded = self._match_offloaded(token_ids, salt, cached_hashes) if self.offload is not None else []
         num_new = self.blocks_needed(len(token_ids)) - len(cached_ids)
         # A hit on a free cached block takes it out of the free queue, so it no longer counts as free.
         num_revived = sum(self.pool.ref_count(block_id) == 0 for block_id in cached_ids)
@@ -143,12 +157,27 @@ class KVCacheManager:
             return None
         # Touch before allocating so get_new_blocks can't evict the very blocks we are reusing.
         self.pool.touch(cached_ids)
-        block_ids = cached_ids + self.pool.get_new_blocks(num_new)
-        self._requests[request_id] = _RequestBlocks(block_ids, len(token_ids), salt, cached_hashes)
-        num_cached_tokens = len(cached_ids) * self.block_size
+        restored: list[BlockHash] = []
+        if offloaded:  # the next new blocks take the tier's KV and are cached at once, as written blocks are
+            assert self.offload is not None
+            self.offload.pin(offloaded)  # the pool's evictions below are saved without displacing them
+            try:
+                new_ids = self.pool.get_new_blocks(num_new)
+            finally:
+                self.offload.unpin()
+            for block_id, block_hash in zip(new_ids, offloaded, strict=False):
+                self.offload.load(block_hash, block_id)
+                self.pool.cache_block(block_id, block_hash)
+                restored.append(block_hash)
+        else:
+            new_ids = self.pool.get_new_blocks(num_new)
+        block_ids = cached_ids + new_ids
+        self._requests[request_id] = _RequestBlocks(block_ids, len(token_ids), salt, cached_hashes + restored)
+        num_cached_tokens = (len(cached_ids) + len(restored)) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(token_ids)
             self.prefix_cache_hits += num_cached_tokens
+            self.offload_hits += len(restored) * self.block_size
         return Allocation(list(block_ids), num_cached_tokens)
 
     def append_slots(self, request_id: str, num_new_tokens: int) -> list[int] | None:
@@ -254,6 +283,21 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(req.block_ids))
 
     # ------------------------------------------------------------------ internals
+
+    def _match_offloaded(self, token_ids: Sequence[int], salt: bytes | None, cached: list[BlockHash]
+                         ) -> list[BlockHash]:
+        """The hashes of the prompt's full blocks after the pool's hits that the tier holds, in order, stopping at
+        the first it does not; at least one prompt token is left to compute (as ``_match_prefix``)."""
+        assert self.offload is not None
+        bs = self.block_size
+        parent = cached[-1] if cached else None
+        out: list[BlockHash] = []
+        for index in range(len(cached), (len(token_ids) - 1) // bs):
+            parent = hash_block(parent, token_ids[index * bs : (index + 1) * bs], salt)
+            if not self.offload.holds(parent) or self.pool.get_cached_block(parent) is not None:
+                break
+            out.append(parent)
+        return out
 
     def _record_stored(self, events: KVEventLog, req: _RequestBlocks, token_ids: Sequence[int],
                        indexes: list[int]) -> None:

@@ -1,0 +1,179 @@
+"""The KV offload tier under a node's paged pool (``--kv-offload cpu|disk``): evicted full blocks are kept, by their
+prefix-cache hash, in a larger store, and come back on a prefix hit instead of being recomputed.
+
+- ``OffloadIndex`` (pure Python): which block hashes the store holds and in which slot, LRU over a fixed number of
+  slots. The prefix cache's hash chain indexes both tiers: a prompt's blocks are matched in the pool first, then
+  the chain goes on in the index (``KVCacheManager.allocate``).
+- ``OffloadStore``: the slots themselves, ``[slots, *one block of the KV cache]``, in host memory (``cpu``: the
+  tier of a GPU pool, or simply more blocks than the pool) or in a file mapped into memory (``disk``: a local
+  file, its pages read from the page cache or the disk), and the two copies: ``save`` (a block the pool is about
+  to reuse, copied out while its KV is still there) and ``load`` (a slot into a block just allocated).
+- ``OffloadTier`` joins them behind the small interface the pure-Python manager calls (``Tier``).
+
+The copies are synchronous: a save runs inside ``BlockPool.get_new_blocks`` (nothing can write the block before
+it returns: an incoming KV transfer is granted the block only after the reservation), a load inside ``allocate``
+(the block is valid before any step or transfer reads it). One block is ``num_layers * 2 * block_size * heads *
+head_dim`` elements: a memcpy, against recomputing its tokens through every layer (benchmarks/bench_offload.py).
+A draft model's KV at the same block ids is not offloaded, so ``--speculative draft_model`` refuses the tier.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from common.kv.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    from common.kv.kv_cache import KVCache
+
+OFFLOAD_KINDS = ("none", "cpu", "disk")
+
+
+class Tier(Protocol):
+    """What ``KVCacheManager`` asks of an offload tier (block ids are the pool's)."""
+
+    def holds(self, block_hash: BlockHash) -> bool: ...
+
+    def save(self, block_id: int, block_hash: BlockHash) -> None:
+        """Keep the KV of pool block ``block_id`` (about to be reused) under ``block_hash``."""
+
+    def load(self, block_hash: BlockHash, block_id: int) -> None:
+        """Write the KV kept under ``block_hash`` into pool block ``block_id``; it must be held."""
+
+    def pin(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Keep these entries while a restore of them allocates (its evictions must not displace them)."""
+
+    def unpin(self) -> None: ...
+
+
+class OffloadIndex:
+    """Block hash -> slot for ``num_slots`` slots, least recently used evicted first. Pure Python."""
+
+    def __init__(self, num_slots: int) -> None:
+        assert num_slots > 0, f"num_slots must be positive, got {num_slots}"
+        self.num_slots = num_slots
+        self._slots: OrderedDict[BlockHash, int] = OrderedDict()
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.pinned: frozenset[BlockHash] = frozenset()  # never displaced (a restore in progress)
+        self.hits = self.saves = self.evictions = self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._slots
+
+    def slot_of(self, block_hash: BlockHash) -> int | None:
+        """The slot holding ``block_hash`` (now the most recently used), or None."""
+        slot = self._slots.get(block_hash)
+        if slot is not None:
+            self._slots.move_to_end(block_hash)
+            self.hits += 1
+        return slot
+
+    def reserve(self, block_hash: BlockHash) -> int | None:
+        """A slot for ``block_hash``: its own if held, else a free one or the least recently used unpinned one's;
+        None when every slot is pinned (the block is not kept)."""
+        if block_hash in self._slots:
+            self._slots.move_to_end(block_hash)
+            return self._slots[block_hash]
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = next((h for h in self._slots if h not in self.pinned), None)
+            if victim is None:
+                self.dropped += 1
+                return None
+            slot = self._slots.pop(victim)
+            self.evictions += 1
+        self._slots[block_hash] = slot
+        self.saves += 1
+        return slot
+
+    def check_integrity(self) -> None:
+        held = list(self._slots.values())
+        assert len(set(held)) == len(held), "a slot holds two hashes"
+        assert not set(held) & set(self._free), "a held slot is also free"
+        assert len(held) + len(self._free) == self.num_slots, "slots lost"
+
+
+class OffloadStore:
+    """``num_slots`` blocks of ``kv_cache``'s shape in host memory or a memory-mapped file."""
+
+    def __init__(self, kv_cache: KVCache, num_slots: int, path: Path | None = None) -> None:
+        import torch
+
+        self.kv_cache = kv_cache  # its ``data`` may be rebound (shared memory): read at each copy
+        block = tuple(kv_cache.data.shape[1:])
+        dtype = kv_cache.data.dtype
+        self.path = path
+        if path is None:
+            self.data = torch.empty((num_slots, *block), dtype=dtype)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            numel = num_slots * kv_cache.data[0].numel()
+            # A file of the store's size, mapped shared: the pages go to the file (and the page cache), not to
+            # the process's memory.
+            self.data = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(num_slots, *block)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return int(self.data[0].numel() * self.data.element_size())
+
+    def save(self, block_id: int, slot: int) -> None:
+        self.data[slot].copy_(self.kv_cache.data[block_id])
+
+    def load(self, slot: int, block_id: int) -> None:
+        self.kv_cache.data[block_id].copy_(self.data[slot])
+
+    def close(self) -> None:
+        if self.path is not None:
+            del self.data
+            self.path.unlink(missing_ok=True)
+
+
+class OffloadTier:
+    """An ``OffloadIndex`` over an ``OffloadStore``: the ``Tier`` the manager calls."""
+
+    def __init__(self, store: OffloadStore, index: OffloadIndex) -> None:
+        self.store, self.index = store, index
+
+    @classmethod
+    def create(cls, kind: str, kv_cache: KVCache, size_gb: float, directory: Path) -> OffloadTier:
+        """``kind`` cpu (host memory) or disk (a file under ``directory``) of ``size_gb`` GiB."""
+        if kind not in OFFLOAD_KINDS or kind == "none":
+            raise ValueError(f"kv_offload must be cpu or disk to create a tier, got {kind!r}")
+        per_block = kv_cache.data[0].numel() * kv_cache.data.element_size()
+        slots = int(size_gb * 2**30) // per_block
+        if slots < 1:
+            raise ValueError(f"kv_offload_gb {size_gb} holds no block of {per_block} bytes")
+        import os
+
+        path = directory / f"kv-offload-{os.getpid()}-{id(kv_cache):x}.bin" if kind == "disk" else None
+        return cls(OffloadStore(kv_cache, slots, path), OffloadIndex(slots))
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.index
+
+    def save(self, block_id: int, block_hash: BlockHash) -> None:
+        slot = self.index.reserve(block_hash)
+        if slot is not None:
+            self.store.save(block_id, slot)
+
+    def load(self, block_hash: BlockHash, block_id: int) -> None:
+        slot = self.index.slot_of(block_hash)
+        assert slot is not None, "load of a block the tier does not hold"
+        self.store.load(slot, block_id)
+
+    def pin(self, block_hashes: Sequence[BlockHash]) -> None:
+        self.index.pinned = frozenset(block_hashes)
+
+    def unpin(self) -> None:
+        self.index.pinned = frozenset()
+
+    def close(self) -> None:
+        self.store.close()
+
