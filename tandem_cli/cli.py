@@ -451,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_speculative_flags(up)
 
     up.set_defaults(func=cmd_up)
+
+    from tandem_cli.ray_command import add_ray_parser
+
+    add_ray_parser(sub)
     return parser
 
 
