@@ -8,6 +8,7 @@ start that fails removes what it had created.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import socket
 import time
@@ -33,8 +34,21 @@ def connect(address: str, timeout_s: float = 5.0) -> None:
             socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
         except OSError as exc:
             raise ValueError(f"--address {address}: no Ray cluster answers there ({exc.strerror or exc})") from None
+    if address.startswith(("127.", "localhost:", "[::1]:")):
+        _stay_on_loopback()
+    # A restartable detached actor in a placement group is what a Tandem node is: the group's removal ends it.
+    logging.getLogger("ray.actor").setLevel(logging.ERROR)
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
+
+def _stay_on_loopback() -> None:
+    """Ray turns a loopback address into this machine's interface address ("localhost isn't remotely
+    reachable"), which a one-box cluster started on 127.0.0.1 does not listen on: keep the driver on loopback
+    as ``scripts/ray-loopback.sh`` keeps the raylets (docs/multi-machine.md)."""
+    import ray._private.services as services
+
+    services.node_ip_address_from_perspective = lambda *args, **kwargs: "127.0.0.1"  # type: ignore[attr-defined]
+
 
 @dataclass(frozen=True)
 class Member:
@@ -110,7 +124,7 @@ class RayDeployment:
             options: dict[str, Any] = {"num_cpus": 0}
             if self.spec.gateway_resources:
                 options["resources"] = dict(self.spec.gateway_resources)
-            gateway = self._actor_class().options(name=actor_name(self.spec.name, "gateway"), **options).remote(
+            gateway = self._actor_class("gateway", **options).remote(
                 "gateway", "gateway", args, [self.spec.gateway_port], spec=self.spec.to_json())
             ref = gateway.wait_serving.remote(START_TIMEOUT_S)
             ready, _ = ray.wait([ref], timeout=self.spec.placement_timeout_s + START_TIMEOUT_S)
@@ -153,11 +167,13 @@ class RayDeployment:
 
     # -- nodes --
 
-    def _actor_class(self) -> Any:
+    def _actor_class(self, member: str, **options: Any) -> Any:
+        """A detached, named actor class that Ray restarts whenever it dies (until ``_remove`` kills it)."""
         import ray
 
-        return ray.remote(TandemProcess).options(namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
-                                                 max_task_retries=0, max_concurrency=4)
+        return ray.remote(TandemProcess).options(name=actor_name(self.spec.name, member), namespace=NAMESPACE,
+                                                 lifetime="detached", max_restarts=-1, max_task_retries=0,
+                                                 max_concurrency=4, **options)
 
     def _add(self, counts: dict[str, int]) -> list[str]:
         """Start ``counts[role]`` more nodes of each role at the lowest free indices; wait until each serves
@@ -197,8 +213,7 @@ class RayDeployment:
         args = [*self.spec.model_args, *self.spec.node_args, *getattr(self.spec, f"{role}_args"),
                 "--gateway", internal, "--register-interval-s", "1"]
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
-        return self._actor_class().options(name=actor_name(self.spec.name, name), num_cpus=0,
-                                           scheduling_strategy=strategy).remote(role, name, args, [])
+        return self._actor_class(name, num_cpus=0, scheduling_strategy=strategy).remote(role, name, args, [])
 
     def _wait_routed(self, names: list[str], timeout_s: float = 60.0) -> None:
         """Until the gateway lists each node reachable (its registration arrived and a Stats poll answered)."""
