@@ -239,7 +239,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        async for batch in self.kv_events.subscribe(request.max_queued_batches):
+        async for batch in self.kv_events.subscribe(request):
             yield batch
 
 

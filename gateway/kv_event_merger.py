@@ -3,10 +3,12 @@
 Each subscriber gets its own fan-in: one ``SubscribeKvEvents`` call per node, each batch tagged with the
 address the gateway dials (``target``; the node already set ``node_id`` and ``role``) and put on the
 subscriber's drop-oldest queue, so a slow subscriber loses its oldest batches (counted in ``dropped``)
-and never slows the gateway. A node that is down or restarts is re-subscribed after ``retry_s``; its first
-batch after a gap carries ``dropped`` = 0, so a router should treat a new stream from a node (a restart
-resets the node's ``event_id``) as a fresh view of it. The nodes are the live membership's: a node that
-joins after a subscriber connected is followed from the next ``retry_s`` on, one that leaves is let go.
+and never slows the gateway. A node that is down or restarts is re-subscribed after ``retry_s``. Each batch
+keeps its node's ``incarnation`` and ``sequence``, so a router sees a gap (a skipped sequence) or a restart
+(another incarnation) and can heal from the node itself (``SubscribeKvEvents`` with a resume point or a
+snapshot); the gateway's own prefix index does exactly that (``KvIndexSync`` below, ``gateway.kv_index``).
+The nodes are the live membership's: a node that joins after a subscriber connected is followed from the next
+``retry_s`` on, one that leaves is let go.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from common.serving.kv_event_queue import DEFAULT_MAX_QUEUED_BATCHES, KvEventQueue
+from common.telemetry.metrics import GatewayMetrics
+from gateway.kv_index import KvIndex, Resync
 from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -34,8 +38,10 @@ class KvEventMerger:
         self._streams = streams
         self._retry_s = retry_s
 
-    async def subscribe(self, max_queued_batches: int = 0) -> AsyncIterator[common_pb2.KvEventBatch]:
-        q = KvEventQueue(max_queued_batches or DEFAULT_MAX_QUEUED_BATCHES)
+    async def subscribe(self, request: common_pb2.SubscribeKvEventsRequest | None = None
+                        ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        request = request or common_pb2.SubscribeKvEventsRequest()
+        q = KvEventQueue(request.max_queued_batches or DEFAULT_MAX_QUEUED_BATCHES)
         tasks: dict[str, asyncio.Task[None]] = {}
         watcher = asyncio.create_task(self._follow_members(tasks, q), name="kv-events-members")
         try:
@@ -71,3 +77,86 @@ class KvEventMerger:
             except grpc.aio.AioRpcError as exc:
                 log.debug("KV events of %s: %s %s", target, exc.code().name, exc.details())
             await asyncio.sleep(self._retry_s)
+
+
+class KvIndexSync:
+    """Keeps a ``KvIndex`` exact from every member's ``SubscribeKvEvents``: one stream per node, resumed from the
+    view's next sequence (the node replays, or sends a snapshot) whenever the index finds a gap, a restart,
+    dropped events or drift, and whenever the stream ends (after ``retry_s``). A node that leaves the
+    membership loses its entries at once; so does one that restarts (another incarnation)."""
+
+    def __init__(self, index: KvIndex, streams: Callable[[], NodeStreams], metrics: GatewayMetrics | None = None,
+                 retry_s: float = 0.25, members_s: float = 1.0, max_queued_batches: int = 0) -> None:
+        self.index = index
+        self._streams = streams
+        self._metrics = metrics
+        self._retry_s = retry_s
+        self._members_s = members_s
+        self._max_queued = max_queued_batches
+        self._task: asyncio.Task[None] | None = None
+        self.num_resyncs: dict[str, int] = {}  # by Resync value, over every node
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kv-index-sync")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        tasks: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                streams = self._streams()
+                for target in [t for t in tasks if t not in streams]:
+                    await _cancel(tasks.pop(target))
+                    self._forget(target)
+                for target, rpc in streams.items():
+                    if target not in tasks:
+                        tasks[target] = asyncio.create_task(self._follow(target, rpc), name=f"kv-index-{target}")
+                await asyncio.sleep(self._members_s)
+        finally:
+            for target, task in tasks.items():
+                await _cancel(task)
+                self._forget(target)
+
+    def _forget(self, target: str) -> None:
+        self.index.forget(target)
+        if self._metrics is not None:
+            self._metrics.kv_index_forgot(target)
+
+    async def _follow(self, target: str, rpc: Callable[..., grpc.aio.UnaryStreamCall]) -> None:
+        while True:
+            call = rpc(self.index.resume_request(target, self._max_queued))
+            resync: Resync | None = None  # None: the stream never delivered (the node is down or starting)
+            try:
+                async for batch in call:
+                    resync = Resync.DISCONNECT
+                    found = self.index.apply(target, batch)
+                    view = self.index.view(target)
+                    if self._metrics is not None:
+                        self._metrics.kv_index_checked(target, len(view.hashes), view.drift)
+                    if found is not None:
+                        resync = found
+                        break
+            except grpc.aio.AioRpcError as exc:
+                log.debug("KV index of %s: %s %s", target, exc.code().name, exc.details())
+            finally:
+                call.cancel()
+            if resync is not None:
+                self.num_resyncs[resync.value] = self.num_resyncs.get(resync.value, 0) + 1
+                if self._metrics is not None:
+                    self._metrics.kv_index_resynced(target, resync.value)
+                if resync in (Resync.RESTART, Resync.DROPPED, Resync.DRIFT):
+                    log.info("KV index of %s: resync (%s)", target, resync.value)
+            if resync is None or resync is Resync.DISCONNECT:
+                await asyncio.sleep(self._retry_s)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -24,7 +24,8 @@ from gateway.backend import GenerateBackend
 from gateway.coordinator import Coordinator
 from gateway.http_api import HttpApi, Readiness
 from gateway.http_server import HttpServer
-from gateway.kv_event_merger import KvEventMerger
+from gateway.kv_event_merger import KvEventMerger, KvIndexSync
+from gateway.kv_index import KvIndex
 from gateway.membership import SERVICE_NAME as MEMBERSHIP_SERVICE
 from gateway.membership import MembershipServicer
 from gateway.model import ServedModel
@@ -74,6 +75,10 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
         await pool.close()
         raise
     running.add_shutdown_hook(pool.close)
+    kv_index = KvIndexSync(KvIndex(), pool.kv_event_streams, metrics)  # exact per node, drift reported
+    kv_index.start()
+    running.kv_index = kv_index
+    running.add_shutdown_hook(kv_index.stop)  # runs before the node channels close
     if settings.internal_port:
         try:
             model_name = settings.model_dir.name if settings.model_dir else ""

@@ -71,7 +71,7 @@ class TandemServicer(generate_pb2_grpc.TandemServicer):
         if self._kv_events is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server publishes no KV events")
             return
-        async for batch in self._kv_events(request.max_queued_batches):
+        async for batch in self._kv_events(request):
             yield batch
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest,
@@ -123,8 +123,8 @@ def _to_proto(chunk: OutputChunk, req: GatewayRequest) -> generate_pb2.GenerateR
 
 
 LoadsSource = Callable[[], Awaitable[list[generate_pb2.NodeLoad]]]
-# max_queued_batches -> every node's prefix-cache event batches (gateway.kv_event_merger)
-KvEventsSource = Callable[[int], AsyncIterator[common_pb2.KvEventBatch]]
+# the subscriber's request -> prefix-cache event batches (gateway.kv_event_merger: every node's, merged)
+KvEventsSource = Callable[[common_pb2.SubscribeKvEventsRequest], AsyncIterator[common_pb2.KvEventBatch]]
 
 
 def router_loads(router: Router) -> list[generate_pb2.NodeLoad]:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
+from common.kv.kv_events import KVSnapshot
+
 if TYPE_CHECKING:
     from common.kv.kv_events import KVEventBatch
     from common.sampling.params import SamplingParams
@@ -35,7 +37,10 @@ class ChunkTiming:
 
 
 class KVEventSink(Protocol):
-    """Receives each drained batch of prefix-cache events on the engine thread; ``publish`` must not block."""
+    """Receives each drained batch of prefix-cache events on the engine thread; ``publish`` must not block.
+    ``last_sequence``: the sequence number ``publish`` gave the last batch (read on the engine thread only)."""
+
+    last_sequence: int
 
     def publish(self, batch: KVEventBatch) -> None: ...
 
@@ -108,3 +113,9 @@ class SetKVEventSink(EngineCommand[None]):
 
     sink: KVEventSink | None
     capacity: int = 4096
+
+
+@dataclass(frozen=True)
+class SnapshotKVBlocks(EngineCommand[KVSnapshot]):
+    """Every block hash the prefix cache holds now, with the pool's digest and the sequence of the last event
+    batch published before it (pending events are published first, so the snapshot is exact as of it)."""

@@ -21,6 +21,7 @@ from common.engine.commands import (
     PrepareKernels,
     ReserveKV,
     SetKVEventSink,
+    SnapshotKVBlocks,
 )
 from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner, kv_cache_spec
@@ -28,6 +29,7 @@ from common.engine.request import Request, RequestOutput
 from common.engine.scheduler import Scheduler
 from common.errors import InvalidRequestError, QueueFullError
 from common.kv.kv_cache_manager import KVCacheManager
+from common.kv.kv_events import KVSnapshot
 
 if TYPE_CHECKING:
     from common.engine.commands import KVEventSink
@@ -106,6 +108,10 @@ class EngineCore:
             case SetKVEventSink():
                 self._set_kv_event_sink(command)
                 return None
+            case SnapshotKVBlocks():
+                self._publish_kv_events()
+                sequence = self._kv_event_sink.last_sequence if self._kv_event_sink is not None else 0
+                return KVSnapshot(tuple(self.kv.pool.cached_hashes()), self.kv.pool.digest, sequence)
             case PrepareKernels():
                 from common.kernels.cpu import paged_decode_kernel
 

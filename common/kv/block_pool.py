@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from common.kv.block_hash import BlockHash
-from common.kv.kv_events import KVEventLog
+from common.kv.kv_events import DIGEST_MASK, BlockDigest, KVEventLog, digest_term
 
 
 @dataclass(slots=True)
@@ -45,6 +45,7 @@ class BlockPool:
         # the middle (a cache hit on a free cached block). Values are unused.
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        self._digest_sum = 0  # BlockDigest of _cached's keys, kept as blocks enter and leave it
         # Prefix-cache events for external routers; None (the default) records nothing and allocates nothing.
         self.events: KVEventLog | None = None
         # Called with (block id, hash) for each cached block about to be reused, while its KV is still there:
@@ -72,6 +73,15 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         """Blocks findable by hash, referenced or not."""
         return len(self._cached)
+
+    @property
+    def digest(self) -> BlockDigest:
+        """The digest of every cached block's hash (what a KV-event subscriber's view of this pool should be)."""
+        return BlockDigest(self._digest_sum, len(self._cached))
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash findable in the prefix cache (a subscriber's snapshot), in no particular order."""
+        return list(self._cached)
 
     def ref_count(self, block_id: int) -> int:
         """Number of block-table references to ``block_id``; 0 means it is in the free queue."""
@@ -105,6 +115,7 @@ class BlockPool:
                 if evicted is not None:
                     evicted.append(block.block_hash)
                 del self._cached[block.block_hash]
+                self._digest_sum = (self._digest_sum - digest_term(block.block_hash)) & DIGEST_MASK
                 block.block_hash = None
             block.ref_cnt = 1
             block_ids.append(block_id)
@@ -146,6 +157,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
+        self._digest_sum = (self._digest_sum + digest_term(block_hash)) & DIGEST_MASK
         return True
 
     def uncache_block(self, block_id: int) -> None:
@@ -155,6 +167,7 @@ class BlockPool:
             if self.events is not None:
                 self.events.removed([block.block_hash])
             del self._cached[block.block_hash]
+            self._digest_sum = (self._digest_sum - digest_term(block.block_hash)) & DIGEST_MASK
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -164,6 +177,7 @@ class BlockPool:
         for block in self._blocks:
             block.block_hash = None
         self._cached.clear()
+        self._digest_sum = 0
         if self.events is not None:
             self.events.cleared()
         return True
@@ -185,5 +199,6 @@ class BlockPool:
                 )
         for block_hash, block_id in self._cached.items():
             assert self._blocks[block_id].block_hash == block_hash, f"hash map points at block {block_id}"
+        assert self.digest == BlockDigest.of(self._cached), "the incremental digest drifted from the hash map"
         if not self.enable_prefix_caching:
             assert not self._cached, "prefix caching is disabled but blocks are cached"

@@ -130,7 +130,7 @@ class KVCacheManager:
 
     def drain_events(self) -> KVEventBatch | None:
         """The events recorded since the last drain (None when none, or when not recording)."""
-        return self.pool.events.drain() if self.pool.events is not None else None
+        return self.pool.events.drain(self.pool.digest) if self.pool.events is not None else None
 
     def set_offload(self, tier: Tier | None) -> None:
         """Keep evicted full blocks in ``tier`` and restore them on a prefix hit (None: off)."""
@@ -169,6 +169,11 @@ class KVCacheManager:
                 self.offload.load(block_hash, block_id)
                 self.pool.cache_block(block_id, block_hash)
                 restored.append(block_hash)
+            if restored and self.pool.events is not None:  # findable again: a router's view must say so
+                bs = self.block_size
+                start = len(cached_hashes)
+                self.pool.events.stored(restored, cached_hashes[-1] if cached_hashes else None,
+                                        tuple(token_ids[start * bs : (start + len(restored)) * bs]), bs)
         else:
             new_ids = self.pool.get_new_blocks(num_new)
         block_ids = cached_ids + new_ids

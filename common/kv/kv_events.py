@@ -9,17 +9,51 @@ Recording is off unless a subscriber asked for it (the pool holds no log: no all
 log is bounded: when a step records more than ``capacity`` events the oldest are dropped and counted, so
 a burst can never grow memory without limit; the count travels with the next batch (``dropped``), which
 tells a router its view is stale. Pure Python: no torch.
+
+``BlockDigest`` summarises a set of cached blocks in two integers, order-independently, so a subscriber can
+check its view of a node against the node's own pool: the pool keeps it incrementally (one add or subtract
+per block entering or leaving the cache) and every batch carries it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from common.kv.block_hash import BlockHash
 
 DEFAULT_LOG_CAPACITY = 4096
+DIGEST_MASK = (1 << 64) - 1
+
+
+def digest_term(block_hash: BlockHash) -> int:
+    """A block's part of a digest: its hash's first 8 bytes, little-endian (the hashes are uniform already)."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDigest:
+    """Order-independent digest of a set of block hashes: the sum of their terms mod 2^64, and how many."""
+
+    sum: int = 0
+    count: int = 0
+
+    @staticmethod
+    def of(block_hashes: Iterable[BlockHash]) -> BlockDigest:
+        total = count = 0
+        for block_hash in block_hashes:
+            total += digest_term(block_hash)
+            count += 1
+        return BlockDigest(total & DIGEST_MASK, count)
+
+    def drift(self, other: BlockDigest) -> int:
+        """How many blocks two sets differ by, as far as the digests tell: the count difference, at least 1
+        when the digests differ."""
+        if self == other:
+            return 0
+        return max(1, abs(self.count - other.count))
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +96,17 @@ class KVEventBatch:
     events: tuple[KVEvent, ...]
     dropped: int
     timestamp: float  # wall clock (s) of the drain
+    digest: BlockDigest = BlockDigest()  # of the pool's cached blocks once these events are applied
+
+
+@dataclass(frozen=True, slots=True)
+class KVSnapshot:
+    """Every block the prefix cache holds now (any order) and their digest; ``sequence``: the last event batch
+    published before it (the snapshot is exact as of that batch)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    digest: BlockDigest
+    sequence: int
 
 
 class KVEventLog:
@@ -89,11 +134,12 @@ class KVEventLog:
         self._events.clear()
         self._append(AllBlocksCleared(self._take_id()))
 
-    def drain(self) -> KVEventBatch | None:
-        """Everything recorded since the last drain, or None when nothing was (and nothing dropped)."""
+    def drain(self, digest: BlockDigest = BlockDigest()) -> KVEventBatch | None:
+        """Everything recorded since the last drain, or None when nothing was (and nothing dropped);
+        ``digest``: the pool's, stamped on the batch."""
         if not self._events and not self._dropped:
             return None
-        batch = KVEventBatch(tuple(self._events), self._dropped, time.time())
+        batch = KVEventBatch(tuple(self._events), self._dropped, time.time(), digest)
         self._events.clear()
         self._dropped = 0
         return batch

@@ -56,6 +56,7 @@ class RunningServer:
     http_url: str = ""  # the OpenAI-compatible HTTP API beside it (http://host:port), when the process serves one
     internal_address: str = ""  # a gateway's internal port (Membership), when it serves one
     engine: object | None = None  # the node's engine (a ``failed`` property): serve_until_signal watches it
+    kv_index: object | None = None  # a gateway's prefix index kept from the nodes' KV events (KvIndexSync)
     _hooks: list[ShutdownHook] = field(default_factory=list)
     _stopping_hooks: list[ShutdownHook] = field(default_factory=list)
     _stopping: bool = False

@@ -20,6 +20,7 @@ nothing here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -246,6 +247,15 @@ class GatewayMetrics(ServiceMetrics):
         self._migrations = Counter(PREFIX + "request_migrations", "Requests continued on other nodes after a node "
                                    "was lost under them, by the lost node's role.", ["node", "role"],
                                    registry=self.registry)
+        # gateway.kv_index: the prefix index kept from the nodes' KV events (peer: the node's address)
+        self._kv_index_blocks = Gauge(PREFIX + "kv_index_blocks", "Blocks the gateway's prefix index holds for a "
+                                      "node.", ["node", "peer"], registry=self.registry)
+        self._kv_index_drift = Gauge(PREFIX + "kv_index_drift_blocks", "Blocks the prefix index's view of a node "
+                                     "differs by from the node's own digest at the last batch (0: exact).",
+                                     ["node", "peer"], registry=self.registry)
+        self._kv_index_resyncs = Counter(PREFIX + "kv_index_resyncs", "Times the prefix index healed a node's view "
+                                         "by replay or snapshot, by reason (gap, restart, dropped, drift, "
+                                         "disconnect).", ["node", "peer", "reason"], registry=self.registry)
 
     def request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft_s: float,
                          e2e_s: float, queue_s: float) -> None:
@@ -264,6 +274,20 @@ class GatewayMetrics(ServiceMetrics):
     def request_migrated(self, role: str) -> None:
         """A request lost its ``role`` node (prefill or decode) and continues on another."""
         self._migrations.labels(self.node, role).inc()
+
+    def kv_index_checked(self, peer: str, num_blocks: int, drift: int) -> None:
+        """The prefix index's view of node ``peer`` after a batch: its blocks and its drift from the node's digest."""
+        self._kv_index_blocks.labels(self.node, peer).set(num_blocks)
+        self._kv_index_drift.labels(self.node, peer).set(drift)
+
+    def kv_index_resynced(self, peer: str, reason: str) -> None:
+        self._kv_index_resyncs.labels(self.node, peer, reason).inc()
+
+    def kv_index_forgot(self, peer: str) -> None:
+        """Node ``peer`` left: its series go with its entries."""
+        for gauge in (self._kv_index_blocks, self._kv_index_drift):
+            with contextlib.suppress(KeyError):
+                gauge.remove(self.node, peer)
 
 
 class _TransferMetrics(ServiceMetrics):
