@@ -110,7 +110,8 @@ async def exact_within(index: KvIndex, target: str, stub: decode_pb2_grpc.Decode
             return time.monotonic() - start
         await asyncio.sleep(0.02)
     raise AssertionError(f"not exact within {limit_s} s: view {len(index.hashes(target))} blocks (seq "
-                         f"{index.view(target).sequence}), node {len(truth.snapshot.block_hashes)} (seq {truth.sequence})")
+                         f"{index.view(target).sequence}), node {len(truth.snapshot.block_hashes)} "
+                         f"(seq {truth.sequence})")
 
 
 def test_a_cut_connection_a_full_queue_and_a_restart_heal(tiny_served_model_dir: Path) -> None:
