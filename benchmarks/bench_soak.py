@@ -14,8 +14,11 @@ when it serves again. Every process's RSS (``VmRSS``) is sampled throughout (ben
 Reported (soak.json, soak.md, soak.png under ``--out-dir``): requests completed / cancelled / failed (the
 failures while the killed node was down listed apart: its in-flight requests are expected to fail), the
 restart, RSS per process after warm-up (start, end, peak, growth; the goal is flat within 10%), and each
-node's used blocks and queued requests after the load (the goal: 0 leaked). Exit status 1 on a leak, a
-failure outside the restart window, or a killed node that never served again.
+node's used blocks and queued requests after the load (the goal: 0 leaked), and the KV events' drift: a prefix
+index (benchmarks/kv_drift.py, the gateway's own code) follows every node's events, has its connections cut
+at a quarter of the run, and is compared with each node's cached blocks at the end (the goal: 0 drift,
+exact). Exit status 1 on a leak, drift, a failure outside the restart window, or a killed node that never
+served again.
 
 The KV cache tensor is allocated zeroed and its pages become resident when a block is first written, so a
 node's RSS climbs until the load has touched every block (faster with a smaller ``--num-blocks``): choose
@@ -225,6 +228,14 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{g.get('shmem_end_mib', 0):.0f} |")
     lines += ["", "| node | used blocks after the load | requests left |", "|---|---|---|"]
     lines += [f"| {name} | {v['used_blocks']} | {v['requests']} |" for name, v in result["nodes_after"].items()]
+    kv = result.get("kv_events")
+    if kv is not None:  # a prefix index that followed every node, its connections cut at a quarter of the run
+        verdict = "exact" if kv["exact"] else "**not exact**"
+        lines += ["", f"KV events: drift {kv['drift_blocks']} blocks at the end ({verdict}); resyncs "
+                  f"{kv['resyncs'] or '{}'}.", "",
+                  "| node | cached blocks | index's view | drift (blocks) | exact after (s) |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {n['blocks']} | {n['view_blocks']} | {n['drift_blocks']} | {n['seconds_to_exact']} |"
+                  for name, n in kv["nodes"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -241,6 +252,7 @@ def plot(result: dict[str, Any], samples: list[RssSample], path: Path) -> Path |
 
 def run(args: argparse.Namespace) -> int:
     from benchmarks.bench_serve import resolve_dtype_name
+    from benchmarks.kv_drift import KvDriftWatch
     from common.config.model_config import ModelConfig
     from common.config.settings import ModelSettings, load_settings
     from common.model.model_store import resolve_model
@@ -266,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--restart-node: no process {args.restart_node!r} in {[s.name for s in launcher.specs]}")
     duration_s = args.minutes * 60
     restart = Restart(args.restart_node)
+    watch: KvDriftWatch | None = None
     sampler = RssSampler(lambda: {name: p.pid for name, p in launcher.procs.items() if p.poll() is None},
                          args.sample_interval_s).start()
     try:
@@ -273,16 +286,24 @@ def run(args: argparse.Namespace) -> int:
             load_started_s = time.monotonic() - sampler.started_at
             _progress(f"up; soaking for {args.minutes:g} min with {args.concurrency} clients "
                       f"(logs: {out_dir / 'logs'})")
+            watch = KvDriftWatch({s.name: (s.role, s.target) for s in launcher.specs if s.role != "gateway"})
+            watch.start()
             load = SoakLoad(launcher.gateway.target, vocab_size, args.concurrency, args.cancel_fraction,
                             args.seed).start()
             t0 = time.monotonic()
+            time.sleep(duration_s / 4)
+            _progress("cutting the KV-event subscriber's connections")
+            watch.cut()  # a subscriber killed and reconnected mid-run: it must be exact again at the end
             if args.restart_node:
-                time.sleep(duration_s / 2)
+                time.sleep(max(0.0, duration_s / 2 - (time.monotonic() - t0)))
                 kill_and_wait(launcher, restart, t0, give_up_s=duration_s + 120)
             time.sleep(max(0.0, duration_s - (time.monotonic() - t0)))
             records = load.stop()
             nodes_after = settle(launcher, timeout_s=30.0)
+            kv_events = watch.report()
     finally:
+        if watch is not None:
+            watch.stop()
         samples = sampler.stop()
     growth = rss_growth(samples, warmup_s=args.warmup_fraction * duration_s)
     result: dict[str, Any] = {
@@ -296,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
         "nodes_after": nodes_after,
         "leaked_blocks": sum(v["used_blocks"] for v in nodes_after.values()),
         "leaked_requests": sum(v["requests"] for v in nodes_after.values()),
+        "kv_events": kv_events,
         "samples": [asdict(s) for s in samples],
     }
     (out_dir / "soak.json").write_text(json.dumps(result, indent=1))
@@ -304,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
     png = plot(result, samples, out_dir / "soak.png")
     print(text)
     _progress(f"wrote {out_dir / 'soak.json'}, {out_dir / 'soak.md'}" + (f", {png}" if png else ""))
-    clean = not (result["leaked_blocks"] or result["leaked_requests"] or result["requests"]["failed_outside_restart"])
+    clean = not (result["leaked_blocks"] or result["leaked_requests"] or result["requests"]["failed_outside_restart"]
+                 or kv_events["drift_blocks"] or not kv_events["exact"])
     return 0 if clean and (not args.restart_node or restart.serving_again_at_s is not None) else 1
 
 

@@ -114,9 +114,9 @@ class KvIndexSync:
                 for target in [t for t in tasks if t not in streams]:
                     await _cancel(tasks.pop(target))
                     self._forget(target)
-                for target, rpc in streams.items():
-                    if target not in tasks:
-                        tasks[target] = asyncio.create_task(self._follow(target, rpc), name=f"kv-index-{target}")
+                for target in streams:
+                    if target not in tasks or tasks[target].done():
+                        tasks[target] = asyncio.create_task(self._follow(target), name=f"kv-index-{target}")
                 await asyncio.sleep(self._members_s)
         finally:
             for target, task in tasks.items():
@@ -128,8 +128,11 @@ class KvIndexSync:
         if self._metrics is not None:
             self._metrics.kv_index_forgot(target)
 
-    async def _follow(self, target: str, rpc: Callable[..., grpc.aio.UnaryStreamCall]) -> None:
+    async def _follow(self, target: str) -> None:
         while True:
+            rpc = self._streams().get(target)  # asked again each time: the node's channel may have been replaced
+            if rpc is None:  # it left; _run forgets it
+                return
             call = rpc(self.index.resume_request(target, self._max_queued))
             resync: Resync | None = None  # None: the stream never delivered (the node is down or starting)
             try:
@@ -144,6 +147,11 @@ class KvIndexSync:
                         break
             except grpc.aio.AioRpcError as exc:
                 log.debug("KV index of %s: %s %s", target, exc.code().name, exc.details())
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # this follower is being stopped
+                    raise
+                log.debug("KV index of %s: the call was cancelled (its channel closed)", target)
             finally:
                 call.cancel()
             if resync is not None:

@@ -110,7 +110,8 @@ def test_failures_while_the_node_was_down_are_listed_apart() -> None:
 def test_soak_smoke_run_on_the_tiny_model(tiny_served_model_dir: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """20 seconds of load against 1 prefill + 1 decode node, decode-0 killed at 10 s: it is restarted and
-    serves again, nothing leaks, only requests around the restart fail, and every process has RSS samples."""
+    serves again, nothing leaks, only requests around the restart fail, every process has RSS samples, and
+    the KV-event subscriber (cut at 5 s) ends with 0 drift."""
     code = main(["bench", "soak", "--minutes", str(20 / 60), "--model", str(tiny_served_model_dir), "--dtype",
                  "float32", "--prefill-nodes", "1", "--decode-nodes", "1", "--concurrency", "4", "--num-blocks",
                  "256", "--restart-node", "decode-0", "--sample-interval-s", "1", "--out-dir", str(tmp_path)])
@@ -118,6 +119,11 @@ def test_soak_smoke_run_on_the_tiny_model(tiny_served_model_dir: Path, tmp_path:
     assert code == 0, result["requests"]
     assert result["restart"]["serving_again_at_s"] is not None
     assert result["leaked_blocks"] == 0 and result["leaked_requests"] == 0
+    # The KV-event subscriber, cut at 5 s and through decode-0's restart, ends exact: 0 drift on every node.
+    kv = result["kv_events"]
+    assert kv["drift_blocks"] == 0 and kv["exact"], kv
+    assert set(kv["nodes"]) == {"prefill-0", "decode-0"}
+    assert kv["resyncs"].get("disconnect", 0) >= 3, kv["resyncs"]  # the cut (2 nodes) and the kill
     assert result["requests"]["ok"] > 10 and result["requests"]["cancelled"] > 0
     assert {g["process"] for g in result["rss"]} == {"gateway", "prefill-0", "decode-0"}
     assert all(g["num_samples"] >= 1 and g["peak_mib"] > 10 for g in result["rss"])
