@@ -88,6 +88,37 @@ def test_a_restored_chain_continues_in_the_pool_and_stops_at_a_miss(tmp_path: Pa
     manager.check_integrity()
 
 
+def test_restored_blocks_are_announced_as_stored_events(tmp_path: Path) -> None:
+    """A router's view (the events applied in order) equals the pool's cached set and digest after a restore."""
+    from common.kv.kv_events import BlockDigest, BlockRemoved, BlockStored
+
+    cache = KVCache(SPEC, num_blocks=6)
+    manager = KVCacheManager(6, SPEC.block_size)
+    manager.set_offload(OffloadTier(OffloadStore(cache, 2, None), OffloadIndex(2)))
+    manager.enable_events()
+    a = list(range(100, 117))
+    _write(cache, manager, "a", a)
+    manager.free("a")
+    _write(cache, manager, "b", list(range(300, 317)))
+    manager.free("b")
+    manager.drain_events()
+    view = set(manager.pool.cached_hashes())
+    hashes = hash_prompt_blocks(a, 4)
+    assert manager.allocate("a2", a) is not None  # the tier's blocks 1 and 2 come back after the pool's block 0
+    batch = manager.drain_events()
+    assert batch is not None
+    restored = [e for e in batch.events if isinstance(e, BlockStored)]
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in restored] == [
+        ((hashes[1], hashes[2]), hashes[0], tuple(a[4:12]))]
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            view.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            view.difference_update(event.block_hashes)
+    assert view == set(manager.pool.cached_hashes())
+    assert BlockDigest.of(view) == manager.pool.digest == batch.digest
+
+
 def test_offload_needs_prefix_caching() -> None:
     from common.config.engine_config import CacheConfig
 
