@@ -27,6 +27,8 @@ from tandem.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
+UNIMPLEMENTED_RETRY_S = 10.0
+
 # target -> the node's SubscribeKvEvents (a server-streaming callable of a prefill or decode stub)
 NodeStreams = dict[str, Callable[..., grpc.aio.UnaryStreamCall]]
 
@@ -147,6 +149,8 @@ class KvIndexSync:
                         break
             except grpc.aio.AioRpcError as exc:
                 log.debug("KV index of %s: %s %s", target, exc.code().name, exc.details())
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a node that publishes no events: ask rarely
+                    await asyncio.sleep(UNIMPLEMENTED_RETRY_S)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():  # this follower is being stopped

@@ -74,7 +74,7 @@ class KVEventPublisher:
                 await self._engine.call(SetKVEventSink(self))
                 self._recording = True
             after = 0  # yield only live batches with a later sequence (0: all of them)
-            replay = self._replay(request)
+            replay = self.replay(request)
             if replay is not None:
                 for batch in replay:
                     yield batch
@@ -90,7 +90,7 @@ class KVEventPublisher:
         finally:
             self._queues.discard(q)
 
-    def _replay(self, request: common_pb2.SubscribeKvEventsRequest) -> list[common_pb2.KvEventBatch] | None:
+    def replay(self, request: common_pb2.SubscribeKvEventsRequest) -> list[common_pb2.KvEventBatch] | None:
         """The history from ``request.from_sequence`` on (possibly empty: nothing missed), or None when the
         request does not resume this incarnation or the history no longer reaches back that far."""
         if request.snapshot or request.incarnation != self.incarnation:

@@ -137,3 +137,38 @@ def test_a_slow_subscriber_loses_the_oldest_batches_counted_in_dropped() -> None
         assert len(q) == 0
 
     asyncio.run(asyncio.wait_for(main(), 5))
+
+
+def test_the_publisher_replays_from_its_bounded_contiguous_history() -> None:
+    """Sequences, the history a resume can be served from, and when a snapshot is needed instead."""
+    from common.engine.kv_event_publisher import KVEventPublisher
+    from common.kv.kv_events import BlockDigest, KVEventBatch
+
+    publisher = KVEventPublisher(None, "decode-0", "decode", history_batches=3)  # type: ignore[arg-type]
+    inc = publisher.incarnation
+
+    def fan_out(sequence: int, dropped: int = 0) -> None:
+        batch = KVEventBatch((BlockStored(sequence, (HA[0],), None, tuple(A[:BS]), BS),), dropped, 0.0,
+                             BlockDigest.of(HA[:1]))
+        publisher._fan_out(batch, sequence)
+
+    def resume(seq: int, incarnation: str = inc, snapshot: bool = False) -> list[int] | None:
+        out = publisher.replay(common_pb2.SubscribeKvEventsRequest(incarnation=incarnation, from_sequence=seq,
+                                                                   snapshot=snapshot))
+        return None if out is None else [b.sequence for b in out]
+
+    assert resume(1) is None  # nothing published yet: a snapshot
+    for seq in range(1, 6):
+        fan_out(seq)
+    assert resume(3) == [3, 4, 5]
+    assert resume(5) == [5]
+    assert resume(6) == []  # up to date: live batches only
+    assert resume(2) is None  # older than the history (3 batches): a snapshot
+    assert resume(7) is None  # ahead of the node: a snapshot
+    assert resume(4, incarnation="other") is None  # another process: a snapshot
+    assert resume(4, snapshot=True) is None
+    fan_out(6, dropped=2)  # the engine's log lost events in batch 6: no replay may cross it
+    assert resume(5) is None and resume(6) is None
+    assert resume(7) == []
+    fan_out(7)
+    assert resume(7) == [7]
