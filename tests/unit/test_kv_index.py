@@ -3,6 +3,8 @@ requests, restarts, dropped events and drift, with exact expectations. Pure logi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from common.kv.block_hash import hash_prompt_blocks
 from common.kv.block_pool import BlockPool
 from common.kv.kv_events import BlockDigest, digest_term
@@ -18,7 +20,7 @@ def digest(hashes: list[bytes]) -> common_pb2.KvDigest:
     return common_pb2.KvDigest(sum=d.sum, count=d.count)
 
 
-def batch(seq: int, stored: list[bytes] = (), removed: list[bytes] = (), *, inc: str = "a", dropped: int = 0,
+def batch(seq: int, stored: Sequence[bytes] = (), removed: Sequence[bytes] = (), *, inc: str = "a", dropped: int = 0,
           cleared: bool = False, after: list[bytes] | None = None) -> common_pb2.KvEventBatch:
     """A node's batch; ``after``: the node's cached set once it is applied (for its digest)."""
     msg = common_pb2.KvEventBatch(node_id="decode-0", incarnation=inc, sequence=seq, dropped=dropped)
