@@ -164,7 +164,8 @@ class KvIndexSync:
                     self._metrics.kv_index_resynced(target, resync.value)
                 if resync in (Resync.RESTART, Resync.DROPPED, Resync.DRIFT):
                     log.info("KV index of %s: resync (%s)", target, resync.value)
-            if resync is None or resync is Resync.DISCONNECT:
+            # A gap or a restart heals at once; a drift that kept coming back must not spin on snapshots.
+            if resync is None or resync in (Resync.DISCONNECT, Resync.DRIFT):
                 await asyncio.sleep(self._retry_s)
 
 
