@@ -271,7 +271,8 @@ def test_prefill_node_down_is_skipped_or_retried_on_another(served_model: Served
 
 def test_prefill_errors_map_to_statuses_without_retry(served_model: ServedModel, smollm2_dir: Path) -> None:
     async def scenario() -> None:
-        # migration_limit=0: an UNAVAILABLE answer would otherwise move the request on (tests/gateway/test_gateway_migration.py)
+        # migration_limit=0: an UNAVAILABLE answer would otherwise move the request on
+        # (tests/gateway/test_gateway_migration.py)
         async with scripted_cluster(served_model, smollm2_dir, script(served_model), num_prefill=2,
                                     migration_limit=0) as c:
             for code, expected in [(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),  # alive: no retry
@@ -304,7 +305,8 @@ def test_decode_node_down(served_model: ServedModel, smollm2_dir: Path) -> None:
 def test_decode_killed_mid_stream_ends_it_unavailable_and_routes_new_requests_elsewhere(
         served_model: ServedModel, smollm2_dir: Path) -> None:
     async def scenario() -> None:
-        # migration_limit=0: no migration (with it, the stream goes on elsewhere: tests/gateway/test_gateway_migration.py)
+        # migration_limit=0: no migration (with it, the stream goes on elsewhere:
+        # tests/gateway/test_gateway_migration.py)
         async with scripted_cluster(served_model, smollm2_dir, script(served_model), num_decode=2,
                                     stats_interval_s=60, migration_limit=0) as c:
             c.script.gate = asyncio.Event()
