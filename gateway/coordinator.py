@@ -315,11 +315,10 @@ class Coordinator:
         if node is None:
             return None
         cached = {target: blocks * self.block_size for target, blocks in
-                  self._router.affinity.matched_blocks(block_hashes).items()}
-        history = self._router.history_blocks(block_hashes, node.target) * self.block_size
+                  self._router.cached_blocks(block_hashes).items()}
         local = prefill_locally(self._local_prefill, len(req.prompt_token_ids), node,
                                 list(self._router.prefill.values()), self.block_size, cached,
-                                self._queued[_REMOTE], self._queued[node.target], history)
+                                self._queued[_REMOTE], self._queued[node.target], cached.get(node.target, 0))
         return node.target if local else None
 
     async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int,
@@ -387,7 +386,7 @@ class Coordinator:
             resumed_output_tokens=req.sampling.resumed_output_tokens,
         )
         tried: list[str] = []
-        matched = self._router.affinity.matched_blocks(block_hashes)  # before pick_prefill records this prompt
+        matched = self._router.cached_blocks(block_hashes)  # before pick_prefill records this prompt
         while True:
             node = (self._router.pick_prefill(block_hashes, exclude=[*tried, *avoid])
                     or self._router.pick_prefill(block_hashes, exclude=tried))

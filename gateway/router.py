@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from common.kv.block_hash import BlockHash
 
@@ -80,6 +81,12 @@ class NodeState:
         self.prefill_tokens -= num_tokens
 
 
+class BlockIndex(Protocol):
+    """What the nodes' own KV events say they cache (gateway/kv_index.py's ``KvIndex``)."""
+
+    def matched_blocks(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]: ...
+
+
 class AffinityIndex:
     """Bounded LRU map from a chained block hash to the prefill node that last computed that prefix."""
 
@@ -126,6 +133,7 @@ class Router:
                 self.add(role, target)
         self.affinity = AffinityIndex(affinity_capacity)
         self.history = AffinityIndex(affinity_capacity)  # decode nodes: the conversations each one served last
+        self.cache_index: BlockIndex | None = None  # the nodes' KV events, exact per node (set by the gateway)
         self._slack = affinity_load_slack
 
     def node(self, target: str) -> NodeState:
@@ -174,7 +182,7 @@ class Router:
             return (not fits(n), n.queue_depth, -(n.load.free_blocks if n.load is not None else 0), n.index)
 
         chosen = min(candidates, key=key)
-        matched = self.history.matched_blocks(block_hashes) if block_hashes else {}
+        matched = self.cached_blocks(block_hashes) if block_hashes else {}
         warm = [n for n in candidates if matched.get(n.target, 0) > 0 and fits(n)]
         if warm:
             best = max(warm, key=lambda n: (matched[n.target], -n.queue_depth, -n.index))
@@ -185,6 +193,19 @@ class Router:
     def history_blocks(self, block_hashes: Sequence[BlockHash], target: str) -> int:
         """How many leading blocks of a prompt decode node ``target`` holds as a conversation's history."""
         return self.history.matched_blocks(block_hashes).get(target, 0)
+
+    def cached_blocks(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """Per node, the prompt's leading blocks it probably caches: the most that the router's own records (the
+        prefill node it sent the prefix to, the decode node that served the conversation) and the nodes' KV events
+        (``cache_index``, when the gateway follows them) say."""
+        out = self.affinity.matched_blocks(block_hashes)
+        sources = [self.history.matched_blocks(block_hashes)]
+        if self.cache_index is not None:
+            sources.append(self.cache_index.matched_blocks(block_hashes))
+        for source in sources:
+            for target, blocks in source.items():
+                out[target] = max(out.get(target, 0), blocks)
+        return out
 
     def record_history(self, block_hashes: Sequence[BlockHash], target: str) -> None:
         """Decode node ``target`` finished a request over these blocks (its prompt and answer, full blocks)."""
@@ -200,7 +221,7 @@ class Router:
         if not candidates:
             return None
         chosen = min(candidates, key=lambda n: (n.queue_depth, n.index))
-        matched = self.affinity.matched_blocks(block_hashes)
+        matched = self.cached_blocks(block_hashes)
         warm = [n for n in candidates if matched.get(n.target, 0) > 0]
         if warm:
             best = max(warm, key=lambda n: (matched[n.target], -n.queue_depth, -n.index))

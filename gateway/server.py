@@ -75,7 +75,9 @@ async def serve_gateway(settings: GatewaySettings, model: ServedModel | None = N
         await pool.close()
         raise
     running.add_shutdown_hook(pool.close)
-    kv_index = KvIndexSync(KvIndex(), pool.kv_event_streams, metrics)  # exact per node, drift reported
+    index = KvIndex()
+    router.cache_index = index  # routing reads what the nodes say they cache, beside its own records
+    kv_index = KvIndexSync(index, pool.kv_event_streams, metrics)  # exact per node, drift reported
     kv_index.start()
     running.kv_index = kv_index
     running.add_shutdown_hook(kv_index.stop)  # runs before the node channels close

@@ -158,3 +158,21 @@ def test_a_conversations_next_turn_goes_to_the_decode_node_holding_its_history()
     r.update("d1", load(free=6, running=0))  # no room for 6 blocks + the first token: not there
     assert target(r.pick_decode(6, block_hashes=history)) == "d0"
     assert target(r.pick_decode(6, exclude=["d0"], block_hashes=history)) == "d1"  # the only one left
+
+
+def test_what_the_nodes_say_they_cache_counts_beside_the_routers_records() -> None:
+    """``cache_index`` (the nodes' KV events): a decode node caching a prompt the router never sent it is preferred;
+    a prefill node's own report beats the router's guess about another one."""
+
+    from gateway.kv_index import KvIndex
+
+    r = Router(["p0", "p1"], ["d0", "d1"], affinity_load_slack=2)
+    prompt = blocks(3, n=4)
+    r.affinity.record(prompt[:1], "p0")
+    index = KvIndex()  # as the nodes' KV events fill it (gateway/kv_event_merger.py's KvIndexSync)
+    index.view("d1").add(prompt[:3])
+    index.view("p1").add(prompt)
+    r.cache_index = index
+    assert r.cached_blocks(prompt) == {"p0": 1, "d1": 3, "p1": 4}
+    assert target(r.pick_decode(4, block_hashes=prompt)) == "d1"
+    assert target(r.pick_prefill(prompt)) == "p1"
