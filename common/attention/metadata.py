@@ -95,9 +95,11 @@ class AttentionMetadata:
         if block_tables is not None:
             assert block_size is not None and len(block_tables) == len(query_lens)
             width = max((len(t) for t in block_tables), default=0)
-            # Unused entries point at block 0: kernels must mask by seq_lens, never trust padding.
+            # Unused entries point at block 0: kernels must mask by seq_lens, never trust padding. So do slots
+            # freed early outside a sliding window (NULL_BLOCK, -1): the window masks every position in them.
             tables_t = torch.tensor(
-                [t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32, device=device
+                [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
+                device=device,
             ).reshape(len(block_tables), width)
             slots: list[int] = []
             for table, ctx, seq in zip(block_tables, context_lens, seq_lens, strict=True):

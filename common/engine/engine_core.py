@@ -68,6 +68,7 @@ class EngineCore:
         self.num_steps = self.step_prefill_tokens = self.step_decode_tokens = 0
         self.step_seconds = 0.0
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv.window = _kv_window(model, draft_model, self.connector)
         self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, self.connector, speculative)
         if parallel is not None:
             from common.parallel.executor import ParallelModelRunner
@@ -287,3 +288,19 @@ class EngineStats:
 
 class ColocatedEngine(EngineCore):
     """Prefill and decode in one process (Sarathi-Serve style mixed batches): the base connector."""
+
+
+def _kv_window(model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None, connector: KVConnector) -> int | None:
+    """The window past which a request's KV blocks are freed early (KVCacheManager.window), or None.
+
+    Only when every layer is windowed (a model with any full-attention layer reads every block) and on a
+    colocated node (a prefill node's connector sends the whole prompt's blocks, so they stay until it has read
+    them). Not with a draft model: it catches up from its own position, which may lie before the window, and
+    writes its KV through the same block tables.
+    """
+    if connector.role != "colocated" or draft_model is not None:
+        return None
+    windows = model.config.layer_windows
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)

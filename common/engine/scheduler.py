@@ -263,6 +263,8 @@ class Scheduler:
         if request.num_computed_tokens // block_size > before // block_size:
             # A block just filled up: enter it in the prefix cache.
             self.kv.commit(request.request_id, request.token_slice(0, request.num_computed_tokens))
+        # No later step queries below num_computed_tokens: blocks before every window are dead (a no-op without one).
+        self.kv.free_outside_window(request.request_id, request.num_computed_tokens)
 
     # ---- ending ----------------------------------------------------------------------------------
 

@@ -26,6 +26,10 @@ from common.kv.kv_events import DEFAULT_LOG_CAPACITY, KVEventBatch, KVEventLog
 if TYPE_CHECKING:
     from common.kv.offload import Tier
 
+NULL_BLOCK = -1
+"""A table slot whose block was freed early because it is wholly outside every layer's sliding window
+(``free_outside_window``); attention never reads it (the metadata maps it to block 0, masked by the window)."""
+
 BlockCopy = tuple[int, int]
 """(src_block_id, dst_block_id): copy the KV of ``src`` into ``dst`` before the next write to ``dst``."""
 
@@ -64,6 +68,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         self.offload: Tier | None = None  # the tier under the pool (set_offload); None: evicted blocks are gone
         self.offload_hits = 0  # prompt tokens restored from it, in tokens like prefix_cache_hits (a part of them)
+        # Set when every layer (a draft model's too) has a sliding window: the largest one. Blocks wholly before
+        # every window are then freed early (free_outside_window); None: a request keeps all its blocks.
+        self.window: int | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -235,7 +242,7 @@ class KVCacheManager:
         if partial and self.pool.num_free_blocks < 1:
             return None
         shared = parent.block_ids[:num_full]
-        self.pool.touch(shared)
+        self.pool.touch(b for b in shared if b != NULL_BLOCK)
         copies: list[BlockCopy] = []
         child_ids = list(shared)
         if partial:
@@ -285,7 +292,30 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first so its last blocks are evicted before its shared head."""
         req = self._requests.pop(request_id)
-        self.pool.free_blocks(reversed(req.block_ids))
+        self.pool.free_blocks(b for b in reversed(req.block_ids) if b != NULL_BLOCK)
+
+    def free_outside_window(self, request_id: str, first_query_pos: int) -> list[int]:
+        """Free the blocks no query at ``first_query_pos`` or later can read; return their ids, head first.
+
+        Only with ``window`` set. A query at position q reads positions q - window + 1 .. q, so block i (positions
+        i*bs .. (i+1)*bs - 1) is dead once (i+1)*bs <= first_query_pos - window + 1. The caller passes the lowest
+        position any later step computes (``num_computed_tokens``: rollbacks never go below it). Freed blocks go
+        through the pool's normal free path, so they stay cached (and findable) until evicted; their table slots
+        become ``NULL_BLOCK``. With prefix caching only committed blocks are freed (commit reads the table).
+        """
+        req = self._requests[request_id]
+        if self.window is None:
+            return []
+        bs = self.block_size
+        num_dead = max(0, first_query_pos - self.window + 1) // bs
+        num_dead = min(num_dead, req.num_tokens // bs)
+        if self.enable_prefix_caching:
+            num_dead = min(num_dead, len(req.block_hashes))
+        freed = [b for b in req.block_ids[:num_dead] if b != NULL_BLOCK]
+        if freed:
+            self.pool.free_blocks(freed)
+            req.block_ids[:num_dead] = [NULL_BLOCK] * num_dead
+        return freed
 
     # ------------------------------------------------------------------ internals
 
@@ -344,9 +374,16 @@ class KVCacheManager:
             assert len(req.block_ids) == self.blocks_needed(req.num_tokens), (
                 f"{request_id}: {len(req.block_ids)} blocks for {req.num_tokens} tokens"
             )
-            assert len(set(req.block_ids)) == len(req.block_ids), f"{request_id}: block listed twice"
+            live = [b for b in req.block_ids if b != NULL_BLOCK]
+            assert len(set(live)) == len(live), f"{request_id}: block listed twice"
+            dead = len(req.block_ids) - len(live)
+            if dead:  # freed early (free_outside_window): a leading run of full blocks
+                assert self.window is not None, f"{request_id}: freed slot without a window"
+                assert req.block_ids[:dead] == [NULL_BLOCK] * dead, f"{request_id}: freed slots not a leading run"
             assert len(req.block_hashes) <= req.num_tokens // bs, f"{request_id}: hash of a partial block"
             for index, block_id in enumerate(req.block_ids):
+                if block_id == NULL_BLOCK:
+                    continue
                 refs[block_id] += 1
                 block_hash = self.pool.get_block_hash(block_id)
                 if block_hash is None:

@@ -97,6 +97,9 @@ def _greedy_runs(model_dir: Path, prompts: list[list[int]], speculative: bool) -
              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=3),
              speculative=spec) as llm:
         assert llm.model.decode_step is None  # the one-call C++ step reads whole sequences: not for windows
+        # blocks before the window are freed early only when every layer is windowed (mistral here)
+        windows = llm.model.config.layer_windows
+        assert llm.engine.kv.window == (None if None in windows else max(w for w in windows if w is not None))
         first = [c.token_ids for c in llm.generate(prompts, params)]
         assert llm.engine.kv.prefix_cache_hits == 0
         second = [c.token_ids for c in llm.generate(prompts, params)]
@@ -151,3 +154,37 @@ def test_decode_step_is_not_installed_for_a_window(tiny_model_factory: Callable[
         pytest.skip("the one-call decode step does not build or apply on this machine")
     windowed = load_model(_model_dir(tiny_model_factory, "mistral"), dtype="float32")
     assert windowed.decode_step is None and windowed.fused_ops.name == "cpp"
+
+
+def test_windowed_blocks_are_freed_mid_request(tiny_model_factory: Callable[..., Path]) -> None:
+    """Mistral with window 5 in 4-token blocks: a 14-token prompt prefilled in one step keeps only the blocks a
+    later query reads (the query at q reads q - 4 .. q), with exact ids, and the output stays transformers'."""
+    from common.engine.llm import LLM
+    from common.kv.kv_cache_manager import NULL_BLOCK as N
+    from common.sampling.params import SamplingParams
+
+    model_dir = _with_tokenizer(_model_dir(tiny_model_factory, "mistral"))
+    prompt = torch.randint(3, 128, (14,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(model_dir, dtype="float32", device="cpu", cache=CacheConfig(block_size=4, num_blocks=16),
+             scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=None)) as llm:
+        kv = llm.engine.kv
+        tables, used, tokens = [], [], []
+        for delta in llm.stream([prompt], params):
+            tokens += delta.token_ids
+            if not delta.finished:
+                (running,) = llm.engine.scheduler.running
+                tables.append(kv.block_table(running.request_id))
+                used.append(kv.num_used_blocks)
+            kv.check_integrity()
+        assert kv.num_used_blocks == 0
+        kv.check_integrity()
+    assert tables == [
+        [N, N, 2, 3],  # computed 14: the next query (14) reads 10..14, blocks 0 and 1 (0..7) freed
+        [N, N, 2, 3],  # computed 15
+        [N, N, N, 3],  # computed 16: block 2 (8..11) freed
+        [N, N, N, 3, 4],  # computed 17: block 4 from the head of the free queue
+        [N, N, N, 3, 4],  # computed 18
+    ]
+    assert used == [2, 2, 1, 2, 2]  # never more than ceil(5 / 4) + 1 blocks, against 5 for the whole sequence
+    assert tokens == _hf_greedy(model_dir, prompt, 6)

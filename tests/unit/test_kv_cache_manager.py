@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from common.kv.kv_cache_manager import Allocation, BlockCopy, KVCacheManager
+from common.kv.kv_cache_manager import NULL_BLOCK, Allocation, BlockCopy, KVCacheManager
 
 BS = 4
 A = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # 2 full blocks + 2 tokens
@@ -366,3 +366,78 @@ TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TestKVCacheMachineNoPrefixCaching = KVCacheMachineNoPrefixCaching.TestCase
 TestKVCacheMachineNoPrefixCaching.settings = settings(max_examples=30, stateful_step_count=50, deadline=None)
+
+
+# ---------------------------------------------------------------- sliding windows: blocks freed early
+
+
+def test_blocks_before_the_window_are_freed_and_stay_cached() -> None:
+    kv = make()
+    kv.window = 6  # a query at 12 reads 7..12: block 0 (0..3) is dead, block 1 (4..7) is not
+    kv.allocate("a", C)
+    assert kv.free_outside_window("a", 12) == []  # nothing committed yet: commit still reads the table
+    kv.commit("a", C)
+    assert kv.free_outside_window("a", 12) == [0]
+    assert kv.block_table("a") == [NULL_BLOCK, 1, 2]
+    assert kv.free_outside_window("a", 12) == []  # idempotent
+    assert (kv.num_free_blocks, kv.pool.get_block_hash(0) is not None) == (8, True)
+    kv.check_integrity()
+    # the freed block is still a prefix hit: revived from the free queue
+    assert kv.allocate("b", C) == Allocation([0, 1, 3], 8)
+    kv.check_integrity()
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_free_blocks == 10
+    kv.check_integrity()
+
+
+def test_window_bound_is_exact() -> None:
+    kv = make()
+    kv.window = 5
+    kv.allocate("a", C)
+    kv.commit("a", C)
+    # block 0 holds 0..3: dead once the lowest query q has q - 4 > 3, i.e. q >= 8
+    assert kv.free_outside_window("a", 7) == []
+    assert kv.free_outside_window("a", 8) == [0]
+    assert kv.free_outside_window("a", 11) == []
+    assert kv.free_outside_window("a", 12) == [1]
+    # a block is never freed past the request's full blocks, whatever the caller says
+    assert kv.free_outside_window("a", 100) == [2]
+    assert kv.block_table("a") == [NULL_BLOCK] * 3
+    kv.check_integrity()
+    kv.free("a")
+    assert kv.num_free_blocks == 10
+    kv.check_integrity()
+
+
+def test_no_window_or_no_prefix_caching() -> None:
+    kv = make()
+    kv.allocate("a", C)
+    kv.commit("a", C)
+    assert kv.free_outside_window("a", 12) == []  # window None: a model with a full-attention layer
+    kv = make(enable_prefix_caching=False)
+    kv.window = 4
+    kv.allocate("a", C)
+    assert kv.free_outside_window("a", 12) == [0, 1]  # nothing to commit: written blocks go at once
+    kv.check_integrity()
+    # a fork shares the live blocks only; the placeholders stay placeholders
+    assert kv.fork("a", "b") == []
+    assert kv.block_table("b") == [NULL_BLOCK, NULL_BLOCK, 2]
+    assert kv.pool.ref_count(2) == 2
+    kv.check_integrity()
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_free_blocks == 10
+
+
+def test_an_evicted_freed_block_ends_the_prefix_hit() -> None:
+    kv = make()
+    kv.window = 6
+    kv.allocate("a", C)
+    kv.commit("a", C)
+    assert kv.free_outside_window("a", 12) == [0]
+    # 8 free blocks (3..9, then 0 at the tail): taking them all evicts block 0's hash
+    assert kv.allocate("x", list(range(100, 132))) == Allocation([3, 4, 5, 6, 7, 8, 9, 0], 0)
+    kv.free("x")
+    assert kv.get_computed_blocks(C) == ([], 0)  # block 1 is still cached, but the chain broke at block 0
+    kv.check_integrity()

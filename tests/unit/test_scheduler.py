@@ -7,7 +7,7 @@ from common.engine.kv_connector import KVConnector
 from common.engine.request import FinishReason, Request, RequestStatus
 from common.engine.scheduler import Scheduler
 from common.engine.scheduler_output import SchedulerOutput, StepResult
-from common.kv.kv_cache_manager import KVCacheManager
+from common.kv.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from common.sampling.params import SamplingParams
 from common.sampling.sampler import SampleResult
 from decode_service.kv_consumer import KVConsumer
@@ -342,3 +342,26 @@ def test_a_smaller_prompt_does_not_take_the_blocks_a_higher_priority_one_waits_f
     s.waiting[0].num_preemptions = 1  # as if preempted: first in the order, needs 3 blocks, 2 free
     s.add_request(req("small", 2, first=200))  # 1 block would fit, but it must not overtake
     assert step(s) == [("a", 8, 1)]
+
+
+def test_sliding_window_frees_blocks_before_the_window_mid_request() -> None:
+    s = make(max_prefill_chunk=4)
+    s.kv.window = 5  # every layer windowed: a query at q reads q - 4 .. q
+    s.add_request(req("a", 10, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
+    tables = []
+    for _ in range(8):
+        step(s)
+        if s.kv.has_request("a"):
+            tables.append(s.kv.block_table("a"))
+    N = NULL_BLOCK
+    assert tables == [
+        [0, 1, 2],  # computed 4: the next query (4) reads 0..4
+        [N, 1, 2],  # computed 8: the next query reads 4..8, block 0 (0..3) freed
+        [N, 1, 2],  # computed 10
+        [N, 1, 2],  # computed 11
+        [N, N, 2],  # computed 12: block 1 (4..7) freed
+        [N, N, 2, 3],  # computed 13, a new block from the head of the free queue
+        [N, N, 2, 3],  # computed 14
+    ]
+    assert not s.has_work() and s.kv.num_free_blocks == 16
+    assert s.kv.get_computed_blocks(list(range(10)) + [7])[1] == 8  # the freed blocks stayed cached
