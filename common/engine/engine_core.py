@@ -68,7 +68,7 @@ class EngineCore:
         self.num_steps = self.step_prefill_tokens = self.step_decode_tokens = 0
         self.step_seconds = 0.0
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.kv.window = _kv_window(model, draft_model, self.connector)
+        self.kv.window = None if parallel is not None else _kv_window(model, draft_model, self.connector)
         self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, self.connector, speculative)
         if parallel is not None:
             from common.parallel.executor import ParallelModelRunner
@@ -296,7 +296,8 @@ def _kv_window(model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None, co
     Only when every layer is windowed (a model with any full-attention layer reads every block) and on a
     colocated node (a prefill node's connector sends the whole prompt's blocks, so they stay until it has read
     them). Not with a draft model: it catches up from its own position, which may lie before the window, and
-    writes its KV through the same block tables.
+    writes its KV through the same block tables. Not in T x P ranks either (the caller): the worker protocol
+    carries block ids as uint32, with no placeholder.
     """
     if connector.role != "colocated" or draft_model is not None:
         return None
