@@ -91,6 +91,14 @@ def load_spec(deployment: str) -> DeploymentSpec:
                          f"(running: {running})") from None
     return DeploymentSpec.from_json(ray.get(gateway.spec.remote(), timeout=CALL_TIMEOUT_S))
 
+def _node_resources() -> list[dict[str, float]]:
+    """Each alive Ray node's resources, without Ray's own bookkeeping (placement-group and node: entries)."""
+    import ray
+
+    return [{k: v for k, v in node["Resources"].items() if "_group_" not in k and not k.startswith("node:")
+             and k not in ("memory", "object_store_memory")} for node in ray.nodes() if node["Alive"]]
+
+
 class RayDeployment:
     """One deployment's actors, by name; the methods block until the change is done (or raise)."""
 
@@ -209,7 +217,7 @@ class RayDeployment:
         if not ready:
             remove_placement_group(pg)
             raise ValueError(f"{name}: no Ray node can hold {ranks} x {resources} (--{role}-resources) within "
-                             f"{self.spec.placement_timeout_s:g} s; the cluster has {ray.cluster_resources()}")
+                             f"{self.spec.placement_timeout_s:g} s; the cluster's nodes have {_node_resources()}")
         args = [*self.spec.model_args, *self.spec.node_args, *getattr(self.spec, f"{role}_args"),
                 "--gateway", internal, "--register-interval-s", "1"]
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
