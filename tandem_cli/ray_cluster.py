@@ -39,7 +39,7 @@ def connect(address: str, timeout_s: float = 5.0) -> None:
     # A restartable detached actor in a placement group is what a Tandem node is: the group's removal ends it.
     logging.getLogger("ray.actor").setLevel(logging.ERROR)
     if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
 
 def _stay_on_loopback() -> None:
     """Ray turns a loopback address into this machine's interface address ("localhost isn't remotely
