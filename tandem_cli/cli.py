@@ -454,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tandem_cli.ray_command import add_ray_parser
 
-    add_ray_parser(sub)
+    add_ray_parser(sub, _add_model_flags, _add_speculative_flags)
     return parser
 
 

@@ -74,7 +74,7 @@ def deployments() -> list[str]:
 
     return sorted({n.partition(":")[0] for n in ray.util.list_named_actors() if n.endswith(":gateway")})
 
-def _actor(deployment: str, member: str) -> Any:
+def actor(deployment: str, member: str) -> Any:
     import ray
 
     return ray.get_actor(actor_name(deployment, member), namespace=NAMESPACE)
@@ -84,7 +84,7 @@ def load_spec(deployment: str) -> DeploymentSpec:
     import ray
 
     try:
-        gateway = _actor(deployment, "gateway")
+        gateway = actor(deployment, "gateway")
     except ValueError:
         running = ", ".join(deployments()) or "none"
         raise ValueError(f"--name {deployment}: no Tandem deployment of that name on this Ray cluster "
@@ -109,7 +109,7 @@ class RayDeployment:
     def gateway_info(self) -> dict[str, Any]:
         import ray
 
-        return dict(ray.get(_actor(self.spec.name, "gateway").info.remote(), timeout=CALL_TIMEOUT_S))
+        return dict(ray.get(actor(self.spec.name, "gateway").info.remote(), timeout=CALL_TIMEOUT_S))
 
     @property
     def internal_address(self) -> str:
@@ -266,13 +266,13 @@ class RayDeployment:
         from ray.util.placement_group import get_placement_group, remove_placement_group
 
         try:
-            actor = _actor(self.spec.name, name)
+            handle = actor(self.spec.name, name)
         except ValueError:
-            actor = None
-        if actor is not None:
+            handle = None
+        if handle is not None:
             with contextlib.suppress(Exception):  # dead or unreachable: killed below either way
-                ray.get(actor.stop.remote(STOP_GRACE_S), timeout=STOP_GRACE_S + CALL_TIMEOUT_S)
-            ray.kill(actor, no_restart=True)
+                ray.get(handle.stop.remote(STOP_GRACE_S), timeout=STOP_GRACE_S + CALL_TIMEOUT_S)
+            ray.kill(handle, no_restart=True)
         if name != "gateway":
             with contextlib.suppress(ValueError):
                 remove_placement_group(get_placement_group(actor_name(self.spec.name, name)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -45,18 +46,18 @@ def _common(p: argparse.ArgumentParser) -> None:
 def cmd_ray_up(args: argparse.Namespace) -> int:
     from tandem_cli.ray_cluster import RayDeployment, connect
     from tandem_cli.ray_deploy import DeploymentSpec, parse_resources
-    from tandem_cli.up_command import _decode_args, _model_args, _parallel_args
+    from tandem_cli.up_command import decode_args, node_model_args, parallel_args
 
     _ray_or_exit()
 
     def ranks(role: str) -> int:
-        flags = _parallel_args(args, role)
+        flags = parallel_args(args, role)
         sizes = dict(zip(flags[::2], (int(v) for v in flags[1::2]), strict=True))
         return sizes.get("--tensor-parallel-size", 1) * sizes.get("--pipeline-parallel-size", 1)
 
     spec = DeploymentSpec(
-        name=args.name, model_args=_model_args(args), node_args=tuple(args.node_arg or ()),
-        prefill_args=_parallel_args(args, "prefill"), decode_args=_decode_args(args),
+        name=args.name, model_args=node_model_args(args), node_args=tuple(args.node_arg or ()),
+        prefill_args=parallel_args(args, "prefill"), decode_args=decode_args(args),
         gateway_args=tuple(args.gateway_arg or ()),
         prefill_resources=parse_resources(args.prefill_resources, "--prefill-resources"),
         decode_resources=parse_resources(args.decode_resources, "--decode-resources"),
@@ -121,10 +122,10 @@ def status(name: str) -> list[dict[str, Any]]:
     """Each member's actor info (address, Ray node, pids), the gateway first."""
     import ray
 
-    from tandem_cli.ray_cluster import CALL_TIMEOUT_S, _actor, members
+    from tandem_cli.ray_cluster import CALL_TIMEOUT_S, actor, members
 
     names = ["gateway", *(m.name for m in members(name))]
-    return [dict(ray.get(_actor(name, n).info.remote(), timeout=CALL_TIMEOUT_S)) for n in names]
+    return [dict(ray.get(actor(name, n).info.remote(), timeout=CALL_TIMEOUT_S)) for n in names]
 
 
 def _print_status(name: str) -> None:
@@ -132,8 +133,10 @@ def _print_status(name: str) -> None:
         print(json.dumps(info))
 
 
-def add_ray_parser(sub: Any) -> None:
-    from tandem_cli.cli import _add_model_flags, _add_speculative_flags
+def add_ray_parser(sub: Any, add_model_flags: Callable[[Any], None],
+                   add_speculative_flags: Callable[[Any], None]) -> None:
+    """``tandem ray``; the model and speculative flags are the caller's (tandem_cli.cli), passed in so this module
+    does not import it back."""
     from tandem_cli.up_command import add_role_layout_flags
 
     ray = sub.add_parser("ray", help="run Tandem on a Ray cluster: more than one machine (docs/multi-machine.md)")
@@ -156,9 +159,9 @@ def add_ray_parser(sub: Any) -> None:
     up.add_argument("--node-arg", action="append", help="an extra flag for every node (repeat: --node-arg=--num-"
                     "blocks --node-arg=256)")
     up.add_argument("--gateway-arg", action="append", help="an extra flag for the gateway (repeatable)")
-    _add_model_flags(up)
+    add_model_flags(up)
     add_role_layout_flags(up)
-    _add_speculative_flags(up)
+    add_speculative_flags(up)
     up.set_defaults(func=cmd_ray_up)
 
     scale = ray_sub.add_parser("scale", help="change a running deployment's pools: new nodes serve before it "

@@ -11,7 +11,7 @@ from common.config.settings import ModelSettings, SecuritySettings, env_name, fl
 from common.telemetry.settings import TelemetrySettings
 
 
-def _model_args(args: argparse.Namespace) -> tuple[str, ...]:
+def node_model_args(args: argparse.Namespace) -> tuple[str, ...]:
     """Model flags forwarded from ``tandem up`` to every process."""
     out: list[str] = []
     for name in ("model", "dtype", "attention_backend", "home", "quantization", "quantization_group_size",
@@ -30,7 +30,7 @@ def add_role_layout_flags(up: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{role}-pipeline-parallel-size", type=int, default=None, help=f"P of {role} nodes")
 
 
-def _parallel_args(args: argparse.Namespace, role: str) -> tuple[str, ...]:
+def parallel_args(args: argparse.Namespace, role: str) -> tuple[str, ...]:
     """A role's layout: --{role}-tensor/pipeline-parallel-size, else --tensor/pipeline-parallel-size."""
     out: list[str] = []
     for kind in ("tensor", "pipeline"):
@@ -58,10 +58,10 @@ def settings_args(args: argparse.Namespace, cls: type) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _decode_args(args: argparse.Namespace) -> tuple[str, ...]:
+def decode_args(args: argparse.Namespace) -> tuple[str, ...]:
     from common.config.settings import SpeculativeSettings
 
-    return (*_parallel_args(args, "decode"), *settings_args(args, SpeculativeSettings))
+    return (*parallel_args(args, "decode"), *settings_args(args, SpeculativeSettings))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -75,8 +75,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from tandem_cli.launcher import Launcher, RestartPolicy, Topology
 
     topology = Topology(num_prefill=args.prefill_nodes, num_decode=args.decode_nodes, gateway_port=args.port,
-                        http_port=args.http_port or None, model_args=_model_args(args), decode_args=_decode_args(args),
-                        prefill_args=_parallel_args(args, "prefill"),
+                        http_port=args.http_port or None, model_args=node_model_args(args),
+                        decode_args=decode_args(args),
+                        prefill_args=parallel_args(args, "prefill"),
                         metrics_base_port=args.metrics_base_port)
     # Services log to files (the terminal shows only what `tandem up` says, and the demo's text); with
     # --log-dir - they log to this terminal, in the key=value form that reads better there than JSON.

@@ -386,13 +386,13 @@ def test_tandem_generate_at_t2_equals_t1_and_transformers(tiny_served_model_dir:
 def test_tandem_up_passes_each_roles_layout() -> None:
     import argparse
 
-    from tandem_cli.up_command import _decode_args, _parallel_args
+    from tandem_cli.up_command import decode_args, parallel_args
 
     args = argparse.Namespace(tensor_parallel_size=None, pipeline_parallel_size=2, prefill_tensor_parallel_size=None,
                               prefill_pipeline_parallel_size=None, decode_tensor_parallel_size=3,
                               decode_pipeline_parallel_size=1, speculative=None)  # no speculative flag given
-    assert _parallel_args(args, "prefill") == ("--pipeline-parallel-size", "2")
-    assert _parallel_args(args, "decode") == ("--tensor-parallel-size", "3", "--pipeline-parallel-size", "1")
-    assert _decode_args(args) == ("--tensor-parallel-size", "3", "--pipeline-parallel-size", "1")
+    assert parallel_args(args, "prefill") == ("--pipeline-parallel-size", "2")
+    assert parallel_args(args, "decode") == ("--tensor-parallel-size", "3", "--pipeline-parallel-size", "1")
+    assert decode_args(args) == ("--tensor-parallel-size", "3", "--pipeline-parallel-size", "1")
     args.speculative = "ngram"  # the speculative flags given to `tandem up` go to the decode nodes
-    assert _decode_args(args)[-2:] == ("--speculative", "ngram")
+    assert decode_args(args)[-2:] == ("--speculative", "ngram")
