@@ -86,6 +86,8 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "phi3": transformers.Phi3Config,
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
     }[model_type]
     model_cls: Any = {
         "llama": transformers.LlamaForCausalLM,
@@ -95,12 +97,15 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "phi3": transformers.Phi3ForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
+        "gemma3_text": transformers.Gemma3ForCausalLM,
     }[model_type]
     kwargs = {**TINY_LLAMA, **overrides}
     torch.manual_seed(seed)
     config = cfg_cls(**kwargs)
     model = model_cls(config).to(torch.float32)
-    # Random init leaves norms (Qwen3's q/k norms too) at 1 and biases at 0: perturb them so the test sees them.
+    # Random init leaves norms (Qwen3's q/k norms too) at 1 (Gemma's at 0: it scales by 1 + weight) and biases at
+    # 0: perturb them so the test sees them.
     # A MoE router (``...gate.weight``) is scaled up so that each token's top-k experts are chosen by clear
     # margins (near-ties would make the choice hinge on the last bit of a sum).
     with torch.no_grad():

@@ -56,7 +56,9 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        assert softcap is None, "no attention soft-cap here: the model refuses it at start (supports_softcap)"
         if kv_cache is None:
             if not meta.is_prefill_only:
                 raise ValueError("sequences with cached context need a kv_cache")
