@@ -1,6 +1,8 @@
 """The model families through the disaggregated system (issue 36): a random-weight Qwen3 (decoupled head_dim,
 q/k norms), a Mistral whose window is shorter than the prompts, a Qwen2 with full and sliding layers, a
-Phi-3 (its checkpoint's own fused projections) with a window, and the Mixtral and Qwen3-MoE mixtures of experts,
+Phi-3 (its checkpoint's own fused projections) with a window, the Mixtral and Qwen3-MoE mixtures of experts, a
+Gemma 2 (sandwich norms, both soft-caps, local and global layers) and a Gemma 3 (q/k norms, its local rotary base,
+linear scaling on the global layers),
 each served by one prefill and one decode node as real processes on 127.0.0.1 (the prompt's KV crosses from
 one to the other), greedy fp32 tokens equal to transformers', twice (the second time from both nodes' prefix
 caches), and every KV block free afterwards."""
@@ -31,6 +33,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
     "qwen3moe-dense-first": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                            "num_hidden_layers": 3, "mlp_only_layers": [0], "head_dim": 16}),
+    "gemma2-window-softcaps": ("gemma2", {"num_hidden_layers": 3, "sliding_window": 6, "head_dim": 16,
+                                          "attn_logit_softcapping": 0.01, "final_logit_softcapping": 1.0}),
+    "gemma3-pattern2-scaled-rope": ("gemma3_text", {
+        "num_hidden_layers": 4, "sliding_window": 6, "sliding_window_pattern": 2, "head_dim": 16,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
 }
 NEW_TOKENS = 10
 

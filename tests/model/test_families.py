@@ -179,9 +179,9 @@ BASE: dict[str, Any] = {"vocab_size": 10, "hidden_size": 8, "intermediate_size":
 
 def test_supported_model_types_come_from_the_registry() -> None:
     assert SUPPORTED_MODEL_TYPES == tuple(FAMILIES) == ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral",
-                                                        "qwen3_moe")
+                                                        "qwen3_moe", "gemma2", "gemma3_text")
     with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, "
-                                         r"qwen3, phi3, mixtral, qwen3_moe"):
+                                         r"qwen3, phi3, mixtral, qwen3_moe, gemma2, gemma3_text"):
         ModelConfig.from_dict({**BASE, "model_type": "gpt2"})
 
 

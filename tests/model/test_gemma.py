@@ -192,3 +192,18 @@ def test_a_backend_without_the_attention_soft_cap_is_refused_at_start(tiny_model
     # without the cap (and Gemma 3, whose attention has none) the same backend is fine
     LlamaForCausalLM(ModelConfig.from_pretrained(_gemma(tiny_model_factory, "gemma2-mha-no-caps")), NoSoftcap())
     LlamaForCausalLM(ModelConfig.from_pretrained(_gemma(tiny_model_factory, "gemma3-gqa2-pattern2")), NoSoftcap())
+
+
+def test_decode_step_is_not_installed_for_gemma(tiny_model_factory: Callable[..., Path]) -> None:
+    """A Llama of the same shapes takes the one-call C++ step; Gemma models with no window and no attention cap
+    (so only Gemma's layer could make it decline) keep the op-by-op forward with the fused ops."""
+    llama = load_model(tiny_model_factory("llama", seed=7, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=16), dtype="float32")
+    if llama.decode_step is None:
+        pytest.skip("the one-call decode step does not build or apply on this machine")
+    full = ["full_attention"] * 4
+    for name, extra in (("gemma2-gqa2-window5", {"layer_types": full[:3], "attn_logit_softcapping": None}),
+                        ("gemma3-gqa2-pattern2", {"layer_types": full})):
+        model = load_model(_gemma(tiny_model_factory, name, **extra), dtype="float32")
+        assert not model.config.layer_windows and model.config.attn_logit_softcapping is None
+        assert model.decode_step is None and model.fused_ops.name == "cpp", name
