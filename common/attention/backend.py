@@ -23,8 +23,8 @@ class AttentionBackend(ABC):
     """One way to compute attention. Stateless apart from what ``__init__`` picks."""
 
     name: str = ""
-    # Whether ``forward`` honours ``softcap`` (Gemma 2's attn_logit_softcapping); a model that needs it refuses a
-    # backend without it at start (common/model/llama.py), naming the field and the backend.
+    # Whether ``forward`` honours ``softcap`` (Gemma 2's attn_logit_softcapping: torch and triton); a model that
+    # needs it refuses a backend without it at start (common/model/llama.py), naming the field and the backend.
     supports_softcap: bool = False
 
     @abstractmethod

@@ -204,11 +204,16 @@ SOFTCAP_BATCHES = {**BATCHES, "long-extend": ([40, 3, 1], [10, 21, 6])}
 @pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "torch"])
 def test_torch_backend_attention_softcap(kind: str, dtype: torch.dtype, window: int | None, compiled: bool) -> None:
     """Gemma 2's attention soft-cap on every path of the torch backend (prefill, decode rows, the masked extend;
-    with the compiled decode kernel available or not: a soft-capped decode takes the PyTorch path), against the
-    dense oracle and the paged reference; a cap of 0.5 on scores of about N(0, 1) changes the output."""
+    with the compiled decode kernel available or not: a soft-capped decode takes the PyTorch path)."""
     batch = make_batch(*SOFTCAP_BATCHES[kind], gqa=3, block_size=16, dtype=dtype)
+    check_softcap(TorchAttentionBackend(compiled_decode=compiled), batch, dtype, window)
+
+
+def check_softcap(backend: AttentionBackend, batch: PagedBatch, dtype: torch.dtype, window: int | None) -> None:
+    """The backend's soft-capped attention against the dense oracle and the paged reference; a cap of 0.5 on
+    scores of about N(0, 1) changes the output."""
+    assert backend.supports_softcap
     scale, softcap = batch.query.shape[-1] ** -0.5, 0.5
-    backend = TorchAttentionBackend(compiled_decode=compiled)
     out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, scale, window, softcap)
     assert_close(out, dense_expected(batch, scale, window, softcap), dtype)
     key_cache, value_cache = batch.kv_cache
@@ -216,7 +221,7 @@ def test_torch_backend_attention_softcap(kind: str, dtype: torch.dtype, window: 
                                           cpu_meta(batch.meta), scale, window, softcap)
     assert_close(out, reference, dtype)
     uncapped = dense_expected(batch, scale, window)
-    assert (out.double() - uncapped).abs().max() > 0.05
+    assert (out.double().cpu() - uncapped).abs().max() > 0.05
 
 
 @pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="no C++ compiler or ninja")
@@ -380,6 +385,15 @@ def test_triton_paged_extend(
 def test_triton_backend(kind: str, gqa: int, block_size: int, dtype: torch.dtype) -> None:
     batch = make_batch(*BATCHES[kind], gqa=gqa, block_size=block_size, dtype=dtype, device=TRITON_DEVICE)
     check_backend(get_backend("triton"), batch, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", sorted(SOFTCAP_BATCHES))
+@pytest.mark.parametrize("window", [None, 5])
+def test_triton_backend_attention_softcap(kind: str, window: int | None) -> None:
+    """Gemma 2's soft-cap in the Triton decode and extend kernels (HAS_SOFTCAP), with and without a window."""
+    batch = make_batch(*SOFTCAP_BATCHES[kind], gqa=3, block_size=16, device=TRITON_DEVICE)
+    check_softcap(get_backend("triton"), batch, torch.float32, window)
 
 
 def test_num_splits_heuristic() -> None:

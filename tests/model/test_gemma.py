@@ -170,23 +170,24 @@ def test_what_gemma_cannot_honour_is_refused_naming_the_field(fields: dict[str, 
 
 
 def test_a_backend_without_the_attention_soft_cap_is_refused_at_start(tiny_model_factory: Callable[..., Path]) -> None:
-    """The GPU backends lack Gemma 2's attention soft-cap: the model refuses one at construction. They construct
-    only on a GPU, so the refusal runs here with the torch backend declaring itself one of them."""
+    """flash-attn and FlashInfer lack Gemma 2's attention soft-cap here (torch and Triton have it): the model
+    refuses them at construction. They construct only on a GPU, so the refusal runs here with the torch backend
+    declaring itself one of them."""
     from common.attention.flash_attn_backend import FlashAttnBackend
     from common.attention.flashinfer_backend import FlashInferBackend
     from common.attention.torch_backend import TorchAttentionBackend
     from common.attention.triton_backend import TritonAttentionBackend
     from common.model.llama import LlamaForCausalLM
 
-    assert TorchAttentionBackend.supports_softcap
-    assert not any(b.supports_softcap for b in (TritonAttentionBackend, FlashAttnBackend, FlashInferBackend))
+    assert TorchAttentionBackend.supports_softcap and TritonAttentionBackend.supports_softcap
+    assert not FlashAttnBackend.supports_softcap and not FlashInferBackend.supports_softcap
 
     class NoSoftcap(TorchAttentionBackend):  # the torch backend as a GPU backend declares itself
-        name = "triton"
+        name = "flash_attn"
         supports_softcap = False
 
     capped = ModelConfig.from_pretrained(_gemma(tiny_model_factory, "gemma2-gqa2-window5"))
-    with pytest.raises(ValueError, match=r"attn_logit_softcapping \(50\.0\) is not supported by the 'triton' "
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping \(50\.0\) is not supported by the 'flash_attn' "
                                          r"attention backend"):
         LlamaForCausalLM(capped, NoSoftcap())
     # without the cap (and Gemma 3, whose attention has none) the same backend is fine
