@@ -2,9 +2,9 @@
 embeddings times sqrt(hidden_size), GELU-tanh, query_pre_attn_scalar, interleaved sliding and global layers
 (Gemma 3's local rotary base, its rope scaling on the global layers), Gemma 3's q/k norms, Gemma 2's attention
 soft-cap and the final logit soft-cap. Random-weight configs saved by transformers (tests/conftest.py): GQA 2:1,
-4:1 and MHA, tied and untied heads, windows shorter than the prompts, soft-caps strong, default and off. Logits and
-greedy fp32 tokens equal transformers' offline (eager and C++ fused ops, chunked prefill, the prefix cache) and
-through ``tandem generate``; what Tandem cannot honour is refused naming the field."""
+4:1 and MHA, tied and untied heads, biases on and off, windows shorter than the prompts, soft-caps strong, default
+and off. Logits and greedy fp32 tokens equal transformers' offline (eager and C++ fused ops, chunked prefill, the
+prefix cache) and through ``tandem generate``; what Tandem cannot honour is refused naming the field."""
 
 from __future__ import annotations
 
@@ -33,16 +33,19 @@ GEMMA: dict[str, tuple[str, dict[str, Any]]] = {
                                                   "head_dim": 32, "tie_word_embeddings": False,
                                                   "sliding_window": 6, "attn_logit_softcapping": 0.01,
                                                   "final_logit_softcapping": 1.0}),
-    "gemma2-mha-no-caps": ("gemma2", {**_SHAPE, "num_key_value_heads": 4, "sliding_window": 4,
-                                      "attn_logit_softcapping": None, "final_logit_softcapping": None}),
+    # hidden 48 (embeddings times sqrt(48)) beside 4 x 16 attention, q/k/v/o biases
+    "gemma2-mha-no-caps": ("gemma2", {**_SHAPE, "num_key_value_heads": 4, "sliding_window": 4, "hidden_size": 48,
+                                      "attention_bias": True, "attn_logit_softcapping": None,
+                                      "final_logit_softcapping": None}),
     # Gemma 3: every 2nd layer global (sliding_window_pattern), local base 1e4 vs global 1e6
     "gemma3-gqa2-pattern2": ("gemma3_text", {**_SHAPE, "num_key_value_heads": 2, "num_hidden_layers": 4,
                                              "sliding_window": 5, "sliding_window_pattern": 2,
                                              "query_pre_attn_scalar": 24}),
-    # layer_types given, linear scaling on the global layers, a local base of its own, the final cap, untied
+    # layer_types given, linear scaling on the global layers, a local base of its own, the final cap, untied,
+    # q/k/v/o biases
     "gemma3-mha-untied-rope-cap": ("gemma3_text", {
         **_SHAPE, "num_key_value_heads": 4, "num_hidden_layers": 3, "sliding_window": 4,
-        "tie_word_embeddings": False, "final_logit_softcapping": 0.5,
+        "tie_word_embeddings": False, "final_logit_softcapping": 0.5, "attention_bias": True,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}}),
