@@ -73,6 +73,10 @@ TINY_LLAMA: dict[str, Any] = {
 }
 
 
+TINY_SIGLIP: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+
+
 def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
     """Save a random-weight transformers model (fp32 safetensors) and return its directory."""
     import torch
@@ -88,6 +92,9 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma2": transformers.Gemma2Config,
         "gemma3_text": transformers.Gemma3TextConfig,
+        # Gemma 3's image-and-text model: the overrides are its text_config, beside a tiny SigLIP vision tower
+        "gemma3": lambda **text: transformers.Gemma3Config(text_config=text, vision_config=TINY_SIGLIP,
+                                                           mm_tokens_per_image=4),
     }[model_type]
     model_cls: Any = {
         "llama": transformers.LlamaForCausalLM,
@@ -99,6 +106,7 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3_text": transformers.Gemma3ForCausalLM,
+        "gemma3": transformers.Gemma3ForConditionalGeneration,
     }[model_type]
     kwargs = {**TINY_LLAMA, **overrides}
     torch.manual_seed(seed)

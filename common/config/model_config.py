@@ -168,6 +168,7 @@ class ModelConfig:
         """The fields every family shares, read here; the family's options and refusals (common/model/families.py)."""
         model_type = raw.get("model_type", "")
         fam = family(model_type)
+        raw = dict(fam.text_view(raw))  # the language model's fields (Gemma 3's text_config), model_type kept above
         options = fam.read(raw)
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])

@@ -128,6 +128,10 @@ def _no_window(raw: Raw) -> Windows:
     return ()
 
 
+def _as_is(raw: Raw) -> Raw:
+    return raw
+
+
 def _silu_only(raw: Raw, model_type: str) -> Activation:
     act = raw.get("hidden_act", "silu")
     if act not in SILU:
@@ -151,6 +155,19 @@ class Family:
     # The MLP's activation as this family's modeling code reads it (Gemma: hidden_activation, not hidden_act).
     activation: Callable[[Raw, str], Activation] = _silu_only
     tie_word_embeddings: bool = False  # where config.json leaves it out (transformers' default for the family)
+    # The config.json fields the model reads (every one above, and ModelConfig.from_dict's): the file itself, or
+    # an image-and-text checkpoint's text_config (Gemma 3's); its model_type stays the file's.
+    text_view: Callable[[Raw], Raw] = _as_is
+    # Checkpoint name prefix -> the model's (``language_model.model.`` -> ``model.``), or None: a tensor of another
+    # part of the checkpoint (a vision tower), not read. Applied before every other mapping; {}: names as they are.
+    weight_prefixes: Mapping[str, str | None] = field(default_factory=dict)
+
+    def weight_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as the text model's (None: not part of it, skipped)."""
+        for prefix, ours in self.weight_prefixes.items():
+            if name.startswith(prefix):
+                return None if ours is None else ours + name.removeprefix(prefix)
+        return name
 
     def read(self, raw: Raw) -> ArchOptions:
         """The options of this config, refusing (``ValueError`` naming the field) what Tandem cannot honour."""
@@ -318,6 +335,17 @@ def _gemma3_options(raw: Raw) -> ArchOptions:
                    rope=global_rope, sliding_rope=local_rope)
 
 
+def _gemma3_text_config(raw: Raw) -> Raw:
+    """Gemma 3's image-and-text checkpoints (4B, 12B, 27B; ``Gemma3ForConditionalGeneration``): the language model's
+    config is ``text_config``. Tying is the top level's ``tie_word_embeddings`` (default true), as
+    Gemma3ForConditionalGeneration ties its head (text_config's own is not read); token ids at the top level win."""
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError("text_config is missing (gemma3): the image-and-text config keeps its language model there")
+    top = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw}
+    return {**text, **top, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))}
+
+
 def _gemma_windows(pattern_field: str | None) -> Callable[[Raw], Windows]:
     """Gemma's interleaved local and global layers: ``layer_types`` when given, else every ``pattern``-th layer
     global, the others sliding (Gemma 2: every 2nd; Gemma 3: ``sliding_window_pattern``, default 6); the window
@@ -359,13 +387,15 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3_text", "Gemma3ForCausalLM", _gemma3_options, head_dim=256,
            layer_windows=_gemma_windows("sliding_window_pattern"), activation=_gemma_activation,
            tie_word_embeddings=True),
+    # Gemma 3's image-and-text checkpoints served as text: the language model read from text_config and from the
+    # checkpoint's language_model.* tensors (the layout transformers saves and the hub has), the vision tower and
+    # the projector left unread. Prompts are text: no image is ever embedded.
+    Family("gemma3", "Gemma3ForConditionalGeneration", _gemma3_options, head_dim=256,
+           layer_windows=_gemma_windows("sliding_window_pattern"), activation=_gemma_activation,
+           tie_word_embeddings=True, text_view=_gemma3_text_config,
+           weight_prefixes={"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                            "vision_tower.": None, "multi_modal_projector.": None}),
 )}
-
-# model_types Tandem knows and does not run, with why (the rest: "not supported", listing the supported ones).
-REFUSED: Mapping[str, str] = {
-    "gemma3": "Gemma3ForConditionalGeneration is Gemma 3's image-and-text model (a vision tower, text_config nested "
-              "under it); Tandem runs the text-only gemma3_text (Gemma3ForCausalLM)",
-}
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -375,7 +405,5 @@ def family(model_type: str) -> Family:
     try:
         return FAMILIES[model_type]
     except KeyError:
-        if model_type in REFUSED:
-            raise ValueError(f"model_type {model_type!r} is not supported: {REFUSED[model_type]}") from None
         raise ValueError(f"model_type {model_type!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}") from None

@@ -4,7 +4,8 @@ embeddings times sqrt(hidden_size), GELU-tanh, query_pre_attn_scalar, interleave
 soft-cap and the final logit soft-cap. Random-weight configs saved by transformers (tests/conftest.py): GQA 2:1,
 4:1 and MHA, tied and untied heads, biases on and off, windows shorter than the prompts, soft-caps strong, default
 and off. Logits and greedy fp32 tokens equal transformers' offline (eager and C++ fused ops, chunked prefill, the
-prefix cache) and through ``tandem generate``; what Tandem cannot honour is refused naming the field."""
+prefix cache) and through ``tandem generate``, for Gemma 3's image-and-text checkpoint (served as text) too;
+what Tandem cannot honour is refused naming the field."""
 
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ GEMMA: dict[str, tuple[str, dict[str, Any]]] = {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}}),
+    # Gemma 3's image-and-text model (Gemma3ForConditionalGeneration) served as text: its text_config and its
+    # language_model.* tensors, the vision tower unread; linear scaling on the global layers as the 4B+ have
+    "gemma3-multimodal-text": ("gemma3", {**_SHAPE, "num_key_value_heads": 2, "num_hidden_layers": 4,
+                                          "sliding_window": 5, "sliding_window_pattern": 2,
+                                          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                                 "rope_theta": 1e6},
+                                                              "sliding_attention": {"rope_type": "default",
+                                                                                    "rope_theta": 1e4}}}),
 }
 
 
@@ -124,7 +133,7 @@ def test_gemma_offline_greedy_identical_to_transformers(tiny_model_factory: Call
         assert completion == _hf_greedy(model_dir, prompt, TOKENS), name
 
 
-@pytest.mark.parametrize("name", ["gemma2-gqa2-window5", "gemma3-gqa2-pattern2"])
+@pytest.mark.parametrize("name", ["gemma2-gqa2-window5", "gemma3-gqa2-pattern2", "gemma3-multimodal-text"])
 def test_gemma_through_tandem_generate(tiny_model_factory: Callable[..., Path], name: str,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     model_dir = _gemma(tiny_model_factory, name)
@@ -153,6 +162,13 @@ def test_gemma_config_reads_as_transformers() -> None:
     assert g3.layer_rope(0)[0] == 1e4 and g3.layer_rope(0)[1].rope_type == "default"
     # transformers' Gemma3Attention never passes attn_logit_softcapping to attention: neither does Tandem
     assert g3.attn_logit_softcapping is None and g3.final_logit_softcapping is None
+    # the image-and-text config: the same language model read from text_config, the top level's tying and
+    # token ids winning (Gemma3ForConditionalGeneration ties by its own tie_word_embeddings)
+    mm = ModelConfig.from_dict({"model_type": "gemma3", "eos_token_id": [1, 106], "tie_word_embeddings": False,
+                                "text_config": {**raw, "tie_word_embeddings": True, "eos_token_id": 1}})
+    assert mm.model_type == "gemma3" and mm.eos_token_ids == (1, 106) and not mm.tie_word_embeddings
+    assert (mm.layer_windows, mm.layer_rope(5), mm.layer_rope(0)) == (g3.layer_windows, g3.layer_rope(5),
+                                                                      g3.layer_rope(0))
 
 
 @pytest.mark.parametrize(("fields", "needle"), [
@@ -164,8 +180,7 @@ def test_gemma_config_reads_as_transformers() -> None:
      r"rope_parameters keys \['rope_theta', 'rope_type'\]"),
     ({"model_type": "gemma3_text", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      r"rope_scaling.rope_type 'yarn'"),
-    ({"model_type": "gemma3", "text_config": {}}, r"model_type 'gemma3' is not supported: "
-                                                  r"Gemma3ForConditionalGeneration"),
+    ({"model_type": "gemma3"}, r"text_config is missing \(gemma3\)"),
 ])
 def test_what_gemma_cannot_honour_is_refused_naming_the_field(fields: dict[str, Any], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
