@@ -51,7 +51,7 @@ class LlamaAttention(nn.Module):
         self.softcap = config.attn_logit_softcapping
         if self.softcap is not None and not backend.supports_softcap:
             raise ValueError(f"attn_logit_softcapping ({self.softcap}) is not supported by the {backend.name!r} "
-                             f"attention backend: use the torch backend")
+                             f"attention backend: use the torch or triton backend")
         self.backend = backend
         # q, k and v fused into one matmul: one pass over the activations instead of three.
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
