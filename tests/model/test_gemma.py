@@ -133,6 +133,25 @@ def test_gemma_offline_greedy_identical_to_transformers(tiny_model_factory: Call
         assert completion == _hf_greedy(model_dir, prompt, TOKENS), name
 
 
+@pytest.mark.parametrize("name", ["gemma2-gqa4-untied-strong-caps", "gemma3-gqa2-pattern2"])
+def test_gemma_ngram_speculation_keeps_transformers_greedy(tiny_model_factory: Callable[..., Path], name: str) -> None:
+    """n-gram drafts verified over the soft-capped, windowed attention (chunks read as decode rows)."""
+    from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
+    from common.engine.llm import LLM
+    from common.sampling.params import SamplingParams
+
+    model_dir = _gemma(tiny_model_factory, name)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (9, 14)]
+    prompts.append((prompts[0][:4] * 5)[:17])  # repetitive: the n-gram lookup finds drafts
+    spec = SpeculativeConfig(method=SpeculativeMethod.NGRAM, num_speculative_tokens=3, max_batch_size=8)
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    with LLM(model_dir, dtype="float32", device="cpu", speculative=spec) as llm:
+        got = [c.token_ids for c in llm.generate(prompts, params)]
+        assert llm.engine.scheduler.num_draft_tokens > 0
+    assert got == [_hf_greedy(model_dir, p, TOKENS) for p in prompts]
+
+
 @pytest.mark.parametrize("name", ["gemma2-gqa2-window5", "gemma3-gqa2-pattern2", "gemma3-multimodal-text"])
 def test_gemma_through_tandem_generate(tiny_model_factory: Callable[..., Path], name: str,
                                        capsys: pytest.CaptureFixture[str]) -> None:
