@@ -73,6 +73,10 @@ TINY_LLAMA: dict[str, Any] = {
 }
 
 
+TINY_SIGLIP: dict[str, Any] = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+
+
 def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
     """Save a random-weight transformers model (fp32 safetensors) and return its directory."""
     import torch
@@ -87,6 +91,11 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gpt_oss": transformers.GptOssConfig,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
+        # Gemma 3's image-and-text model: the overrides are its text_config, beside a tiny SigLIP vision tower
+        "gemma3": lambda **text: transformers.Gemma3Config(text_config=text, vision_config=TINY_SIGLIP,
+                                                           mm_tokens_per_image=4),
     }[model_type]
     model_cls: Any = {
         "llama": transformers.LlamaForCausalLM,
@@ -97,12 +106,16 @@ def make_tiny_model(directory: Path, model_type: str = "llama", seed: int = 0, *
         "mixtral": transformers.MixtralForCausalLM,
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "gpt_oss": transformers.GptOssForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
+        "gemma3_text": transformers.Gemma3ForCausalLM,
+        "gemma3": transformers.Gemma3ForConditionalGeneration,
     }[model_type]
     kwargs = {**TINY_LLAMA, **overrides}
     torch.manual_seed(seed)
     config = cfg_cls(**kwargs)
     model = model_cls(config).to(torch.float32)
-    # Random init leaves norms (Qwen3's q/k norms too) at 1 and biases at 0: perturb them so the test sees them.
+    # Random init leaves norms (Qwen3's q/k norms too) at 1 (Gemma's at 0: it scales by 1 + weight) and biases at
+    # 0: perturb them so the test sees them.
     # A MoE router (``...gate.weight``) is scaled up so that each token's top-k experts are chosen by clear
     # margins (near-ties would make the choice hinge on the last bit of a sum).
     with torch.no_grad():

@@ -23,6 +23,9 @@ class AttentionBackend(ABC):
     """One way to compute attention. Stateless apart from what ``__init__`` picks."""
 
     name: str = ""
+    # Whether ``forward`` honours ``softcap`` (Gemma 2's attn_logit_softcapping: torch and triton); a model that
+    # needs it refuses a backend without it at start (common/model/llama.py), naming the field and the backend.
+    supports_softcap: bool = False
 
     @abstractmethod
     def forward(
@@ -34,6 +37,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention for one layer.
 
@@ -42,6 +46,8 @@ class AttentionBackend(ABC):
         None for a cache-less forward (then every sequence must have context_len 0).
         window: the layer's sliding window (None: the whole sequence); the token at position p attends to
         positions p - window + 1 .. p, as transformers' sliding-window mask.
+        softcap: scaled scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2); only where
+        ``supports_softcap``.
         Returns [num_tokens, num_heads, head_dim].
         """
 

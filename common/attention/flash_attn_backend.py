@@ -65,7 +65,9 @@ class FlashAttnBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        assert softcap is None, "no attention soft-cap here: the model refuses it at start (supports_softcap)"
         if query.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"flash_attn computes in fp16/bf16, got {query.dtype}; use 'triton' or 'torch'")
         if kv_cache is not None and meta.slot_mapping is not None:

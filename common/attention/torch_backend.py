@@ -15,7 +15,10 @@ Three shapes of batch, three code paths:
   gathered through its block table.
 
 Every path takes the layer's sliding ``window`` (None: the whole sequence): a token at position p attends to
-positions ``p - window + 1 .. p`` (itself and the ``window - 1`` before it: transformers' sliding-window mask).
+positions ``p - window + 1 .. p`` (itself and the ``window - 1`` before it: transformers' sliding-window mask),
+and Gemma 2's ``softcap`` (scores -> softcap * tanh(scores / softcap) before the mask, as transformers' eager
+attention): SDPA has no soft-cap, so such a layer's prefill and extend compute the scores explicitly, and its
+decode rows take the PyTorch path (the compiled decode kernel has no soft-cap either).
 
 ``reference_paged_attention`` is the slow, obviously-correct loop the tests compare against.
 """
@@ -45,6 +48,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Attention in plain PyTorch; correct on any device, fast enough to serve on CPU."""
 
     name = "torch"
+    supports_softcap = True
 
     def __init__(self, decode_chunk_bytes: int = DECODE_CHUNK_BYTES, compiled_decode: bool = True) -> None:
         self.decode_chunk_bytes = decode_chunk_bytes
@@ -61,34 +65,36 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if kv_cache is not None and meta.slot_mapping is not None:
             self._write_kv(kv_cache[0], kv_cache[1], key, value, meta.slot_mapping)
         if meta.is_prefill_only:
-            return prefill_attention(query, key, value, meta.query_lens_cpu, scale, window)
+            return prefill_attention(query, key, value, meta.query_lens_cpu, scale, window, softcap)
         if kv_cache is None or meta.block_tables is None:
             raise ValueError("sequences with cached context need kv_cache and meta.block_tables")
         key_cache, value_cache = kv_cache
         if meta.is_decode_only and meta.num_tokens == meta.num_seqs:
             return self._decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
-                                scale, window)
+                                scale, window, softcap)
         # Short chunks over a cached prefix (speculative verification, a draft model's catch-up, plain decode
         # rows beside a prefill chunk): each row is a decode row over the prefix up to and including itself
         # (its K/V is written above), so the decode kernel runs them all in one call: the same kernel and
         # lengths as plain decoding (verification rows equal plain decode rows), and no per-sequence SDPA.
         short = [i for i, q in enumerate(meta.query_lens_cpu) if q <= EXTEND_AS_DECODE_ROWS]
         if not short:
-            return paged_extend_attention(query, key_cache, value_cache, meta, scale, window=window)
+            return paged_extend_attention(query, key_cache, value_cache, meta, scale, window=window, softcap=softcap)
         rows, lens = _decode_rows(meta, short)
         chunk_lens = torch.tensor([meta.query_lens_cpu[i] for i in short], device=query.device)
         tables = meta.block_tables[torch.repeat_interleave(torch.tensor(short, device=query.device), chunk_lens)]
         lens_t = torch.tensor(lens, dtype=torch.int32, device=query.device)
         if len(short) == meta.num_seqs:  # every row: no gather, no scatter
-            return self._decode(query, key_cache, value_cache, tables, lens_t, tuple(lens), scale, window)
-        out = paged_extend_attention(query, key_cache, value_cache, meta, scale, skip=frozenset(short), window=window)
+            return self._decode(query, key_cache, value_cache, tables, lens_t, tuple(lens), scale, window, softcap)
+        out = paged_extend_attention(query, key_cache, value_cache, meta, scale, skip=frozenset(short), window=window,
+                                     softcap=softcap)
         row_index = torch.tensor(rows, device=query.device)
         out[row_index] = self._decode(query[row_index], key_cache, value_cache, tables, lens_t, tuple(lens), scale,
-                                      window)
+                                      window, softcap)
         return out
 
     def forward_with_sinks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -113,8 +119,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: tuple[int, ...],
-                scale: float, window: int | None = None) -> torch.Tensor:
-        kernel = (paged_decode_kernel() if self.compiled_decode and query.device.type == "cpu"
+                scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        kernel = (paged_decode_kernel() if self.compiled_decode and query.device.type == "cpu" and softcap is None
                   and query.dtype in (torch.float32, torch.bfloat16) else None)
         if kernel is not None and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1:
             tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
@@ -122,7 +128,7 @@ class TorchAttentionBackend(AttentionBackend):
             return kernel.paged_decode(query if query.is_contiguous() else query.contiguous(), key_cache, value_cache,
                                        tables, lens, scale, window or 0)
         return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale,
-                                      self.decode_chunk_bytes, self.workspace, window)
+                                      self.decode_chunk_bytes, self.workspace, window, softcap)
 
 
 def _decode_rows(meta: AttentionMetadata, seqs: list[int]) -> tuple[list[int], list[int]]:
@@ -147,6 +153,7 @@ def prefill_attention(
     query_lens: tuple[int, ...],
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over themselves (no cached context), within ``window``.
 
@@ -161,7 +168,9 @@ def prefill_attention(
             q = query[start:stop].transpose(0, 1).unsqueeze(0)
             k = key[start:stop].transpose(0, 1).unsqueeze(0).to(query.dtype)
             v = value[start:stop].transpose(0, 1).unsqueeze(0).to(query.dtype)
-            if window is None or window >= q_len:  # the window covers every row's causal span
+            if softcap is not None:
+                o = softcapped_attention(q, k, v, window_mask(q_len, q_len, window, query.device), scale, softcap)
+            elif window is None or window >= q_len:  # the window covers every row's causal span
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 mask = window_mask(q_len, q_len, window, query.device)
@@ -182,6 +191,7 @@ def paged_decode_attention(
     chunk_bytes: int = DECODE_CHUNK_BYTES,
     workspace: Workspace | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged K/V, vectorised over chunks of sequences.
 
@@ -207,7 +217,7 @@ def paged_decode_attention(
             stop, longest = stop + 1, grown
         out[start:stop] = _decode_chunk(
             query[start:stop], key_cache, value_cache, block_tables[start:stop], seq_lens[start:stop],
-            seq_lens_cpu[start:stop], scale, workspace, window,
+            seq_lens_cpu[start:stop], scale, workspace, window, softcap,
         )
         start = stop
     return out
@@ -239,6 +249,7 @@ def _decode_chunk(
     scale: float,
     workspace: Workspace,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     n, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -262,6 +273,8 @@ def _decode_chunk(
     # q: [n, num_kv_heads, group, D] — a GQA group shares one K/V matrix, so no repeat_interleave.
     q = query.view(n, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [n, H_kv, group, padded]
+    if softcap is not None:  # Gemma 2, before the mask as transformers' eager attention
+        scores = torch.tanh(scores / softcap) * softcap
     positions = torch.arange(padded, device=query.device)
     pad = positions[None, :] >= seq_lens[:, None].to(positions.dtype)  # [n, padded]
     if window is not None:  # and the positions before the window (the query sits at seq_len - 1)
@@ -318,6 +331,7 @@ def paged_extend_attention(
     scale: float,
     skip: frozenset[int] = frozenset(),
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Several new tokens per sequence over cached context + themselves, causal aligned to the end.
 
@@ -337,14 +351,12 @@ def paged_extend_attention(
             k, v = _gather_sequence(key_cache, value_cache, meta.block_tables[i], seq_len, block_size, first)
             mask = window_mask(q_len, seq_len, window, query.device)[:, first:]
             q = query[start:stop].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            o = F.scaled_dot_product_attention(
-                q,
-                k.transpose(0, 1).unsqueeze(0).to(query.dtype),
-                v.transpose(0, 1).unsqueeze(0).to(query.dtype),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=True,
-            )
+            k_heads = k.transpose(0, 1).unsqueeze(0).to(query.dtype)
+            v_heads = v.transpose(0, 1).unsqueeze(0).to(query.dtype)
+            if softcap is not None:
+                o = softcapped_attention(q, k_heads, v_heads, mask, scale, softcap)
+            else:
+                o = F.scaled_dot_product_attention(q, k_heads, v_heads, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:stop] = o[0].transpose(0, 1)
         start = stop
     return out
@@ -382,6 +394,21 @@ def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         softcap: float) -> torch.Tensor:
+    """SDPA with Gemma 2's soft-capped scores, in transformers' eager order: q k^T * scale, softcap *
+    tanh(scores / softcap), the mask, softmax in fp32, back to q's dtype, times v.
+
+    q: [1, H, q_len, D]; k, v: [1, Hkv, kv_len, D]; mask: [q_len, kv_len] bool, True = may attend.
+    Returns [1, H, q_len, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def window_mask(q_len: int, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
     """[q_len, seq_len] bool, True = may attend: the last ``q_len`` of ``seq_len`` positions, each seeing the
     positions up to itself and, with a window, after ``itself - window``."""
@@ -416,6 +443,7 @@ def reference_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The test oracle: token by token, in float64, reading the cache slot by slot.
 
@@ -439,6 +467,8 @@ def reference_paged_attention(
             v = value_cache[blocks, offsets].double().repeat_interleave(group, dim=1)
             q = query[token].double()  # [H, D]
             scores = torch.einsum("hd,khd->hk", q, k) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             out[token] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v)
             token += 1
     return out.to(query.dtype)

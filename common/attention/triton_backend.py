@@ -3,7 +3,8 @@
 Dispatch: a decode-only batch goes to ``paged_decode``; anything else with a cache (prefill over a
 cached prefix, chunked prefill, speculative verification, plain prefill into the cache) goes to
 ``paged_extend``, which reads the new tokens' K/V back from the cache they were just written to.
-A cache-less prefill (no paged cache at all) has nothing to page through and uses PyTorch SDPA.
+A cache-less prefill (no paged cache at all) has nothing to page through and uses PyTorch SDPA. Every path
+takes the layer's window and Gemma 2's attention soft-cap.
 
 On CPU the kernels run only under ``TRITON_INTERPRET=1``: correct, far too slow to serve. The
 registry imports this module lazily, so ``import common.attention`` never imports Triton.
@@ -30,6 +31,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels (CUDA, or the Triton interpreter in tests)."""
 
     name = "triton"
+    supports_softcap = True  # Gemma 2's score cap in both kernels (HAS_SOFTCAP) and the cache-less SDPA path
 
     def __init__(self) -> None:
         try:
@@ -56,11 +58,12 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if kv_cache is None:
             if not meta.is_prefill_only:
                 raise ValueError("sequences with cached context need a kv_cache")
-            return prefill_attention(query, key, value, meta.query_lens_cpu, scale, window)
+            return prefill_attention(query, key, value, meta.query_lens_cpu, scale, window, softcap)
         key_cache, value_cache = kv_cache
         if meta.block_tables is None:
             raise ValueError("a paged kv_cache needs meta.block_tables")
@@ -69,9 +72,9 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.is_decode_only and meta.num_tokens == meta.num_seqs:
             return self._kernels.paged_decode(
                 query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-                max_seq_len=meta.max_seq_len, window=window,
+                max_seq_len=meta.max_seq_len, window=window, softcap=softcap,
             )
         return self._kernels.paged_extend(
             query, key_cache, value_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            scale, max_query_len=meta.max_query_len, window=window,
+            scale, max_query_len=meta.max_query_len, window=window, softcap=softcap,
         )

@@ -1,20 +1,21 @@
 """Model architecture read from a Hugging Face ``config.json``, as frozen dataclasses.
 
 The families and what each turns on live in one registry (common/model/families.py): Llama (1/2/3, including
-Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norms). This module reads the fields they
-share. Both transformers layouts of RoPE settings are read: the old top-level ``rope_theta`` / ``rope_scaling``
-and transformers 5's ``rope_parameters``.
+Llama-3 rope scaling), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norms), Phi-3, Mixtral, Qwen3-MoE (routed
+experts), Gemma 2 and Gemma 3 text. This module reads the fields they share. Both transformers layouts of RoPE
+settings are read: the old top-level ``rope_theta`` / ``rope_scaling`` and transformers 5's ``rope_parameters``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.model.families import SUPPORTED_MODEL_TYPES, MoEOptions, family
+from common.model.families import SUPPORTED_MODEL_TYPES, Activation, MoEOptions, family
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -126,6 +127,18 @@ class ModelConfig:
     # position p attends to positions p - window + 1 .. p (transformers' mask), on every attention backend.
     layer_windows: tuple[int | None, ...] = ()
     moe: MoEOptions | None = None  # routed experts and the layers that have them (None: every MLP dense)
+    activation: Activation = Activation.SILU  # the gated MLP's: SiLU, or GELU-tanh (Gemma)
+    # Gemma 2 / 3 (common/model/families.py's ArchOptions says what each does): (1 + weight) RMSNorms in fp32,
+    # sandwich norms, scaled embeddings, query_pre_attn_scalar, attention and final logit soft-caps.
+    unit_offset_norms: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # The sliding layers' own rotary (Gemma 3's local base); None: they share rope_theta / rope_scaling.
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: RopeScaling = RopeScaling()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -153,6 +166,10 @@ class ModelConfig:
             raise ValueError(f"the MoE layer pattern has {len(self.moe.layers)} entries for {self.num_layers} layers")
         if any(w is not None and w < 1 for w in self.layer_windows):
             raise ValueError(f"sliding_window must be >= 1, got {self.layer_windows}")
+        for field in ("embed_scale", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, field)
+            if value is not None and value <= 0:
+                raise ValueError(f"{field} must be > 0, got {value}")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx``'s MLP is routed experts (else the dense MLP of ``intermediate_size``)."""
@@ -161,6 +178,17 @@ class ModelConfig:
     def layer_window(self, layer_idx: int) -> int | None:
         """The sliding attention window of layer ``layer_idx`` (None: it attends to the whole sequence)."""
         return self.layer_windows[layer_idx] if self.layer_windows else None
+
+    def layer_rope(self, layer_idx: int) -> tuple[float, RopeScaling]:
+        """(theta, scaling) of layer ``layer_idx``'s rotary: a sliding layer's own where the family has one."""
+        if self.sliding_rope_theta is not None and self.layer_window(layer_idx) is not None:
+            return self.sliding_rope_theta, self.sliding_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale of the attention scores: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -179,10 +207,12 @@ class ModelConfig:
         """The fields every family shares, read here; the family's options and refusals (common/model/families.py)."""
         model_type = raw.get("model_type", "")
         fam = family(model_type)
+        raw = dict(fam.text_view(raw))  # the language model's fields (Gemma 3's text_config), model_type kept above
         options = fam.read(raw)
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        rope_theta, rope_scaling = _read_rope(raw)
+        rope_theta, rope_scaling = _read_rope(raw) if options.rope is None else _rope_of(options.rope)
+        sliding_rope = None if options.sliding_rope is None else _rope_of(options.sliding_rope)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelConfig(
@@ -198,7 +228,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", fam.tie_word_embeddings)),
             qkv_bias=options.qkv_bias,
             o_bias=options.o_bias,
             mlp_bias=options.mlp_bias,
@@ -206,6 +236,15 @@ class ModelConfig:
             attention_sinks=options.attention_sinks,
             layer_windows=options.layer_windows,
             moe=options.moe,
+            activation=options.activation,
+            unit_offset_norms=options.unit_offset_norms,
+            sandwich_norms=options.sandwich_norms,
+            embed_scale=options.embed_scale,
+            query_pre_attn_scalar=options.query_pre_attn_scalar,
+            attn_logit_softcapping=options.attn_logit_softcapping,
+            final_logit_softcapping=options.final_logit_softcapping,
+            sliding_rope_theta=None if sliding_rope is None else sliding_rope[0],
+            sliding_rope_scaling=RopeScaling() if sliding_rope is None else sliding_rope[1],
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
@@ -223,10 +262,18 @@ def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
     """RoPE theta and scaling from either transformers layout."""
     params = raw.get("rope_parameters") or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    scaling_raw = raw.get("rope_scaling") or params
+    return theta, _scaling(raw.get("rope_scaling") or params)
+
+
+def _rope_of(params: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+    """RoPE theta and scaling of one parameter dict a family picked (rope_type, rope_theta, factor ...)."""
+    return float(params["rope_theta"]), _scaling(params)
+
+
+def _scaling(scaling_raw: Mapping[str, Any]) -> RopeScaling:
     rope_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default")) if scaling_raw else "default"
     if rope_type == "default":
-        return theta, RopeScaling()
+        return RopeScaling()
     if rope_type == "yarn":
         for name in ("mscale", "mscale_all_dim"):  # DeepSeek's variant of the attention factor
             if scaling_raw.get(name) and scaling_raw.get("attention_factor") is None:
@@ -234,7 +281,7 @@ def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
         if scaling_raw.get("factor") is None:
             raise ValueError("rope_scaling.factor is required for yarn")
     attention_factor = scaling_raw.get("attention_factor")
-    return theta, RopeScaling(
+    return RopeScaling(
         rope_type=rope_type,
         factor=float(scaling_raw.get("factor", 1.0)),
         low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),

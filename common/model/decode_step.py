@@ -15,8 +15,8 @@ it), the KV cache has the activations' dtype, attention is the compiled CPU deco
 is up to ``max_rows`` tokens (the fewest rows up to which every projection's op-by-op kernel is the panel
 loop the step runs; at most ``MAX_ROWS``) that attention reads as decode rows: a decode step, or short
 chunks over a cached prefix (speculative verification, a draft model's catch-up); anything else
-(prefill, long chunks, other kernels, parallel ranks, a model with q/k norms or a sliding window) takes the
-op-by-op path.
+(prefill, long chunks, other kernels, parallel ranks, a model with q/k norms or a sliding window, Gemma's layer)
+takes the op-by-op path.
 ``TANDEM_DECODE_STEP=auto|on|off`` (auto: where it builds and applies; on: a start-up error if it cannot
 build; off: never).
 """
@@ -31,6 +31,7 @@ import torch
 
 from common.config.settings import kernel_setting
 from common.kernels.cpu import NO_AMX, cpu_kernels
+from common.model.families import Activation
 
 if TYPE_CHECKING:
     from common.attention.metadata import AttentionMetadata
@@ -98,6 +99,12 @@ class DecodeStep:
         # path and its grouped experts, common/model/moe.py).
         if model.config.moe is not None or model.config.attention_sinks:  # nor sinks (gpt-oss)
             return None
+        # Nor Gemma's layer: sandwich norms scaling by (1 + weight), GELU-tanh, query_pre_attn_scalar, attention
+        # soft-caps; cpu_step.cpp has none of them, so a Gemma model decodes op by op.
+        config = model.config
+        if (config.sandwich_norms or config.unit_offset_norms or config.activation is not Activation.SILU
+                or config.query_pre_attn_scalar is not None or config.attn_logit_softcapping is not None):
+            return None
         layers = list(model.layers)  # decoder layers: norms, self_attn (qkv, o, rotary, backend), mlp
         if not layers:
             return None
@@ -108,7 +115,6 @@ class DecodeStep:
 
         if paged_decode_kernel() is None:
             return None
-        config = model.config
         q, kv, hidden, inter = config.q_size, config.kv_size, config.hidden_size, config.intermediate_size
         shapes = ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter))  # whole, not sharded
         max_rows = MAX_ROWS

@@ -3,8 +3,8 @@
 A ``Family`` says what a checkpoint of that ``model_type`` is to Tandem's one model (common/model/llama.py):
 
 - which architectural options its ``config.json`` turns on (``ArchOptions``: biases, q/k norms, each layer's
-  sliding attention window), read as transformers reads them, and the defaults transformers gives fields the
-  file leaves out;
+  sliding attention window, Gemma's sandwich norms, GELU, scalings and soft-caps), read as transformers reads
+  them, and the defaults transformers gives fields the file leaves out;
 - what in that file Tandem cannot honour, refused with a ``ValueError`` that names the field (an activation
   other than SiLU, a ``layer_types`` entry other than full or sliding attention) instead of running and
   answering something else;
@@ -21,6 +21,7 @@ plus its code in the shared layers (docs/models.md). Pure Python: the gateway re
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,8 +39,18 @@ SPLIT_PROJECTIONS: Mapping[str, tuple[str, int]] = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 
-# transformers' ACT2FN: both names are torch's SiLU, the only activation the MLP implements (fused_ops.silu_mul).
+# transformers' ACT2FN: both names are torch's SiLU (fused_ops.silu_mul).
 SILU = ("silu", "swish")
+
+
+class Activation(enum.Enum):
+    """The gated MLP's activation: ``down(act(gate) * up)``."""
+
+    SILU = "silu"  # Llama, Mistral, Qwen, Phi-3 (fused_ops.silu_mul)
+    # transformers' GELUTanh (``gelu_pytorch_tanh``): torch's gelu(approximate="tanh"), Gemma 2 / 3
+    # (fused_ops.gelu_tanh_mul). ``gelu_new`` / ``gelu_python_tanh`` compute the same curve another way, not
+    # bit for bit: refused.
+    GELU_TANH = "gelu_pytorch_tanh"
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,21 @@ class ArchOptions:
     # position p attends to positions p - window + 1 .. p: transformers' sliding_window_overlay
     # (kv_idx > q_idx - sliding_window) on its causal mask.
     layer_windows: tuple[int | None, ...] = ()
+    activation: Activation = Activation.SILU
+    # Gemma 2 / 3: every RMSNorm scales by (1 + weight), in fp32 before the cast back (Gemma's RMSNorm) ...
+    unit_offset_norms: bool = False
+    # ... and the layer is sandwiched: attention's and the MLP's outputs are normed before their residual adds
+    # (post_attention_layernorm, post_feedforward_layernorm), the MLP's input by pre_feedforward_layernorm.
+    sandwich_norms: bool = False
+    embed_scale: float | None = None  # token embeddings times this (Gemma: sqrt(hidden_size)); None: unscaled
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5 (None: head_dim's)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2 / 3)
+    # Raw RoPE parameter dicts (rope_type, rope_theta, factor ...) where the family keeps them elsewhere than
+    # the shared reading looks (ModelConfig._read_rope): the global layers' and the sliding layers' own (Gemma 3's
+    # local base). None: the shared reading, and the sliding layers share the global rotary.
+    rope: Raw | None = None
+    sliding_rope: Raw | None = None
     moe: MoEOptions | None = None  # routed experts (Mixtral, Qwen3-MoE); None: every layer's MLP is dense
 
 
@@ -117,6 +143,17 @@ def _no_window(raw: Raw) -> Windows:
     return ()
 
 
+def _as_is(raw: Raw) -> Raw:
+    return raw
+
+
+def _silu_only(raw: Raw, model_type: str) -> Activation:
+    act = raw.get("hidden_act", "silu")
+    if act not in SILU:
+        raise ValueError(f"hidden_act {act!r} is not supported ({model_type}): Tandem's MLP implements silu only")
+    return Activation.SILU
+
+
 @dataclass(frozen=True)
 class Family:
     """What one Hugging Face ``model_type`` is to Tandem (see the module docstring)."""
@@ -130,18 +167,31 @@ class Family:
     layer_windows: Callable[[Raw], Windows] = _no_window
     fused_weights: Mapping[str, tuple[str, int]] = field(default_factory=lambda: SPLIT_PROJECTIONS)
     experts: ExpertLayout | None = None  # a mixture of experts' checkpoint names (None: no experts)
+    # The MLP's activation as this family's modeling code reads it (Gemma: hidden_activation, not hidden_act).
+    activation: Callable[[Raw, str], Activation] = _silu_only
+    tie_word_embeddings: bool = False  # where config.json leaves it out (transformers' default for the family)
+    # The config.json fields the model reads (every one above, and ModelConfig.from_dict's): the file itself, or
+    # an image-and-text checkpoint's text_config (Gemma 3's); its model_type stays the file's.
+    text_view: Callable[[Raw], Raw] = _as_is
+    # Checkpoint name prefix -> the model's (``language_model.model.`` -> ``model.``), or None: a tensor of another
+    # part of the checkpoint (a vision tower), not read. Applied before every other mapping; {}: names as they are.
+    weight_prefixes: Mapping[str, str | None] = field(default_factory=dict)
+
+    def weight_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as the text model's (None: not part of it, skipped)."""
+        for prefix, ours in self.weight_prefixes.items():
+            if name.startswith(prefix):
+                return None if ours is None else ours + name.removeprefix(prefix)
+        return name
 
     def read(self, raw: Raw) -> ArchOptions:
         """The options of this config, refusing (``ValueError`` naming the field) what Tandem cannot honour."""
-        act = raw.get("hidden_act", "silu")
-        if act not in SILU:
-            raise ValueError(f"hidden_act {act!r} is not supported ({self.model_type}): Tandem's MLP implements "
-                             f"silu only")
+        activation = self.activation(raw, self.model_type)
         windows = self.layer_windows(raw)
         for window in windows:
             if window is not None and window < 1:
                 raise ValueError(f"sliding_window must be >= 1 where a layer uses it, got {window}")
-        return replace(self.options(raw), layer_windows=windows)
+        return replace(self.options(raw), layer_windows=windows, activation=activation)
 
 
 def _llama_options(raw: Raw) -> ArchOptions:
@@ -238,11 +288,9 @@ def _mistral_windows(raw: Raw) -> Windows:
     return () if window is None else (int(window),) * int(raw["num_hidden_layers"])
 
 
-def _qwen_windows(raw: Raw) -> Windows:
-    """Qwen2 / Qwen3: the window counts only with ``use_sliding_window``, and only for the layers ``layer_types``
-    marks ``sliding_attention`` (when absent: those from ``max_window_layers`` on, transformers' default 28)."""
-    num_layers = int(raw["num_hidden_layers"])
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+def _layer_types(raw: Raw, num_layers: int) -> list[str] | None:
+    """``layer_types`` as given (None when absent), refused naming the field unless every entry is full or sliding
+    attention, one per layer."""
     layer_types = raw.get("layer_types")
     if layer_types is not None:
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
@@ -251,6 +299,15 @@ def _qwen_windows(raw: Raw) -> Windows:
                              f"sliding_attention layers")
         if len(layer_types) != num_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} num_hidden_layers")
+    return None if layer_types is None else list(layer_types)
+
+
+def _qwen_windows(raw: Raw) -> Windows:
+    """Qwen2 / Qwen3: the window counts only with ``use_sliding_window``, and only for the layers ``layer_types``
+    marks ``sliding_attention`` (when absent: those from ``max_window_layers`` on, transformers' default 28)."""
+    num_layers = int(raw["num_hidden_layers"])
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+    layer_types = _layer_types(raw, num_layers)
     if window is None:
         return ()
     if layer_types is None:  # Qwen2Config's default: sliding from max_window_layers on
@@ -258,6 +315,101 @@ def _qwen_windows(raw: Raw) -> Windows:
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     windows = tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
     return windows if any(w is not None for w in windows) else ()
+
+
+# --- Gemma 2 and Gemma 3 (text), as transformers' modeling_gemma2.py / modeling_gemma3.py read their configs ---
+
+def _gemma_activation(raw: Raw, model_type: str) -> Activation:
+    # Gemma's MLP reads hidden_activation (default gelu_pytorch_tanh); the hidden_act old hub configs also carry
+    # is never read by transformers' Gemma 2 / 3, nor here.
+    act = raw.get("hidden_activation", Activation.GELU_TANH.value)
+    if act != Activation.GELU_TANH.value:
+        raise ValueError(f"hidden_activation {act!r} is not supported ({model_type}): Tandem's Gemma MLP implements "
+                         f"gelu_pytorch_tanh only")
+    return Activation.GELU_TANH
+
+
+def _softcap(raw: Raw, name: str, default: float | None) -> float | None:
+    cap = raw.get(name, default)
+    if cap is not None and float(cap) <= 0:
+        raise ValueError(f"{name} must be > 0 (or null), got {cap}")
+    return None if cap is None else float(cap)
+
+
+def _gemma_layer(raw: Raw, model_type: str) -> ArchOptions:
+    """What Gemma 2 and Gemma 3 share: (1 + w) RMSNorms around both halves of the layer, embeddings times
+    sqrt(hidden_size), attention scaled by query_pre_attn_scalar ** -0.5, attention_bias on q, k, v and o."""
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError(f"use_bidirectional_attention is not supported ({model_type}): Tandem's attention is causal")
+    bias = bool(raw.get("attention_bias", False))
+    return ArchOptions(qkv_bias=bias, o_bias=bias, unit_offset_norms=True, sandwich_norms=True,
+                       embed_scale=float(raw["hidden_size"]) ** 0.5,
+                       query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)))
+
+
+def _gemma2_options(raw: Raw) -> ArchOptions:
+    # Gemma2Config's defaults: both soft-caps on (attention 50, logits 30) where the file leaves them out.
+    return replace(_gemma_layer(raw, "gemma2"),
+                   attn_logit_softcapping=_softcap(raw, "attn_logit_softcapping", 50.0),
+                   final_logit_softcapping=_softcap(raw, "final_logit_softcapping", 30.0))
+
+
+def _gemma3_rope(raw: Raw) -> tuple[Raw, Raw]:
+    """(global, local) RoPE parameters as Gemma3TextConfig.convert_rope_params_to_dict builds them: transformers 5's
+    ``rope_parameters`` keyed by layer type, or the hub's ``rope_theta`` and ``rope_scaling`` (global layers) and
+    ``rope_local_base_freq`` (sliding layers); bases 1e6 and 1e4 where absent."""
+    params: Raw = raw.get("rope_parameters") or {}
+    other = sorted(set(params) - {"full_attention", "sliding_attention"})
+    if other:
+        raise ValueError(f"rope_parameters keys {other} are not supported (gemma3_text): Gemma 3 keys them by layer "
+                         f"type (full_attention, sliding_attention)")
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    scaling = raw.get("rope_scaling")
+    if scaling:
+        full.update(scaling)
+    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+    return full, local
+
+
+def _gemma3_options(raw: Raw) -> ArchOptions:
+    # Gemma 3 adds q/k norms ((1 + w) like every Gemma norm), a rotary of its own for the sliding layers, and
+    # keeps only the final soft-cap (default off). Its attention never passes attn_logit_softcapping on
+    # (Gemma3Attention calls the attention function without softcap), so neither does Tandem.
+    global_rope, local_rope = _gemma3_rope(raw)
+    return replace(_gemma_layer(raw, "gemma3_text"), qk_norm=True,
+                   final_logit_softcapping=_softcap(raw, "final_logit_softcapping", None),
+                   rope=global_rope, sliding_rope=local_rope)
+
+
+def _gemma3_text_config(raw: Raw) -> Raw:
+    """Gemma 3's image-and-text checkpoints (4B, 12B, 27B; ``Gemma3ForConditionalGeneration``): the language model's
+    config is ``text_config``. Tying is the top level's ``tie_word_embeddings`` (default true), as
+    Gemma3ForConditionalGeneration ties its head (text_config's own is not read); token ids at the top level win."""
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError("text_config is missing (gemma3): the image-and-text config keeps its language model there")
+    top = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw}
+    return {**text, **top, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))}
+
+
+def _gemma_windows(pattern_field: str | None) -> Callable[[Raw], Windows]:
+    """Gemma's interleaved local and global layers: ``layer_types`` when given, else every ``pattern``-th layer
+    global, the others sliding (Gemma 2: every 2nd; Gemma 3: ``sliding_window_pattern``, default 6); the window
+    ``sliding_window`` (default 4096) on the sliding ones."""
+    def windows(raw: Raw) -> Windows:
+        num_layers = int(raw["num_hidden_layers"])
+        layer_types = _layer_types(raw, num_layers)
+        if layer_types is None:
+            pattern = 2 if pattern_field is None else int(raw.get(pattern_field, raw.get(f"_{pattern_field}", 6)))
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        window = raw.get("sliding_window", 4096)
+        if window is None and "sliding_attention" in layer_types:
+            raise ValueError("sliding_window is null but layer_types has sliding_attention layers")
+        out = tuple(None if kind == "full_attention" else int(window) for kind in layer_types)
+        return out if any(w is not None for w in out) else ()
+    return windows
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -280,6 +432,21 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # a clamped SwiGLU (why gpt-oss rather than DeepSeek-V3: docs/models.md).
     Family("gpt_oss", "GptOssForCausalLM", _gpt_oss_options, rms_norm_eps=1e-5, head_dim=64,
            layer_windows=_layer_type_windows, experts=GPT_OSS_EXPERTS),
+    # Gemma 2 / Gemma 3 text: the Llama checkpoint layout plus the sandwich norms (and Gemma 3's q/k norms) under
+    # the model's own names; tied heads and head_dim 256 by default.
+    Family("gemma2", "Gemma2ForCausalLM", _gemma2_options, head_dim=256, layer_windows=_gemma_windows(None),
+           activation=_gemma_activation, tie_word_embeddings=True),
+    Family("gemma3_text", "Gemma3ForCausalLM", _gemma3_options, head_dim=256,
+           layer_windows=_gemma_windows("sliding_window_pattern"), activation=_gemma_activation,
+           tie_word_embeddings=True),
+    # Gemma 3's image-and-text checkpoints served as text: the language model read from text_config and from the
+    # checkpoint's language_model.* tensors (the layout transformers saves and the hub has), the vision tower and
+    # the projector left unread. Prompts are text: no image is ever embedded.
+    Family("gemma3", "Gemma3ForConditionalGeneration", _gemma3_options, head_dim=256,
+           layer_windows=_gemma_windows("sliding_window_pattern"), activation=_gemma_activation,
+           tie_word_embeddings=True, text_view=_gemma3_text_config,
+           weight_prefixes={"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                            "vision_tower.": None, "multi_modal_projector.": None}),
 )}
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

@@ -8,7 +8,9 @@ and a temporary. ``FusedOps`` does each group in one pass:
   is carried beside the hidden state, as vLLM's layers do, so the add costs no extra pass);
 - ``rms_norm(x, weight, eps)``: RMSNorm over the last dimension of any ``[..., d]`` tensor or view, into a new
   contiguous tensor (Qwen3's q/k norms over each head of the qkv projection's views);
+  both with ``unit_offset`` (Gemma): the scale is ``1 + weight``, multiplied in fp32 before the cast back;
 - ``silu_mul(gate_up)``: ``silu(gate) * up`` over the fused gate/up projection's output;
+- ``gelu_tanh_mul(gate_up)``: ``gelu_tanh(gate) * up``, Gemma's MLP (eager in both: no C++ kernel has it);
 - ``rotary_(q, k, cos_sin, positions)``: rotary embedding in place on the qkv projection's views;
 - ``rotary_write_kv_(q, k, v, cos_sin, positions, kv, slot_mapping)``: the same, then the new tokens' K/V
   into their paged-cache slots (``common.kv.kv_cache.write_kv``), so attention finds them written;
@@ -42,21 +44,28 @@ class EagerOps:
     name = "eager"
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         # x, residual: [n, hidden] -> (weight * norm(x + residual), x + residual)
         res = x if residual is None else x + residual
         r32 = res.float()
         r32 = r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps)
+        if unit_offset:  # Gemma: (norm * (1 + weight)) in fp32, then the cast
+            return (r32 * (1.0 + weight.float())).to(res.dtype), res
         return weight * r32.to(res.dtype), res
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         # x: [..., d] (any strides) -> weight * norm(x): a new contiguous [..., d]; weight: [d]
-        return self.add_rms_norm(x, None, weight, eps)[0]
+        return self.add_rms_norm(x, None, weight, eps, unit_offset)[0]
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [n, 2 * inter] -> [n, inter]
         gate, up = gate_up.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # gate_up: [n, 2 * inter] -> [n, inter]; transformers' GELUTanh (gelu_pytorch_tanh)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         # max's indices: the first maximum, as argmax's, in less time on CPU (benchmarks/results/figures-from-code.md)
@@ -86,14 +95,24 @@ class CppOps:
         self._m = module
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if unit_offset:
+            if x.dtype != torch.float32:
+                # The kernel rounds the norm to the activation dtype before scaling; Gemma scales in fp32 and
+                # rounds once: the reference's math, not the kernel's.
+                return EagerOps().add_rms_norm(x, residual, weight, eps, unit_offset)
+            weight = 1.0 + weight.float()  # fp32 throughout: the kernel's product is Gemma's
         if residual is None:  # the first layer: the embedding is the residual stream (copied, as x + 0 would)
             residual = x.contiguous().clone()
             return self._m.add_rms_norm(residual, residual, weight, eps, False), residual
         # residual is the stream this model owns (made above), so updating it in place is safe.
         return self._m.add_rms_norm(x.contiguous(), residual, weight, eps, True), residual
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+        if unit_offset:
+            if x.dtype != torch.float32:  # as in add_rms_norm: Gemma's single rounding is the reference's
+                return EagerOps().rms_norm(x, weight, eps, unit_offset)
+            weight = 1.0 + weight.float()
         # The kernel takes contiguous rows: a [n, heads, d] view of the qkv output is gathered into [n * heads, d]
         # (add=False only reads its residual argument, so the rows may be a view of x).
         rows = x.reshape(-1, x.shape[-1]).contiguous()
@@ -101,6 +120,9 @@ class CppOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._m.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return EagerOps().gelu_tanh_mul(gate_up)  # no C++ kernel: the reference
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1 or logits.shape[1] == 0:

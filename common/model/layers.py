@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family layer: RMSNorm, rotary embedding, SwiGLU MLP.
+"""Building blocks of a Llama-family layer: RMSNorm, rotary embedding, gated MLP.
 
 Every tensor here is flat over tokens: ``[num_tokens, ...]``, never ``[batch, seq, ...]``.
 """
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from common.config.model_config import RopeScaling
+from common.model.families import Activation
 from common.model.linear import Linear
 
 if TYPE_CHECKING:
@@ -18,18 +19,24 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back, exactly as the Hugging Face reference does."""
+    """RMSNorm computed in fp32 and cast back, exactly as the Hugging Face reference does.
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    ``unit_offset`` (Gemma): the scale is ``1 + weight`` (a checkpoint stores the offset from 1), applied in fp32
+    before the cast back, as Gemma's RMSNorm does; otherwise ``weight`` times the cast-back norm (Llama's)."""
+
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -84,14 +91,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class SwiGLUMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul: SiLU (SwiGLU), or Gemma's GELU-tanh
+    (``ModelConfig.activation``), each through the fused ops."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 activation: Activation = Activation.SILU) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gelu = activation is Activation.GELU_TANH
 
     def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
-        # x: [num_tokens, hidden] -> [num_tokens, hidden]; silu(gate) * up in one pass (ops.silu_mul)
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        # x: [num_tokens, hidden] -> [num_tokens, hidden]; act(gate) * up in one pass (ops.silu_mul / gelu_tanh_mul)
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(ops.gelu_tanh_mul(gate_up) if self.gelu else ops.silu_mul(gate_up))

@@ -180,9 +180,11 @@ def load_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Ten
     fam = family(config.model_type)
     fused = {theirs: (ours, sum(blocks[ours][:part])) for theirs, (ours, part) in fam.fused_weights.items()}
     experts = _ExpertNames(fam.experts, config.moe.intermediate_size) if fam.experts and config.moe else None
-    for hf_name, tensor in weights:
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            continue  # recomputed from the config
+    for stored_name, tensor in weights:
+        name = fam.weight_name(stored_name)  # an image-and-text checkpoint's language model (Gemma 3)
+        if name is None or name.endswith("rotary_emb.inv_freq"):
+            continue  # another part of the checkpoint (a vision tower), or recomputed from the config
+        hf_name = name
         whole = experts.whole(hf_name, tensor) if experts is not None else None
         if whole is not None:  # a layer's experts stacked already (gpt-oss)
             target, stacked_tensor = whole

@@ -207,7 +207,7 @@ def stage_forward(model: LlamaForCausalLM, inputs: torch.Tensor, positions: torc
     assert l0 < end, f"the pass's {end} layers end before this stage's [{l0}, {l1})"
     if l0 == 0:
         assert not inputs.is_floating_point(), "the first stage takes token ids"
-        x = model.embed_tokens(inputs)
+        x = model.embed(inputs)
     else:
         x = inputs
     x, residual = model.run_layers(positions, x, residual, meta, kv_cache, end - l0 if end < l1 else None)

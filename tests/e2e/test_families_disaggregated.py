@@ -1,7 +1,8 @@
 """The model families through the disaggregated system (issue 36): a random-weight Qwen3 (decoupled head_dim,
 q/k norms), a Mistral whose window is shorter than the prompts, a Qwen2 with full and sliding layers, a
-Phi-3 (its checkpoint's own fused projections) with a window, the Mixtral and Qwen3-MoE mixtures of experts and
-gpt-oss,
+Phi-3 (its checkpoint's own fused projections) with a window, the Mixtral and Qwen3-MoE mixtures of experts,
+gpt-oss, a Gemma 2 (sandwich norms, both soft-caps, local and global layers), a Gemma 3 (q/k norms, its local
+rotary base, linear scaling on the global layers) and Gemma 3's image-and-text checkpoint served as text,
 each served by one prefill and one decode node as real processes on 127.0.0.1 (the prompt's KV crosses from
 one to the other), greedy fp32 tokens equal to transformers', twice (the second time from both nodes' prefix
 caches), and every KV block free afterwards."""
@@ -35,6 +36,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # gpt-oss: attention sinks, a window on every other layer, YaRN, biased experts
     "gpt-oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                             "head_dim": 16, "sliding_window": 7, "max_position_embeddings": 256}),
+    "gemma2-window-softcaps": ("gemma2", {"num_hidden_layers": 3, "sliding_window": 6, "head_dim": 16,
+                                          "attn_logit_softcapping": 0.01, "final_logit_softcapping": 1.0}),
+    "gemma3-pattern2-scaled-rope": ("gemma3_text", {
+        "num_hidden_layers": 4, "sliding_window": 6, "sliding_window_pattern": 2, "head_dim": 16,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+    # Gemma 3's image-and-text checkpoint (Gemma3ForConditionalGeneration) served as text
+    "gemma3-multimodal-text": ("gemma3", {"num_hidden_layers": 3, "sliding_window": 6, "sliding_window_pattern": 3,
+                                          "head_dim": 16}),
 }
 NEW_TOKENS = 10
 

@@ -109,19 +109,22 @@ def make_batch(
 
 
 def dense_causal_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None = None
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """float64 attention of the last q_len positions of one sequence over all of it.
 
     query: [q_len, num_heads, D]; keys, values: [seq_len, num_kv_heads, D]; query row i sits at
     position seq_len - q_len + i and sees keys 0..that position (``window``: only the last ``window`` of them,
-    position - window + 1 .. position).
+    position - window + 1 .. position). ``softcap``: scores -> softcap * tanh(scores / softcap) (Gemma 2).
     """
     q_len, seq_len = query.shape[0], keys.shape[0]
     group = query.shape[1] // keys.shape[1]
     k = keys.double().cpu().repeat_interleave(group, dim=1)
     v = values.double().cpu().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.double().cpu(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     position = torch.arange(q_len)[:, None] + seq_len - q_len
     cols = torch.arange(seq_len)[None, :]
     hidden = cols > position if window is None else (cols > position) | (cols <= position - window)
@@ -129,11 +132,12 @@ def dense_causal_attention(
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
-def dense_expected(batch: PagedBatch, scale: float, window: int | None = None) -> torch.Tensor:
+def dense_expected(batch: PagedBatch, scale: float, window: int | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     outs, start = [], 0
     for i, q_len in enumerate(batch.meta.query_lens_cpu):
         q = batch.query[start : start + q_len]
-        outs.append(dense_causal_attention(q, batch.dense_keys[i], batch.dense_values[i], scale, window))
+        outs.append(dense_causal_attention(q, batch.dense_keys[i], batch.dense_values[i], scale, window, softcap))
         start += q_len
     return torch.cat(outs)
 
@@ -188,6 +192,36 @@ def test_torch_backend(kind: str, dtype: torch.dtype, gqa: int, block_size: int,
     """Decode steps go through the compiled CPU kernel (cpu_decode.cpp) or the pure-PyTorch path."""
     batch = make_batch(*BATCHES[kind], gqa=gqa, block_size=block_size, dtype=dtype)
     check_backend(TorchAttentionBackend(compiled_decode=compiled), batch, dtype)
+
+
+# A chunk longer than EXTEND_AS_DECODE_ROWS: the masked extend path, not decode rows.
+SOFTCAP_BATCHES = {**BATCHES, "long-extend": ([40, 3, 1], [10, 21, 6])}
+
+
+@pytest.mark.parametrize("kind", sorted(SOFTCAP_BATCHES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "torch"])
+def test_torch_backend_attention_softcap(kind: str, dtype: torch.dtype, window: int | None, compiled: bool) -> None:
+    """Gemma 2's attention soft-cap on every path of the torch backend (prefill, decode rows, the masked extend;
+    with the compiled decode kernel available or not: a soft-capped decode takes the PyTorch path)."""
+    batch = make_batch(*SOFTCAP_BATCHES[kind], gqa=3, block_size=16, dtype=dtype)
+    check_softcap(TorchAttentionBackend(compiled_decode=compiled), batch, dtype, window)
+
+
+def check_softcap(backend: AttentionBackend, batch: PagedBatch, dtype: torch.dtype, window: int | None) -> None:
+    """The backend's soft-capped attention against the dense oracle and the paged reference; a cap of 0.5 on
+    scores of about N(0, 1) changes the output."""
+    assert backend.supports_softcap
+    scale, softcap = batch.query.shape[-1] ** -0.5, 0.5
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.meta, scale, window, softcap)
+    assert_close(out, dense_expected(batch, scale, window, softcap), dtype)
+    key_cache, value_cache = batch.kv_cache
+    reference = reference_paged_attention(batch.query.cpu(), key_cache.cpu(), value_cache.cpu(),
+                                          cpu_meta(batch.meta), scale, window, softcap)
+    assert_close(out, reference, dtype)
+    uncapped = dense_expected(batch, scale, window)
+    assert (out.double().cpu() - uncapped).abs().max() > 0.05
 
 
 @pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="no C++ compiler or ninja")
@@ -351,6 +385,15 @@ def test_triton_paged_extend(
 def test_triton_backend(kind: str, gqa: int, block_size: int, dtype: torch.dtype) -> None:
     batch = make_batch(*BATCHES[kind], gqa=gqa, block_size=block_size, dtype=dtype, device=TRITON_DEVICE)
     check_backend(get_backend("triton"), batch, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", sorted(SOFTCAP_BATCHES))
+@pytest.mark.parametrize("window", [None, 5])
+def test_triton_backend_attention_softcap(kind: str, window: int | None) -> None:
+    """Gemma 2's soft-cap in the Triton decode and extend kernels (HAS_SOFTCAP), with and without a window."""
+    batch = make_batch(*SOFTCAP_BATCHES[kind], gqa=3, block_size=16, device=TRITON_DEVICE)
+    check_softcap(get_backend("triton"), batch, torch.float32, window)
 
 
 def test_num_splits_heuristic() -> None:

@@ -68,7 +68,8 @@ def _with_tokenizer(model_dir: Path) -> Path:
     ``tandem generate`` can run a random-weight model: the text is only a vehicle for the token ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab_size = config.get("vocab_size") or config["text_config"]["vocab_size"]  # Gemma 3's image-and-text nests it
     if not (model_dir / "tokenizer.json").exists():
         tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -179,9 +180,9 @@ BASE: dict[str, Any] = {"vocab_size": 10, "hidden_size": 8, "intermediate_size":
 
 def test_supported_model_types_come_from_the_registry() -> None:
     assert SUPPORTED_MODEL_TYPES == tuple(FAMILIES) == ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral",
-                                                        "qwen3_moe", "gpt_oss")
+                                                        "qwen3_moe", "gpt_oss", "gemma2", "gemma3_text", "gemma3")
     with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, "
-                                         r"qwen3, phi3, mixtral, qwen3_moe, gpt_oss"):
+                                         r"qwen3, phi3, mixtral, qwen3_moe, gpt_oss, gemma2, gemma3_text, gemma3"):
         ModelConfig.from_dict({**BASE, "model_type": "gpt2"})
 
 

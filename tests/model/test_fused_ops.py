@@ -99,6 +99,51 @@ def test_rms_norm_of_heads_on_qkv_views_matches_the_layer_norm(cpp: CppOps, dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7])
+def test_unit_offset_norms_match_gemmas_rms_norm(cpp: CppOps, dtype: torch.dtype, n: int) -> None:
+    """Gemma's (1 + weight) RMSNorm, scaled in fp32 and rounded once: the layer's module, transformers' own
+    Gemma3RMSNorm, and both ops (C++ in fp32; in bf16 it declines to the reference, whose single rounding the
+    kernel's norm-then-scale would not give), over whole rows and over heads of a strided view."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from common.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(n)
+    d = 48
+    x, res = (torch.randn(n, d, generator=g).to(dtype) for _ in range(2))
+    norm = RMSNorm(d, 1e-6, unit_offset=True).to(dtype)
+    norm.weight.data = (0.3 * torch.randn(d, generator=g)).to(dtype)  # the offset from 1, as Gemma stores it
+    theirs = Gemma3RMSNorm(d, 1e-6).to(dtype)
+    theirs.weight.data = norm.weight.data.clone()
+    with torch.no_grad():
+        want = theirs(x + res)
+        torch.testing.assert_close(norm(x + res), want, atol=0, rtol=0)
+    eager_out, eager_res = EagerOps().add_rms_norm(x, res, norm.weight, norm.eps, unit_offset=True)
+    torch.testing.assert_close(eager_out, want, atol=0, rtol=0)
+    got_out, got_res = cpp.add_rms_norm(x, res.clone(), norm.weight, norm.eps, unit_offset=True)
+    torch.testing.assert_close(got_res, eager_res, atol=0, rtol=0)
+    torch.testing.assert_close(got_out, want, **(TOL[dtype] if dtype == torch.float32 else {"atol": 0, "rtol": 0}))
+    first, _ = cpp.add_rms_norm(x, None, norm.weight, norm.eps, unit_offset=True)
+    torch.testing.assert_close(first, EagerOps().add_rms_norm(x, None, norm.weight, norm.eps, True)[0], **TOL[dtype])
+    heads = torch.randn(n, 3 * d, generator=g).to(dtype)[:, : 2 * d].view(n, 2, d)  # Gemma 3's q/k norms
+    with torch.no_grad():
+        want_heads = theirs(heads)
+    torch.testing.assert_close(EagerOps().rms_norm(heads, norm.weight, norm.eps, True), want_heads, atol=0, rtol=0)
+    torch.testing.assert_close(cpp.rms_norm(heads, norm.weight, norm.eps, True), want_heads, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_is_transformers_gelu_pytorch_tanh(cpp: CppOps, dtype: torch.dtype) -> None:
+    from transformers.activations import ACT2FN
+
+    gate_up = (3 * torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(0))).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = ACT2FN["gelu_pytorch_tanh"](gate) * up
+    torch.testing.assert_close(EagerOps().gelu_tanh_mul(gate_up), want, atol=0, rtol=0)
+    torch.testing.assert_close(cpp.gelu_tanh_mul(gate_up), want, atol=0, rtol=0)  # no kernel: the reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_write_kv_matches_rotary_then_write(cpp: CppOps, dtype: torch.dtype) -> None:
     from common.config.model_config import RopeScaling
     from common.kv.kv_cache import write_kv

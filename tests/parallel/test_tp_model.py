@@ -1,5 +1,5 @@
-"""Tensor- and pipeline-parallel shards of a tiny Llama (and a Qwen3 at T=2) give the unsharded model's hidden
-states and logits.
+"""Tensor- and pipeline-parallel shards of a tiny Llama (and a Qwen3, a Phi-3, a Gemma 2 and a Gemma 3 at T=2, the
+Gemma 2 at P=2 too) give the unsharded model's hidden states and logits.
 
 Real processes ("spawn", torch.distributed gloo on loopback): one world of 2 ranks runs T=2 and P=2, one of 4
 runs T=2 x P=2 and T=4 over 2 KV heads (replicated) writing one shared-memory KV cache. Each case prefills
@@ -53,6 +53,11 @@ GPT_OSS: dict[str, Any] = {"num_local_experts": 4, "num_experts_per_tok": 2, "in
                            "sliding_window": 6, "max_position_embeddings": 256}
 QWEN3_MOE: dict[str, Any] = {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                              "intermediate_size": 128, "mlp_only_layers": [0], "head_dim": 16, "norm_topk_prob": True}
+# Gemma 2 / 3: sandwich norms, (1 + w) norms and Gemma 3's q/k norms whole on every rank, GELU-tanh over each
+# rank's MLP columns, the attention soft-cap over each rank's heads and the final one over its logit columns,
+# sliding layers (window 4, shorter than the prompts) beside global ones, Gemma 3's local rotary base.
+GEMMA: dict[str, Any] = {"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                         "head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 24, "vocab_size": 125}
 Step = tuple[list[int], list[int], list[int], list[int]]  # query_lens, context_lens, input_ids, positions
 
 
@@ -229,6 +234,9 @@ def world2(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory: Callabl
     mixtral = tiny_model_factory("mixtral", seed=6, **MIXTRAL)
     qwen3_moe = tiny_model_factory("qwen3_moe", seed=6, **QWEN3_MOE)
     gpt_oss = tiny_model_factory("gpt_oss", seed=6, **GPT_OSS)
+    gemma2 = tiny_model_factory("gemma2", seed=5, attn_logit_softcapping=0.01, final_logit_softcapping=1.0, **GEMMA)
+    gemma3 = tiny_model_factory("gemma3_text", seed=5, num_hidden_layers=4, sliding_window_pattern=2,
+                                final_logit_softcapping=1.0, **GEMMA)
     yield from _world(tmp_path_factory, 2, [
         ("tp2-gptoss", gpt_oss, 2, 1, True, "none"), ("ep2-gptoss", gpt_oss, 2, 1, False, "none", True),
         ("tp2-mixtral", mixtral, 2, 1, True, "none"), ("ep2-mixtral", mixtral, 2, 1, True, "none", True),
@@ -237,6 +245,8 @@ def world2(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory: Callabl
         ("pp2", a, 1, 2, False, "none"), ("pp2-fused", a, 1, 2, True, "none"),
         ("tp2-int8", a, 2, 1, True, "int8"), ("tp2-qwen3-fused", qwen3, 2, 1, True, "none"),
         ("tp2-phi3-window-fused", phi3, 2, 1, True, "none"),
+        ("tp2-gemma2-fused", gemma2, 2, 1, True, "none"), ("tp2-gemma3-fused", gemma3, 2, 1, True, "none"),
+        ("pp2-gemma2", gemma2, 1, 2, False, "none"),
     ], shared=False)
 
 
@@ -265,12 +275,13 @@ def _check_outputs(w: World, case: str, last_stage: list[int], atol: float = 1e-
 
 
 @pytest.mark.parametrize("case", ["tp2", "tp2-fused", "tp2-qwen3-fused", "tp2-phi3-window-fused", "tp2-mixtral",
-                                  "ep2-mixtral", "ep2-qwen3moe", "tp2-gptoss", "ep2-gptoss"])
+                                  "ep2-mixtral", "ep2-qwen3moe", "tp2-gptoss", "ep2-gptoss", "tp2-gemma2-fused",
+                                  "tp2-gemma3-fused"])
 def test_tp2_matches_unsharded(world2: World, case: str) -> None:
     _check_outputs(world2, case, [0, 1])
 
 
-@pytest.mark.parametrize("case", ["pp2", "pp2-fused", "pp2-qwen3moe"])
+@pytest.mark.parametrize("case", ["pp2", "pp2-fused", "pp2-qwen3moe", "pp2-gemma2"])
 def test_pp2_matches_unsharded(world2: World, case: str) -> None:
     _check_outputs(world2, case, [1])
 

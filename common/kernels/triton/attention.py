@@ -12,6 +12,8 @@ several blocks (or part of one). Softmax runs online in base 2 (``exp2``), accum
 Both take a sliding ``window`` (None: the whole sequence): the token at position p attends to positions
 p - window + 1 .. p (transformers' sliding-window mask), and tiles wholly before every row's window are not
 read. ``HAS_WINDOW`` is a compile-time switch, so the window-less kernels are the same code as before.
+Both take Gemma 2's attention ``softcap`` too (None: none): the scaled scores become softcap * tanh(scores /
+softcap) before the mask, behind the compile-time ``HAS_SOFTCAP``.
 
 On CPU the kernels run under ``TRITON_INTERPRET=1`` (which must be set before this module is
 imported). The interpreter mishandles bf16 arithmetic and 16-bit ``tl.dot``, so there every load is
@@ -46,10 +48,17 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _softcap(s, cap):
+    # s: scores * log2(e); cap: softcap * log2(e), so cap * tanh(s / cap) is the capped score * log2(e).
+    # tanh(t) = 1 - 2 / (e^2t + 1): +-1 without NaN where e^2t overflows to inf or underflows to 0.
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * (s / cap)) + 1.0))
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2e, window,
+    scale_log2e, window, softcap_log2e,
     stride_q_seq, stride_q_head,
     stride_k_block, stride_k_token, stride_k_head,
     stride_v_block, stride_v_token, stride_v_head,
@@ -57,6 +66,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     # grid: (num_seqs, num_kv_heads, NUM_SPLITS); this program: one sequence, one KV head, one slice.
     seq = tl.program_id(0)
@@ -104,6 +114,8 @@ def _paged_decode_kernel(
                           stride_k_block, stride_k_token, BLOCK_SIZE, COMPUTE_DTYPE)
         # s: [GROUP_PAD, TILE_N] scores in the log2 domain (exp2 is one instruction, exp is two).
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        if HAS_SOFTCAP:
+            s = _softcap(s, softcap_log2e)
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         # Every tile visited holds >= 1 valid token, so m_new is finite and exp2 never sees -inf - -inf.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -156,7 +168,7 @@ def _merge_splits_kernel(
 @triton.jit
 def _paged_extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    scale_log2e, window,
+    scale_log2e, window, softcap_log2e,
     stride_q_tok, stride_q_head,
     stride_k_block, stride_k_token, stride_k_head,
     stride_v_block, stride_v_token, stride_v_head,
@@ -164,6 +176,7 @@ def _paged_extend_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     # grid: (num_seqs, num_kv_heads, cdiv(max_query_len, BLOCK_Q)). Rows of the tile are
     # BLOCK_Q query tokens x GROUP_PAD heads (BLOCK_M = BLOCK_Q * GROUP_PAD), token-major.
@@ -210,6 +223,8 @@ def _paged_extend_kernel(
         k = _load_kv_tile(k_base, table_row, key_pos, key_mask, d, d_mask,
                           stride_k_block, stride_k_token, BLOCK_SIZE, COMPUTE_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, TILE_N]
+        if HAS_SOFTCAP:
+            s = _softcap(s, softcap_log2e)
         visible = key_mask[None, :] & (key_pos[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible = visible & (key_pos[None, :] > pos[:, None] - window)
@@ -302,13 +317,15 @@ def paged_decode(
     max_seq_len: int | None = None,
     tile_size: int = 64,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Split-K flash decoding: one new query token per sequence over its paged K/V.
 
     query: [num_seqs, num_heads, head_dim]; key_cache, value_cache: [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
     ``max_seq_len`` (host int) sharpens the split heuristic; without it the table width bounds it.
-    ``window``: the sliding window (None: the whole sequence). Returns [num_seqs, num_heads, head_dim] in query's dtype.
+    ``window``: the sliding window (None: the whole sequence); ``softcap``: Gemma 2's score cap (None: none).
+    Returns [num_seqs, num_heads, head_dim] in query's dtype.
     """
     _check_device(query)
     group = _check_cache(query, key_cache, value_cache)
@@ -331,7 +348,7 @@ def paged_decode(
     part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, window or 0,
+        scale * LOG2E, window or 0, (softcap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -339,6 +356,7 @@ def paged_decode(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_size, NUM_SPLITS=num_splits,
         COMPUTE_DTYPE=compute_dtype, DOT_PRECISION=precision, HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -361,12 +379,14 @@ def paged_extend(
     max_query_len: int | None = None,
     tile_size: int = 32,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Several new tokens per sequence over paged K/V (their own K/V already in the cache).
 
     query: [num_tokens, num_heads, head_dim]; query_start_loc: [num_seqs + 1] int32; seq_lens:
     [num_seqs] int32. Query token i of a sequence with q_len new tokens sits at position
-    seq_len - q_len + i and attends to positions <= that (and > that - ``window`` with one).
+    seq_len - q_len + i and attends to positions <= that (and > that - ``window`` with one); ``softcap``: Gemma 2's
+    score cap (None: none).
     ``max_query_len`` (host int) sizes the grid; without it num_tokens bounds it (correct, with idle programs).
     """
     _check_device(query)
@@ -388,7 +408,7 @@ def paged_extend(
     grid = (num_seqs, num_kv_heads, -(-max_query_len // block_q))
     _paged_extend_kernel[grid](
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E, window or 0,
+        scale * LOG2E, window or 0, (softcap or 1.0) * LOG2E,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -396,5 +416,6 @@ def paged_extend(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_size, BLOCK_Q=block_q, BLOCK_M=block_q * group_pad,
         COMPUTE_DTYPE=compute_dtype, DOT_PRECISION=precision, HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
     )
     return out
