@@ -32,6 +32,7 @@ How the routed tokens are multiplied is the module's ``experts`` strategy (vLLM'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
@@ -167,14 +168,17 @@ def _padded(moe: SparseMoE, x: torch.Tensor, expert: torch.Tensor, token: torch.
     return y if moe.b2 is None else y + moe.b2[expert]
 
 
-def _slices(moe: SparseMoE, xs: torch.Tensor, counts: list[int], ops: FusedOps) -> torch.Tensor:
-    """One GEMM per hit expert over its contiguous rows of ``xs`` (the pairs' tokens, sorted by expert)."""
+def _slices(moe: SparseMoE, xs: torch.Tensor, counts: list[int], ops: FusedOps,
+            weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    """One GEMM per hit expert over its contiguous rows of ``xs`` (the pairs' tokens, sorted by expert).
+    ``weights_of(e)``: expert e's row-major (w13, w2) (default: the stacked float weights)."""
     pieces = []
     start = 0
     for e, rows in enumerate(counts):
         if rows:
-            h = moe.activate(nn.functional.linear(xs[start : start + rows], moe.w13[e], moe.bias13(e)), ops)
-            pieces.append(nn.functional.linear(h, moe.w2[e], moe.bias2(e)))
+            w13, w2 = weights_of(e) if weights_of is not None else (moe.w13[e], moe.w2[e])
+            h = moe.activate(nn.functional.linear(xs[start : start + rows], w13, moe.bias13(e)), ops)
+            pieces.append(nn.functional.linear(h, w2, moe.bias2(e)))
             start += rows
     return torch.cat(pieces)
 
@@ -214,14 +218,9 @@ class PanelExperts:
         if expert.numel() and int(counts.max()) > self.max_rows:  # prefill sizes: torch's GEMM per expert
             from common.model.gemv import unpack_panels
 
-            xs, pieces, start = x[token], [], 0
-            for e, rows in enumerate(counts.tolist()):
-                if rows:
-                    h = ops.silu_mul(nn.functional.linear(xs[start : start + rows], unpack_panels(w13[e])))
-                    pieces.append(nn.functional.linear(h, unpack_panels(w2[e])))
-                    start += rows
+            y = _slices(moe, x[token], counts.tolist(), ops, lambda e: (unpack_panels(w13[e]), unpack_panels(w2[e])))
             out = torch.zeros_like(x)
-            out.index_add_(0, token, torch.cat(pieces) * weight[:, None].to(x.dtype))
+            out.index_add_(0, token, y * weight[:, None].to(x.dtype))
             return out
         offsets = torch.zeros(moe.num_local_experts + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offsets[1:])

@@ -39,6 +39,53 @@ void experts_pass(const float* xs, const int64_t* offsets, int64_t E, int64_t K,
   });
 }
 
+// The pairs' rows of x [T, H] (fp32), in the pairs' order: [n, H].
+std::vector<float> gather_rows(const float* x, int64_t T, int64_t H, const int64_t* tok, int64_t n) {
+  std::vector<float> xs(n * H);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(tok[i] >= 0 && tok[i] < T, "token ", tok[i], " is outside x's ", T, " rows");
+    std::memcpy(xs.data() + i * H, x + tok[i] * H, H * sizeof(float));
+  }
+  return xs;
+}
+
+// act [n, I] = silu(gate) * up of h13 [n, 2I] (gate columns first).
+void silu_mul_rows(const float* h13, int64_t n, int64_t I, float* act) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = h13 + r * 2 * I;
+      const float* u = g + I;
+      float* o = act + r * I;
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+}
+
+// out [T, H] in x's dtype: per token, the sum of weight * y over its pairs, added in the pairs' order (ascending
+// expert per token, as transformers' loop adds them), on one thread.
+torch::Tensor weighted_sum(const torch::Tensor& x, int64_t T, int64_t H, const int64_t* tok, const float* wt,
+                           int64_t n, const float* y) {
+  Out out(x, T, H);
+  std::fill(out.data, out.data + T * H, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    float* o = out.data + tok[i] * H;
+    const float* yi = y + i * H;
+    for (int64_t j = 0; j < H; ++j) o[j] += wt[i] * yi[j];
+  }
+  return out.finish();
+}
+
+// token / weight / offsets of n pairs over E experts: what both entry points take.
+void check_pairs(const torch::Tensor& token, const torch::Tensor& weight, const torch::Tensor& offsets, int64_t E) {
+  const int64_t n = token.size(0);
+  TORCH_CHECK(token.scalar_type() == at::kLong && token.is_contiguous() && token.dim() == 1, "token: int64 [n]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == n, "weight: fp32 [n]");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.numel() == E + 1,
+              "offsets: int64 [E + 1]");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == n, "offsets must run from 0 to the number of pairs");
+}
+
 }  // namespace
 
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor token, torch::Tensor weight, torch::Tensor offsets,
@@ -53,48 +100,21 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor token, torch::Tensor we
   const int64_t H = bf16 ? w13.size(2) * 2 : w13.size(2), I2 = w13.size(1) * kDensePanel, I = I2 / 2;
   TORCH_CHECK(w2.size(1) * kDensePanel == H && (bf16 ? w2.size(2) * 2 : w2.size(2)) == I,
               "w2's panels do not match w13's: [E, H/16, I, 16]");
-  TORCH_CHECK(token.scalar_type() == at::kLong && token.is_contiguous() && token.dim() == 1, "token: int64 [n]");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == n, "weight: fp32 [n]");
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.numel() == E + 1,
-              "offsets: int64 [E + 1]");
+  check_pairs(token, weight, offsets, E);
   const int64_t* tok = token.data_ptr<int64_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[E] == n, "offsets must run from 0 to the number of pairs");
   std::vector<float> xscratch;
-  const float* xp = float_x(x, H, xscratch);
-
-  // the pairs' rows of x, in the pairs' order
-  std::vector<float> xs(n * H), h13(n * I2), act(n * I), y(n * H);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(tok[i] >= 0 && tok[i] < T, "token ", tok[i], " is outside x's ", T, " rows");
-    std::memcpy(xs.data() + i * H, xp + tok[i] * H, H * sizeof(float));
-  }
+  const std::vector<float> xs = gather_rows(float_x(x, H, xscratch), T, H, tok, n);
+  std::vector<float> h13(n * I2), act(n * I), y(n * H);
   const auto* w13p = static_cast<const char*>(w13.data_ptr());
   const auto* w2p = static_cast<const char*>(w2.data_ptr());
   const int64_t esize = w13.element_size();
   if (bf16) experts_pass<true>(xs.data(), off, E, H, I2, w13p, I2 * H * esize, h13.data());
   else experts_pass<false>(xs.data(), off, E, H, I2, w13p, I2 * H * esize, h13.data());
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = h13.data() + r * I2;
-      const float* u = g + I;
-      float* o = act.data() + r * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
-  });
+  silu_mul_rows(h13.data(), n, I, act.data());
   if (bf16) experts_pass<true>(act.data(), off, E, I, H, w2p, H * I * esize, y.data());
   else experts_pass<false>(act.data(), off, E, I, H, w2p, H * I * esize, y.data());
-
-  Out out(x, T, H);
-  std::fill(out.data, out.data + T * H, 0.f);
-  const float* wt = weight.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    float* o = out.data + tok[i] * H;
-    const float* yi = y.data() + i * H;
-    const float s = wt[i];
-    for (int64_t j = 0; j < H; ++j) o[j] += s * yi[j];
-  }
-  return out.finish();
+  return weighted_sum(x, T, H, tok, weight.data_ptr<float>(), n, y.data());
 }
 
 // ``moe_experts_packed``: the same with int8 or int4 experts in cpu_quant_panel.cpp's panel layouts, activations
@@ -183,37 +203,14 @@ torch::Tensor moe_experts_packed(torch::Tensor x, torch::Tensor token, torch::Te
   const int64_t I2 = q13.size(1) * PANEL, I = I2 / 2, H = q13.size(2) * (int4 ? 8 : 4);
   check_packed(q13, s13, z13, int4, E, I2, H, g13, "q13");
   check_packed(q2, s2, z2, int4, E, H, I, g2, "q2");
-  TORCH_CHECK(token.scalar_type() == at::kLong && token.is_contiguous() && token.dim() == 1, "token: int64 [n]");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == n, "weight: fp32 [n]");
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.numel() == E + 1,
-              "offsets: int64 [E + 1]");
+  check_pairs(token, weight, offsets, E);
   const int64_t* tok = token.data_ptr<int64_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[E] == n, "offsets must run from 0 to the number of pairs");
   std::vector<float> xscratch;
-  const float* xp = float_x(x, H, xscratch);
-  std::vector<float> xs(n * H), h13(n * I2), act(n * I), y(n * H);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(tok[i] >= 0 && tok[i] < T, "token ", tok[i], " is outside x's ", T, " rows");
-    std::memcpy(xs.data() + i * H, xp + tok[i] * H, H * sizeof(float));
-  }
+  const std::vector<float> xs = gather_rows(float_x(x, H, xscratch), T, H, tok, n);
+  std::vector<float> h13(n * I2), act(n * I), y(n * H);
   packed_pass(xs.data(), n, H, I2, off, E, PackedExperts{q13, s13, z13, g13, int4}, h13.data());
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = h13.data() + r * I2;
-      const float* u = g + I;
-      float* o = act.data() + r * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
-  });
+  silu_mul_rows(h13.data(), n, I, act.data());
   packed_pass(act.data(), n, I, H, off, E, PackedExperts{q2, s2, z2, g2, int4}, y.data());
-  Out out(x, T, H);
-  std::fill(out.data, out.data + T * H, 0.f);
-  const float* wt = weight.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    float* o = out.data + tok[i] * H;
-    const float* yi = y.data() + i * H;
-    for (int64_t j = 0; j < H; ++j) o[j] += wt[i] * yi[j];
-  }
-  return out.finish();
+  return weighted_sum(x, T, H, tok, weight.data_ptr<float>(), n, y.data());
 }
