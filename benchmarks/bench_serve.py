@@ -71,7 +71,14 @@ from benchmarks.serve_stats import (
     system_json,
 )
 from benchmarks.slo import SLO, parse_slo
-from benchmarks.workloads import LOWEST_ORDINARY_ID, WORKLOADS, ServingWorkload, TimedRequest, Workload
+from benchmarks.workloads import (
+    LOWEST_ORDINARY_ID,
+    WORKLOADS,
+    MultiTurnWorkload,
+    ServingWorkload,
+    TimedRequest,
+    Workload,
+)
 from gateway.prefill_policy import DEFAULT_LOCAL_PREFILL_MAX_TOKENS
 
 
@@ -84,11 +91,15 @@ class System:
     prefix_caching: bool = True
     # The gateway prefills short prompts on the decode node (conditional disaggregation, --local-prefill-max-tokens).
     local_prefill: bool = False
+    # The KV offload tier under each node's pool (a "+cpu" / "+disk" suffix on the system's name in --systems).
+    kv_offload: str = "none"
 
     @property
     def node_args(self) -> tuple[str, ...]:
-        # Explicit both ways: a TANDEM_ENABLE_PREFIX_CACHING in the caller's environment cannot relabel a system.
-        return ("--enable-prefix-caching",) if self.prefix_caching else ("--no-enable-prefix-caching",)
+        # Explicit both ways: a TANDEM_ENABLE_PREFIX_CACHING or TANDEM_KV_OFFLOAD in the caller's environment
+        # cannot relabel a system.
+        caching = ("--enable-prefix-caching",) if self.prefix_caching else ("--no-enable-prefix-caching",)
+        return (*caching, "--kv-offload", self.kv_offload)
 
     def gateway_args(self, local_prefill_max_tokens: int) -> tuple[str, ...]:
         # Explicit both ways too: the gateway's default is conditional (DEFAULT_LOCAL_PREFILL_MAX_TOKENS).
@@ -102,6 +113,20 @@ SYSTEMS: Mapping[str, System] = {s.name: s for s in (
     System("colocated-nocache", disaggregated=False, prefix_caching=False),
 )}
 DEFAULT_SYSTEMS = ("disaggregated", "colocated")
+TIER_SUFFIXES = ("cpu", "disk")  # --systems NAME+cpu: the system with that offload tier under every node's pool
+STATS_POLL_S = 1.5  # a gateway polls its nodes' Stats every second (gateway/settings.py stats_interval_s)
+DEFAULT_BLOCK_SIZE = 16  # the nodes' --block-size default (common/config/engine_config.py)
+
+
+def system_named(name: str) -> System:
+    """``NAME`` or ``NAME+TIER`` (a system of SYSTEMS with the KV offload tier TIER under each node's pool)."""
+    base, sep, tier = name.partition("+")
+    if base not in SYSTEMS or (sep and tier not in TIER_SUFFIXES):
+        raise ValueError(f"--systems: choose from {', '.join(SYSTEMS)}, each optionally +cpu or +disk (an offload "
+                         f"tier), got {name!r}")
+    if sep and not SYSTEMS[base].prefix_caching:
+        raise ValueError(f"--systems: {name!r}: an offload tier is indexed by the prefix cache, which {base} turns off")
+    return dataclasses.replace(SYSTEMS[base], name=name, kv_offload=tier or "none")
 DEFAULT_RATE = 1.0  # requests/s: near what one decode core sustains with SmolLM2 (README: the measured table)
 SERVING = ServingWorkload()  # the defaults the help text names for the per-length flags
 
@@ -112,18 +137,20 @@ SERVING = ServingWorkload()  # the defaults the help text names for the per-leng
 @contextlib.contextmanager
 def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, num_decode: int,
                cpus: tuple[int, ...], log_dir: Path, local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
-               ) -> Iterator[tuple[dict[Api, list[str]], str]]:
-    """Start ``system``; yield the client's targets per front and a description of where each service runs."""
+               pool_args: tuple[str, ...] = ()) -> Iterator[tuple[dict[Api, list[str]], str]]:
+    """Start ``system``; yield the client's targets per front and a description of where each service runs.
+    ``pool_args``: node flags sizing every node's KV (``--num-blocks``, ``--kv-offload-gb``)."""
     from tandem_cli.launcher import ColocatedTopology, Launcher, Topology
 
     topology: Topology | ColocatedTopology
+    node_args = (*system.node_args, *pool_args)
     if system.disaggregated:
         topology = Topology(num_prefill=num_prefill, num_decode=num_decode, free_ports=True,
-                            model_args=model_args, node_args=system.node_args,
+                            model_args=model_args, node_args=node_args,
                             gateway_args=system.gateway_args(local_prefill_max_tokens), cpus=cpus)
     else:
         topology = ColocatedTopology(replicas=num_prefill + num_decode, free_ports=True, model_args=model_args,
-                                     node_args=system.node_args, cpus=cpus, serve_http=True)
+                                     node_args=node_args, cpus=cpus, serve_http=True)
     launcher = Launcher(topology, log_dir=log_dir / system.name)
     with launcher:
         placement = ", ".join(f"{s.name} [cpu {','.join(map(str, s.cpus))}]" if s.cpus else f"{s.name} [unpinned]"
@@ -147,10 +174,10 @@ def bench_system(system: System, args: argparse.Namespace, workload: Workload, v
     num_requests = workload.num_requests
     started = time.perf_counter()
     measuring = False
-    runs: list[tuple[tuple[Api, float], list[RequestRecord], float]] = []
+    runs: list[tuple[tuple[Api, float], list[RequestRecord], float, dict[str, int]]] = []
     try:
         with deployment(system, model_args, args.prefill_nodes, args.decode_nodes, args.cpus, log_dir,
-                        args.local_prefill_max_tokens) as (targets, placement):
+                        args.local_prefill_max_tokens, pool_args(args)) as (targets, placement):
             _progress(f"{system.name}: up in {time.perf_counter() - started:.1f} s ({placement}); warming up")
             for api in apis:
                 warm = ServingWorkload(num_requests=2 * len(targets[api]), prompt_len=(48, 256), output_len=(4, 8),
@@ -163,9 +190,12 @@ def bench_system(system: System, args: argparse.Namespace, workload: Workload, v
                 requests = workload.requests(vocab_size, rate)
                 _progress(f"{names[api, rate]}: sending {len(requests)} requests")
                 measuring = True
+                before = cache_counters(targets[Api.GRPC])
                 records, duration = asyncio.run(drive(targets[api], shifted(requests, k, vocab_size),
                                                       args.concurrency, args.timeout, api=api))
-                runs.append(((api, rate), records, duration))
+                time.sleep(STATS_POLL_S)  # a gateway reports its nodes' counters as its last Stats poll saw them
+                after = cache_counters(targets[Api.GRPC])
+                runs.append(((api, rate), records, duration, {k: after[k] - before[k] for k in after}))
     except (RuntimeError, TimeoutError, OSError) as exc:
         if measuring:
             raise
@@ -173,12 +203,29 @@ def bench_system(system: System, args: argparse.Namespace, workload: Workload, v
         return [(dataclasses.replace(not_started(names[leg], num_requests, f"failed to start: {exc}", slo),
                                      rate=_finite(leg[1])), []) for leg in legs]
     results = []
-    for leg, records, duration in runs:
-        summary = dataclasses.replace(summarize(names[leg], placement, records, duration, slo), rate=_finite(leg[1]))
+    for leg, records, duration, cache in runs:
+        summary = dataclasses.replace(summarize(names[leg], placement, records, duration, slo), rate=_finite(leg[1]),
+                                      cache=cache)
         _progress(f"{names[leg]}: {summary.completed}/{len(records)} done in {duration:.1f} s, "
                   f"{summary.output_throughput:.1f} output tokens/s")
         results.append((summary, records))
     return results
+
+
+def cache_counters(fronts: Sequence[str]) -> dict[str, int]:
+    """Prompt tokens every node behind ``fronts`` looked up in its prefix cache, found there (pool or offload tier)
+    and restored from its offload tier, since it started (GetLoads: a gateway's nodes, or a colocated server)."""
+    import grpc
+
+    from tandem.v1 import generate_pb2, generate_pb2_grpc
+
+    nodes: dict[str, tuple[int, int, int]] = {}
+    for front in fronts:
+        with grpc.insecure_channel(front) as channel:
+            loads = generate_pb2_grpc.TandemStub(channel).GetLoads(generate_pb2.GetLoadsRequest(), timeout=10)
+        for n in loads.nodes:
+            nodes[n.node_id or n.target] = (n.prefix_cache_queries, n.prefix_cache_hits, n.offload_hits)
+    return {key: sum(v[i] for v in nodes.values()) for i, key in enumerate(("queries", "hits", "offload_hits"))}
 
 
 def _finite(rate: float) -> float | None:
@@ -250,10 +297,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"[{_show(SERVING.prompt_len)}, shorter with --quick]")
     p.add_argument("--output-len", type=_length_range, help="serving, shared-prefix: output lengths LOW:HIGH, "
                    f"log-uniform [serving {_show(SERVING.output_len)}]")
+    turns = MultiTurnWorkload()
+    p.add_argument("--conversations", dest="num_conversations", type=int,
+                   help=f"multi-turn: conversations [{turns.num_conversations}]")
+    p.add_argument("--turns", type=int, help=f"multi-turn: turns per conversation [{turns.turns}]")
+    p.add_argument("--think-s", type=float, help=f"multi-turn: mean think time between turns, s [{turns.think_s:g}]")
+    p.add_argument("--message-len", type=_length_range,
+                   help=f"multi-turn: user message lengths LOW:HIGH [{_show(turns.message_len)}]")
+    p.add_argument("--system-len", type=int, help=f"multi-turn: the shared system prompt's tokens [{turns.system_len}]")
+    p.add_argument("--num-blocks", type=int, help="KV blocks of every node's pool [the nodes' default]")
+    p.add_argument("--kv-offload-gb", type=float, help="GiB of the offload tier of a NAME+cpu / NAME+disk system "
+                   "[the nodes' default]")
     p.add_argument("--seed", type=int, default=0, help="workload seed [0]")
     p.add_argument("--quick", action="store_true", help="a smaller, shorter workload (about a minute)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help=f"comma-separated subset of {', '.join(SYSTEMS)} [{','.join(DEFAULT_SYSTEMS)}]")
+                   help=f"comma-separated subset of {', '.join(SYSTEMS)}, each optionally NAME+cpu or NAME+disk (with "
+                   f"that KV offload tier under every node's pool) [{','.join(DEFAULT_SYSTEMS)}]")
     p.add_argument("--api", type=parse_apis, default=(Api.GRPC,), metavar="grpc,openai",
                    help="the fronts the client drives: grpc (the Tandem API), openai (streaming /v1/completions over "
                    "HTTP); a list runs each system once and measures it over every front in turn [grpc]")
@@ -301,8 +360,11 @@ def run(args: argparse.Namespace) -> int:
         return serve_peer.run(args, model_dir, resolve_dtype_name(settings.dtype, settings.device), vocab_size,
                               bundled_model=settings.model in DEFAULT_MODEL_ALIASES)
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if not names or set(names) - set(SYSTEMS):
-        raise ValueError(f"--systems: choose from {', '.join(SYSTEMS)}, got {args.systems!r}")
+    if not names or len(set(names)) < len(names):
+        raise ValueError(f"--systems: choose from {', '.join(SYSTEMS)} (each once), got {args.systems!r}")
+    systems = [system_named(name) for name in names]
+    if getattr(args, "num_blocks", None) is not None and args.num_blocks < 1:
+        raise ValueError(f"--num-blocks must be >= 1, got {args.num_blocks}")
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.local_prefill_max_tokens < 0:
@@ -324,15 +386,46 @@ def run(args: argparse.Namespace) -> int:
     model_args = ("--model", str(model_dir), "--dtype", dtype)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-bench-serve-"))
 
-    results = [result for name in names for result in bench_system(
-        SYSTEMS[name], args, workload, config.vocab_size, model_args, log_dir, slo, args.api)]
+    results = [result for system in systems for result in bench_system(
+        system, args, workload, config.vocab_size, model_args, log_dir, slo, args.api)]
     summaries = [summary for summary, _ in results]
-    print(report(summaries, workload, args, model_dir.name, dtype))
+    text = report(summaries, workload, args, model_dir.name, dtype)
+    if pool := pool_args(args):
+        text += f"\n- every node: {' '.join(pool)}"
+        if isinstance(workload, MultiTurnWorkload) and args.num_blocks:
+            history = workload.history_blocks(DEFAULT_BLOCK_SIZE)
+            text += (f" (the pool: {args.num_blocks / history:.0%} of the conversations' whole histories, "
+                     f"{history} blocks of {DEFAULT_BLOCK_SIZE} tokens)")
+    if len(results) > 1:
+        text += "\n" + same_outputs(results)
+    print(text)
     _progress(f"service logs: {log_dir}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(results_json(results, workload, args, model_dir.name, dtype),
                                                    indent=2))
     return 0 if all(s.failed == 0 for s in summaries) else 1
+
+
+def same_outputs(results: Sequence[tuple[Summary, Sequence[RequestRecord]]]) -> str:
+    """Whether each system generated the first one's tokens, request by request (greedy: it should, up to
+    floating-point ties; a multi-turn conversation's later prompts carry its earlier answers)."""
+    first, reference = results[0][0].system, {r.index: r.output_ids for r in results[0][1] if r.ok}
+    lines = []
+    for summary, records in results[1:]:
+        both = [r for r in records if r.ok and r.index in reference]
+        same = sum(tuple(r.output_ids) == tuple(reference[r.index]) for r in both)
+        lines.append(f"- {summary.system}: {same} of {len(both)} requests generated {first}'s tokens")
+    return "\n".join(lines)
+
+
+def pool_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The node flags that size every system's KV pool and offload tier (``--num-blocks``, ``--kv-offload-gb``)."""
+    out: tuple[str, ...] = ()
+    if getattr(args, "num_blocks", None) is not None:
+        out += ("--num-blocks", str(args.num_blocks))
+    if getattr(args, "kv_offload_gb", None) is not None:
+        out += ("--kv-offload-gb", f"{args.kv_offload_gb:g}")
+    return out
 
 
 def slo_of(args: argparse.Namespace) -> SLO:
@@ -345,11 +438,13 @@ def configure_workload(args: argparse.Namespace) -> Workload:
     """``--workload`` (``--quick``: its smaller variant) with the flags given for its fields."""
     preset = WORKLOADS[args.workload]
     base = preset.quick if args.quick else preset.full
-    given = {name: value for name, value in (("num_requests", args.num_requests), ("prompt_len", args.prompt_len),
-                                             ("output_len", args.output_len)) if value is not None}
+    flags = {name: "--" + name.replace("_", "-") for name in (
+        "num_requests", "prompt_len", "output_len", "turns", "think_s", "message_len", "system_len")}
+    flags["num_conversations"] = "--conversations"
+    given = {name: value for name in flags if (value := getattr(args, name, None)) is not None}
     fields = {f.name for f in dataclasses.fields(base)}
     if unknown := [name for name in given if name not in fields]:
-        raise ValueError(f"--{unknown[0].replace('_', '-')} does not apply to the {base.name} workload")
+        raise ValueError(f"{flags[unknown[0]]} does not apply to the {base.name} workload")
     return dataclasses.replace(base, **given, seed=args.seed)
 
 
@@ -397,6 +492,9 @@ def report(summaries: Sequence[Summary], workload: Workload, args: argparse.Name
     if caps := capacities(summaries):
         lines += [capacity_table(summaries, caps), ""]
     lines += [f"- {s.system}: {s.placement}" for s in summaries]
+    lines += [f"- {s.system}: prefix caches found {s.cache['hits']:,} of {s.cache['queries']:,} prompt tokens "
+              f"looked up, {s.cache['offload_hits']:,} of them restored from the offload tier"
+              for s in summaries if s.cache]
     for s in summaries:
         lines += [f"- {s.system} errors: {e}" for e in s.errors]
     return "\n".join(lines)

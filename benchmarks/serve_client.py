@@ -3,7 +3,8 @@ OpenAI HTTP API: benchmarks/openai_client.py) and records what it saw of each.
 
 Open loop: each request leaves at its ``arrival_s`` whatever the answers do (a system slower than the
 load builds a queue, as in production); a later turn of a conversation (``TimedRequest.follows``) leaves its
-think time after the turn before it ends, carrying that turn's prompt and answer. Closed loop:
+think time after the turn before it ends, carrying that turn's prompt and answer, to the front that served it
+(sticky sessions: with several replicas the history's KV is there). Closed loop:
 ``concurrency`` requests in flight at all times, sent
 in the workload's order. Every time is the client's ``time.perf_counter``.
 """
@@ -120,9 +121,14 @@ async def _drive(targets: Sequence[str], requests: Sequence[TimedRequest], concu
             done[i].set()
 
     async def _one(i: int, req: TimedRequest) -> None:
-        # Fewest outstanding requests first; ties rotate, so an idle pair of replicas shares the load.
+        # A conversation's later turn goes where its previous turn went (sticky sessions, as a chat front keeps
+        # them: the history's KV is there). Otherwise fewest outstanding requests first; ties rotate, so an idle
+        # pair of replicas shares the load.
         start = next(rotation)
-        k = min(range(len(targets)), key=lambda j: (outstanding[j], (j - start) % len(targets)))
+        if req.follows is not None:
+            k = targets.index(records[req.follows].target)
+        else:
+            k = min(range(len(targets)), key=lambda j: (outstanding[j], (j - start) % len(targets)))
         outstanding[k] += 1
         records[i].target = targets[k]
         try:

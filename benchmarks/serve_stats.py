@@ -68,6 +68,9 @@ class Summary:
     slo: Attainment | None = None  # None: summarized without an SLO
     started: bool = True  # False: the system failed to start (or to serve its warm-up); nothing was measured
     rate: float | None = None  # the Poisson arrival rate it ran at (requests/s); None: closed loop or all at once
+    # Prompt tokens the nodes looked up in their prefix caches during the run, found (pool or offload tier) and
+    # restored from the offload tier (GetLoads before and after); empty when not read.
+    cache: dict[str, int] = field(default_factory=dict)
 
     @property
     def request_throughput(self) -> float:

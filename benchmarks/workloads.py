@@ -260,6 +260,15 @@ class MultiTurnWorkload:
     def max_total_len(self) -> int:
         return self.system_len + self.turns * (self.message_len[1] + self.output_len[1])
 
+    def history_blocks(self, block_size: int) -> int:
+        """The KV blocks of every conversation's whole history (its last prompt and answer), summed: what a pool
+        would need to keep every conversation for its next turn (the shared system prompt counted in each)."""
+        reqs = self.requests(LOWEST_ORDINARY_ID + 1, 1.0)
+        c = self.num_conversations
+        tokens = [sum(len(reqs[t * c + conv].prompt_token_ids) + reqs[t * c + conv].output_len
+                      for t in range(self.turns)) for conv in range(c)]
+        return sum(-(-n // block_size) for n in tokens)
+
     def requests(self, vocab_size: int, rate: float) -> list[TimedRequest]:
         lengths, ids, arrivals = _streams(self.seed)
         c, t = self.num_conversations, self.turns

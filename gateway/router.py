@@ -33,6 +33,10 @@ class NodeLoad:
     num_running: int
     num_waiting: int
     block_size: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up, since the node started
+    prefix_cache_hits: int = 0  # of which found (pool or offload tier)
+    offload_hits: int = 0  # of which restored from its offload tier
+    offload_blocks: int = 0  # blocks its offload tier holds
 
 
 @dataclass(eq=False)

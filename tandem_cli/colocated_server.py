@@ -143,7 +143,10 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
         usage = stats.used_blocks / stats.num_blocks if stats.num_blocks else 0.0
         return [generate_pb2.NodeLoad(target=settings.address, node_id=node_id, role="colocated", reachable=True,
                                       num_running=stats.num_running, num_waiting=stats.num_waiting,
-                                      num_blocks=stats.num_blocks, free_blocks=stats.free_blocks, kv_usage=usage)]
+                                      num_blocks=stats.num_blocks, free_blocks=stats.free_blocks, kv_usage=usage,
+                                      prefix_cache_queries=stats.prefix_cache_queries,
+                                      prefix_cache_hits=stats.prefix_cache_hits, offload_hits=stats.offload_hits,
+                                      offload_blocks=stats.offload_blocks)]
 
     try:
         # The gateway's public fronts (gRPC, HTTP, /metrics) over this process's engine.

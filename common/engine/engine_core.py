@@ -263,6 +263,7 @@ class EngineCore:
             block_size=kv.block_size, num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            offload_hits=kv.offload_hits, offload_blocks=len(self.offload.index) if self.offload is not None else 0,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps, step_seconds=self.step_seconds,
             step_prefill_tokens=self.step_prefill_tokens, step_decode_tokens=self.step_decode_tokens,
@@ -284,6 +285,8 @@ class EngineStats:
     step_seconds: float = 0.0  # their time: model, sampling and the runner's inputs
     step_prefill_tokens: int = 0  # prompt tokens they computed
     step_decode_tokens: int = 0  # decode tokens (draft slots included) they computed
+    offload_hits: int = 0  # prompt tokens restored from the offload tier (a part of prefix_cache_hits)
+    offload_blocks: int = 0  # blocks the offload tier holds
 
 
 class ColocatedEngine(EngineCore):

@@ -68,6 +68,8 @@ class EngineSnapshot:
     step_seconds: float = 0.0  # their time
     step_prefill_tokens: int = 0  # prompt tokens they computed
     step_decode_tokens: int = 0  # decode tokens (draft slots included) they computed
+    offload_hits: int = 0  # prompt tokens restored from the KV offload tier (a part of prefix_cache_hits)
+    offload_blocks: int = 0  # blocks the offload tier holds
 
 
 class EngineCounters(Protocol):
@@ -106,6 +108,12 @@ class EngineCounters(Protocol):
     @property
     def step_decode_tokens(self) -> int: ...
 
+    @property
+    def offload_hits(self) -> int: ...
+
+    @property
+    def offload_blocks(self) -> int: ...
+
 
 class SpecCounters(Protocol):
     """The scheduler's speculative-decoding counters."""
@@ -128,6 +136,7 @@ def snapshot_of(stats: EngineCounters, spec: SpecCounters | None = None) -> Engi
         num_preemptions=stats.num_preemptions,
         num_steps=stats.num_steps, step_seconds=stats.step_seconds,
         step_prefill_tokens=stats.step_prefill_tokens, step_decode_tokens=stats.step_decode_tokens,
+        offload_hits=stats.offload_hits, offload_blocks=stats.offload_blocks,
         spec_num_drafts=spec.num_spec_steps if spec else 0,
         spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
@@ -169,6 +178,11 @@ class EngineCollector(Collector):
              s.prefix_cache_queries if s else 0),
             (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              s.prefix_cache_hits if s else 0),
+            (CounterMetricFamily, "kv_offload_hits",
+             "Prompt tokens restored from the KV offload tier (--kv-offload; a part of prefix_cache_hits).",
+             s.offload_hits if s else 0),
+            (GaugeMetricFamily, "kv_offload_blocks", "KV blocks the offload tier holds.",
+             s.offload_blocks if s else 0),
             (CounterMetricFamily, "num_preemptions", "Requests preempted (recomputed) because blocks ran out.",
              s.num_preemptions if s else 0),
             # Mean step time and size between two scrapes: d(seconds) / d(steps), d(tokens) / d(steps).

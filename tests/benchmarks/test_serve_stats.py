@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import jsonschema
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from benchmarks.bench_serve import SYSTEMS, add_arguments, configure_workload, results_json
 from benchmarks.serve_client import RequestRecord
 from benchmarks.serve_stats import Distribution, kind_table, markdown_table, summarize
-from benchmarks.workloads import WORKLOADS, MixedWorkload, SharedPrefixWorkload
+from benchmarks.workloads import WORKLOADS, MixedWorkload, MultiTurnWorkload, SharedPrefixWorkload
 
 _D = {"oneOf": [{"type": "null"}, {"type": "object", "additionalProperties": False,
                                    "required": ["mean", "p50", "p90", "p99"],
@@ -46,6 +47,8 @@ SCHEMA = _object({
         **{k: _D for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "kv_transfer_s")},
         "errors": {"type": "array", "items": {"type": "string"}},
         "started": {"type": "boolean"}, "goodput": _OPTIONAL_NUMBER, "rate": _OPTIONAL_NUMBER,
+        "cache": {"type": "object", "additionalProperties": False,
+                  "properties": {k: {"type": "integer"} for k in ("queries", "hits", "offload_hits")}},
         "slo": {"oneOf": [{"type": "null"}, _object({
             "slo": _object({"ttft_s": {"type": "number"}, "tpot_s": {"type": "number"}}),
             **{k: {"type": "integer"} for k in ("num_requests", "met_both", "met_ttft", "met_tpot")},
@@ -146,5 +149,33 @@ def test_system_variants_set_prefix_caching_explicitly() -> None:
     assert [(s.name, s.disaggregated) for s in SYSTEMS.values()] == [
         ("disaggregated", True), ("colocated", False), ("conditional", True), ("disaggregated-nocache", True),
         ("colocated-nocache", False)]
-    assert SYSTEMS["colocated"].node_args == ("--enable-prefix-caching",)
-    assert SYSTEMS["disaggregated-nocache"].node_args == ("--no-enable-prefix-caching",)
+    assert SYSTEMS["colocated"].node_args == ("--enable-prefix-caching", "--kv-offload", "none")
+    assert SYSTEMS["disaggregated-nocache"].node_args == ("--no-enable-prefix-caching", "--kv-offload", "none")
+
+
+def test_systems_with_an_offload_tier_and_the_pool_flags() -> None:
+    from benchmarks.bench_serve import pool_args, system_named
+
+    tiered = system_named("conditional+cpu")
+    assert (tiered.name, tiered.disaggregated, tiered.local_prefill, tiered.kv_offload) == (
+        "conditional+cpu", True, True, "cpu")
+    assert tiered.node_args == ("--enable-prefix-caching", "--kv-offload", "cpu")
+    assert system_named("colocated+disk").node_args[-1] == "disk"
+    assert system_named("colocated") == SYSTEMS["colocated"]
+    for bad, named in (("colocated+ssd", "colocated+ssd"), ("nothing", "nothing"),
+                       ("colocated-nocache+cpu", "turns off")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            system_named(bad)
+    assert pool_args(parse()) == ()
+    assert pool_args(parse("--num-blocks", "200", "--kv-offload-gb", "0.5")) == (
+        "--num-blocks", "200", "--kv-offload-gb", "0.5")
+
+
+def test_multi_turn_flags_shape_the_workload() -> None:
+    workload = configure_workload(parse("--workload", "multi-turn", "--conversations", "20", "--turns", "3",
+                                        "--think-s", "12", "--message-len", "8:24", "--system-len", "64"))
+    assert isinstance(workload, MultiTurnWorkload)
+    assert (workload.num_conversations, workload.turns, workload.think_s, workload.message_len,
+            workload.system_len, workload.num_requests) == (20, 3, 12.0, (8, 24), 64, 60)
+    with pytest.raises(ValueError, match="--conversations does not apply"):
+        configure_workload(parse("--workload", "serving", "--conversations", "3"))
