@@ -51,6 +51,9 @@ class BlockPool:
         # Called with (block id, hash) for each cached block about to be reused, while its KV is still there:
         # the offload tier keeps it (common/kv/offload.py). None: evicted blocks are simply forgotten.
         self.on_evict: Callable[[int, BlockHash], None] | None = None
+        # Called with (block id, hash) for each cached block whose last reference has just gone (it joins the free
+        # queue with its KV intact): a write-behind tier starts copying it. None: nothing is told.
+        self.on_free: Callable[[int, BlockHash], None] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -143,6 +146,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free_queue[block_id] = None
+                if self.on_free is not None and block.block_hash is not None:
+                    self.on_free(block_id, block.block_hash)
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
         """Register a full, written block under ``block_hash``; return whether it was registered.
@@ -164,6 +169,8 @@ class BlockPool:
         """Remove ``block_id`` from the hash map (its contents are about to change); no-op if not cached."""
         block = self._blocks[block_id]
         if block.block_hash is not None:
+            if self.on_evict is not None:  # as an eviction: the tier keeps (or finishes copying) the KV first
+                self.on_evict(block_id, block.block_hash)
             if self.events is not None:
                 self.events.removed([block.block_hash])
             del self._cached[block.block_hash]

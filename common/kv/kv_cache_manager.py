@@ -144,6 +144,7 @@ class KVCacheManager:
         assert tier is None or self.enable_prefix_caching, "an offload tier is indexed by the prefix cache"
         self.offload = tier
         self.pool.on_evict = None if tier is None else tier.save
+        self.pool.on_free = None if tier is None else tier.offer
 
     # ------------------------------------------------------------------ mutations
 

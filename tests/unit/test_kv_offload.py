@@ -158,3 +158,137 @@ def test_offline_greedy_output_unchanged_with_blocks_from_the_tier(tiny_model_fa
     assert offloaded == plain and no_hits == 0
     assert hits >= 32  # full blocks of the first prompts came back from the tier
     assert not list(tmp_path.glob("kv-offload-*"))  # the disk tier's file went with the engine
+
+
+class GateCopier:
+    """A copier whose copies land only when the test says (``land``) or when the tier waits for one: shows what
+    the tier does while a copy is still running."""
+
+    def __init__(self) -> None:
+        self.queued: list[list[object]] = []  # [dst, src snapshot at landing time: none until landed, landed?]
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor) -> object:
+        handle = [dst, src, False]
+        self.queued.append(handle)
+        return handle
+
+    def done(self, handle: object) -> bool:
+        return bool(handle[2])  # type: ignore[index]
+
+    def wait(self, handle: object) -> None:
+        for queued in self.queued:  # in order, as a thread or a stream would
+            self._land(queued)
+            if queued is handle:
+                return
+
+    def land(self) -> None:
+        for queued in self.queued:
+            self._land(queued)
+
+    def close(self) -> None:
+        self.land()
+
+    @staticmethod
+    def _land(handle: list[object]) -> None:
+        if not handle[2]:
+            handle[0].copy_(handle[1])  # type: ignore[attr-defined]
+            handle[2] = True
+
+
+def test_write_behind_offers_freed_blocks_and_an_eviction_waits_for_their_copy() -> None:
+    cache = KVCache(SPEC, num_blocks=4)
+    manager = KVCacheManager(4, SPEC.block_size)
+    copier = GateCopier()
+    tier = OffloadTier(OffloadStore(cache, 8, None), OffloadIndex(8), copier)
+    manager.set_offload(tier)
+    a = list(range(100, 113))  # 3 full blocks + 1 token
+    blocks_a = _write(cache, manager, "a", a)
+    kv_a = cache.data[blocks_a[:3]].clone()
+    assert tier.num_pending == 0 and not copier.queued  # nothing offered while referenced
+    manager.free("a")
+    hashes = hash_prompt_blocks(a, 4)
+    assert all(tier.holds(h) for h in hashes) and tier.num_pending == 3  # offered at once, copies not landed
+    assert tier.index.saves == 3
+    # b takes every block of the pool: a's three are evicted; each eviction waits for that block's copy to land
+    # before the block is handed out (b's writes below would otherwise reach the tier)
+    _write(cache, manager, "b", list(range(200, 213)))
+    assert tier.waits == 3 and tier.num_pending == 0 and tier.index.saves == 3  # no second, synchronous copy
+    manager.free("b")
+    again = manager.allocate("a2", a)
+    assert again is not None and again.num_cached_tokens == 12 and manager.offload_hits == 12
+    assert torch.equal(cache.data[again.block_ids[:3]], kv_a)
+    manager.check_integrity()
+    tier.index.check_integrity()
+
+
+def test_write_behind_copies_that_landed_cost_the_eviction_nothing() -> None:
+    cache = KVCache(SPEC, num_blocks=4)
+    manager = KVCacheManager(4, SPEC.block_size)
+    copier = GateCopier()
+    tier = OffloadTier(OffloadStore(cache, 8, None), OffloadIndex(8), copier)
+    manager.set_offload(tier)
+    a = list(range(100, 113))
+    blocks_a = _write(cache, manager, "a", a)
+    kv_a = cache.data[blocks_a[:3]].clone()
+    manager.free("a")
+    copier.land()  # the background copies finished while the blocks sat in the free queue
+    _write(cache, manager, "b", list(range(200, 213)))
+    assert tier.waits == 0 and tier.index.saves == 3
+    manager.free("b")
+    again = manager.allocate("a2", a)
+    assert again is not None and torch.equal(cache.data[again.block_ids[:3]], kv_a)
+
+
+def test_a_load_waits_for_the_copies_writing_its_slot() -> None:
+    """One slot: block 0's KV offered under h1 (its copy pending), then block 1's under h2 displaces it in the index
+    (a second pending copy into the same slot); restoring h2 must read block 1's KV, so the load lands both copies,
+    in order, first."""
+    cache = KVCache(SPEC, num_blocks=3)
+    cache.data[0], cache.data[1] = 1.0, 2.0
+    copier = GateCopier()
+    tier = OffloadTier(OffloadStore(cache, 1, None), OffloadIndex(1), copier)
+    h1, h2 = b"1" * 8, b"2" * 8
+    tier.offer(0, h1)
+    tier.offer(1, h2)
+    assert not tier.holds(h1) and tier.holds(h2) and tier.num_pending == 2
+    tier.load(h2, 2)
+    assert torch.equal(cache.data[2], cache.data[1]) and tier.waits == 1 and tier.num_pending == 0
+    tier.offer(0, h1)  # landed at once this time: a load then waits for nothing
+    copier.land()
+    tier.load(h1, 2)
+    assert torch.equal(cache.data[2], cache.data[0]) and tier.waits == 1
+
+
+def test_write_behind_on_a_thread_matches_the_synchronous_tier() -> None:
+    """A seeded run of admissions and frees over a small pool, the real background thread against the synchronous
+    tier: the same blocks restored with the same KV at every step."""
+    import random
+
+    from common.kv.offload import ThreadCopier
+
+    def run(copier: ThreadCopier | None) -> list[tuple[int, torch.Tensor]]:
+        cache = KVCache(SPEC, num_blocks=12)
+        manager = KVCacheManager(12, SPEC.block_size)
+        tier = OffloadTier(OffloadStore(cache, 16, None), OffloadIndex(16), copier)
+        manager.set_offload(tier)
+        rng = random.Random(7)
+        prompts = [[rng.randrange(3, 50) for _ in range(rng.randrange(5, 18))] for _ in range(6)]
+        seen = []
+        for step in range(60):
+            prompt = prompts[rng.randrange(len(prompts))]
+            alloc = manager.allocate(f"r{step}", prompt)
+            assert alloc is not None
+            seen.append((alloc.num_cached_tokens, cache.data[alloc.block_ids[: alloc.num_cached_tokens // 4]].clone()))
+            for i in range(alloc.num_cached_tokens, len(prompt)):
+                cache.data[alloc.block_ids[i // 4], :, :, i % 4] = float(prompt[i])
+            manager.commit(f"r{step}", prompt)
+            manager.free(f"r{step}")
+            manager.check_integrity()
+        tier.close()
+        return seen
+
+    threaded, synchronous = run(ThreadCopier()), run(None)
+    assert [n for n, _ in threaded] == [n for n, _ in synchronous]
+    assert any(n > 0 for n, _ in threaded)
+    for (_, kv_t), (_, kv_s) in zip(threaded, synchronous, strict=True):
+        assert torch.equal(kv_t, kv_s)
