@@ -2,11 +2,13 @@
 
     tandem bench soak --minutes M [--prefill-nodes P] [--decode-nodes D] [--concurrency C]
                       [--cancel-fraction F] [--restart-node NAME] [--out-dir DIR] [--model M]
+                      [--num-blocks N] [--kv-offload none|cpu|disk] [--kv-offload-gb G]
     python -m benchmarks.bench_soak ...          (the same)
 
 The deployment runs as ``tandem up`` runs it (tandem_cli.launcher: 1 gateway, P prefill, D decode nodes,
 each pinned to its cores, supervised with a RestartPolicy). C client threads keep requests in flight for M
-minutes: random prompts and output lengths, greedy and sampled, some with stop strings and ``n`` = 2, and a
+minutes: random prompts (half of them continuing one of 8 shared prefixes) and output lengths, greedy and
+sampled, some with stop strings and ``n`` = 2, and a
 share (``--cancel-fraction``) cancelled by the client at a random moment (queued, prefilling, transferring or
 decoding). Halfway, ``--restart-node`` is killed with SIGKILL; the launcher restarts it and the run records
 when it serves again. Every process's RSS (``VmRSS``) is sampled throughout (benchmarks/rss.py).
@@ -17,8 +19,10 @@ restart, RSS per process after warm-up (start, end, peak, growth; the goal is fl
 node's used blocks and queued requests after the load (the goal: 0 leaked), and the KV events' drift: a prefix
 index (benchmarks/kv_drift.py, the gateway's own code) follows every node's events, has its connections cut
 at a quarter of the run, and is compared with each node's cached blocks at the end (the goal: 0 drift,
-exact). Exit status 1 on a leak, drift, a failure outside the restart window, or a killed node that never
-served again.
+exact). Every node runs with the KV offload tier (``--kv-offload``, default cpu): its prefix-cache hits and tier
+restores are reported, and with ``disk`` no tier file may be left once the nodes are gone (the killed one's
+included). Exit status 1 on a leak, drift, a tier file left, a failure outside the restart window, or a killed
+node that never served again.
 
 The KV cache tensor is allocated zeroed and its pages become resident when a block is first written, so a
 node's RSS climbs until the load has touched every block (faster with a smaller ``--num-blocks``): choose
@@ -83,6 +87,11 @@ class SoakLoad:
 
         self.channel = grpc.insecure_channel(target)
         self.vocab_size = vocab_size
+        # Half the prompts continue one of these (conversations, shared system prompts): prefix-cache hits, and
+        # with a small pool, blocks evicted into the offload tier and restored from it.
+        shared = random.Random(seed)
+        self.prefixes = [[shared.randrange(3, vocab_size) for _ in range(shared.randrange(64, 256))]
+                         for _ in range(8)]
         self.concurrency = concurrency
         self.cancel_fraction = cancel_fraction
         self.seed = seed
@@ -111,6 +120,8 @@ class SoakLoad:
         from tandem.v1 import common_pb2, generate_pb2
 
         ids = [rng.randrange(3, self.vocab_size) for _ in range(int(rng.lognormvariate(3.5, 0.8)) % 400 + 4)]
+        if rng.random() < 0.5:
+            ids = rng.choice(self.prefixes) + ids[:64]
         sampling = common_pb2.SamplingParams(max_tokens=rng.randint(4, 64), ignore_eos=rng.random() < 0.7,
                                              temperature=rng.choice([0.0, 0.0, 0.8]))
         if sampling.temperature:
@@ -166,7 +177,9 @@ def node_stats(launcher: Any) -> dict[str, dict[str, int]]:
         stub = prefill_pb2_grpc.PrefillStub if spec.role == "prefill" else decode_pb2_grpc.DecodeStub
         with grpc.insecure_channel(spec.target) as channel:
             stats = stub(channel).Stats(common_pb2.StatsRequest(), timeout=10)
-        out[spec.name] = {"used_blocks": stats.used_blocks, "requests": stats.num_waiting + stats.num_running}
+        out[spec.name] = {"used_blocks": stats.used_blocks, "requests": stats.num_waiting + stats.num_running,
+                          "prefix_cache_hits": stats.prefix_cache_hits, "offload_hits": stats.offload_hits,
+                          "offload_blocks": stats.offload_blocks}
     return out
 
 
@@ -226,8 +239,15 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{'yes' if g['flat'] else '**no**'} | {g.get('anon_start_mib', 0):.0f} -> "
                      f"{g.get('anon_end_mib', 0):.0f} | {g.get('shmem_start_mib', 0):.0f} -> "
                      f"{g.get('shmem_end_mib', 0):.0f} |")
-    lines += ["", "| node | used blocks after the load | requests left |", "|---|---|---|"]
-    lines += [f"| {name} | {v['used_blocks']} | {v['requests']} |" for name, v in result["nodes_after"].items()]
+    lines += ["", "| node | used blocks after the load | requests left | prefix-cache hits (tokens) | of them from the "
+              "offload tier | tier blocks |", "|---|---|---|---|---|---|"]
+    lines += [f"| {name} | {v['used_blocks']} | {v['requests']} | {v.get('prefix_cache_hits', 0)} | "
+              f"{v.get('offload_hits', 0)} | {v.get('offload_blocks', 0)} |"
+              for name, v in result["nodes_after"].items()]
+    if cfg.get("kv_offload", "none") != "none":
+        left = result.get("tier_files_left", [])
+        lines += ["", f"Offload tier: `--kv-offload {cfg['kv_offload']}`, {cfg['kv_offload_gb']:g} GiB per node; "
+                  f"tier files left after the nodes stopped: {', '.join(left) if left else 'none'}."]
     kv = result.get("kv_events")
     if kv is not None:  # a prefix index that followed every node, its connections cut at a quarter of the run
         verdict = "exact" if kv["exact"] else "**not exact**"
@@ -266,9 +286,12 @@ def run(args: argparse.Namespace) -> int:
     vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
     out_dir = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="tandem-soak-"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    tier_dir = out_dir / "kv-offload"  # the disk tier's files: none may be left once the nodes are gone
+    tier_args = ("--kv-offload", args.kv_offload, "--kv-offload-gb", f"{args.kv_offload_gb:g}",
+                 "--kv-offload-dir", str(tier_dir)) if args.kv_offload != "none" else ("--kv-offload", "none")
     topology = Topology(num_prefill=args.prefill_nodes, num_decode=args.decode_nodes, free_ports=True,
                         http_port=None, model_args=("--model", str(model_dir), "--dtype", dtype),
-                        node_args=("--kv-timeout-s", "20", "--grace-s", "1",
+                        node_args=("--kv-timeout-s", "20", "--grace-s", "1", *tier_args,
                                    *(("--num-blocks", str(args.num_blocks)) if args.num_blocks else ())),
                         gateway_args=("--stats-interval-s", "0.5", "--shutdown-grace-s", "1"),
                         cpus=args.cpus or tuple(sorted(os.sched_getaffinity(0))))
@@ -306,10 +329,12 @@ def run(args: argparse.Namespace) -> int:
             watch.stop()
         samples = sampler.stop()
     growth = rss_growth(samples, warmup_s=args.warmup_fraction * duration_s)
+    tier_files_left = sorted(p.name for p in tier_dir.glob("*")) if tier_dir.exists() else []
     result: dict[str, Any] = {
         "config": {"minutes": args.minutes, "prefill_nodes": args.prefill_nodes, "decode_nodes": args.decode_nodes,
                    "concurrency": args.concurrency, "cancel_fraction": args.cancel_fraction, "model": model_dir.name,
-                   "dtype": dtype, "seed": args.seed, "restart_node": args.restart_node},
+                   "dtype": dtype, "seed": args.seed, "restart_node": args.restart_node,
+                   "kv_offload": args.kv_offload, "kv_offload_gb": args.kv_offload_gb, "num_blocks": args.num_blocks},
         "load_started_s": load_started_s,
         "requests": summarize(records, restart),
         "restart": asdict(restart),
@@ -317,6 +342,8 @@ def run(args: argparse.Namespace) -> int:
         "nodes_after": nodes_after,
         "leaked_blocks": sum(v["used_blocks"] for v in nodes_after.values()),
         "leaked_requests": sum(v["requests"] for v in nodes_after.values()),
+        "offload_hits": sum(v["offload_hits"] for v in nodes_after.values()),
+        "tier_files_left": tier_files_left,
         "kv_events": kv_events,
         "samples": [asdict(s) for s in samples],
     }
@@ -327,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     _progress(f"wrote {out_dir / 'soak.json'}, {out_dir / 'soak.md'}" + (f", {png}" if png else ""))
     clean = not (result["leaked_blocks"] or result["leaked_requests"] or result["requests"]["failed_outside_restart"]
-                 or kv_events["drift_blocks"] or not kv_events["exact"])
+                 or kv_events["drift_blocks"] or not kv_events["exact"] or tier_files_left)
     return 0 if clean and (not args.restart_node or restart.serving_again_at_s is not None) else 1
 
 
@@ -345,6 +372,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-node", default="decode-0",
                    help="the process killed (SIGKILL) halfway and restarted by the launcher; '' = none [decode-0]")
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks per node; 0: the node's default [0]")
+    p.add_argument("--kv-offload", choices=["none", "cpu", "disk"], default="cpu",
+                   help="the KV offload tier under every node's pool (its files, disk, under OUT_DIR/kv-offload: "
+                   "none may be left at the end) [cpu]")
+    p.add_argument("--kv-offload-gb", type=float, default=0.25, help="GiB of each node's tier [0.25]")
     p.add_argument("--sample-interval-s", type=float, default=5.0, help="RSS sampling period [5]")
     p.add_argument("--warmup-fraction", type=float, default=0.2,
                    help="share of the run before RSS growth is judged [0.2]")

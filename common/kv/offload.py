@@ -193,8 +193,10 @@ class OffloadStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             numel = num_slots * kv_cache.data[0].numel()
             # A file of the store's size, mapped shared: the pages go to the file (and the page cache), not to
-            # the process's memory.
+            # the process's memory. Its name is removed at once: the mapping keeps the file until the process
+            # ends, however it ends (a killed node leaves no tier file behind).
             self.data = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(num_slots, *block)
+            path.unlink()
 
     @property
     def bytes_per_slot(self) -> int:
@@ -212,8 +214,7 @@ class OffloadStore:
 
     def close(self) -> None:
         if self.path is not None:
-            del self.data
-            self.path.unlink(missing_ok=True)
+            del self.data  # the last mapping of the (already unlinked) file: its blocks go back to the disk
 
 
 class OffloadTier:
