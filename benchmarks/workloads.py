@@ -261,13 +261,15 @@ class MultiTurnWorkload:
         return self.system_len + self.turns * (self.message_len[1] + self.output_len[1])
 
     def history_blocks(self, block_size: int) -> int:
-        """The KV blocks of every conversation's whole history (its last prompt and answer), summed: what a pool
-        would need to keep every conversation for its next turn (the shared system prompt counted in each)."""
+        """The KV blocks of every conversation's whole history (its last prompt and answer) as a prefix cache
+        holds them: the shared system prompt's full blocks once, each conversation's own blocks after them. What
+        a pool would need to keep every conversation for its next turn."""
         reqs = self.requests(LOWEST_ORDINARY_ID + 1, 1.0)
         c = self.num_conversations
+        shared = self.system_len // block_size
         tokens = [sum(len(reqs[t * c + conv].prompt_token_ids) + reqs[t * c + conv].output_len
                       for t in range(self.turns)) for conv in range(c)]
-        return sum(-(-n // block_size) for n in tokens)
+        return shared + sum(-(-n // block_size) - shared for n in tokens)
 
     def requests(self, vocab_size: int, rate: float) -> list[TimedRequest]:
         lengths, ids, arrivals = _streams(self.seed)

@@ -177,5 +177,11 @@ def test_multi_turn_flags_shape_the_workload() -> None:
     assert isinstance(workload, MultiTurnWorkload)
     assert (workload.num_conversations, workload.turns, workload.think_s, workload.message_len,
             workload.system_len, workload.num_requests) == (20, 3, 12.0, (8, 24), 64, 60)
+    # One turn of 32 system + 16 message + 16 answer tokens each: 4 blocks, the system prompt's 2 shared.
+    single = MultiTurnWorkload(num_conversations=3, turns=1, system_len=32, message_len=(16, 16),
+                               output_len=(16, 16))
+    assert single.history_blocks(16) == 2 + 3 * 2
+    two = MultiTurnWorkload(num_conversations=3, turns=2, system_len=32, message_len=(16, 16), output_len=(16, 16))
+    assert two.history_blocks(16) == 2 + 3 * 4  # the second turn adds a message and an answer: 2 more each
     with pytest.raises(ValueError, match="--conversations does not apply"):
         configure_workload(parse("--workload", "serving", "--conversations", "3"))
