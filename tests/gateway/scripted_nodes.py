@@ -87,6 +87,8 @@ class Record:
 class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
     def __init__(self, node_id: str, board: KVBoard, script: Script, free_blocks: int = 1000) -> None:
         self.node_id, self.board, self.script, self.free_blocks = node_id, board, script, free_blocks
+        # Stats' prefix-cache queries, hits, offload-tier hits and tier blocks, as a node reports them
+        self.cache_counters = (0, 0, 0, 0)
         self.record = Record()
         self.last_request: decode_pb2.DecodeRequest | None = None
         self.num_cached_tokens = 0
@@ -142,7 +144,9 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
     async def Stats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> common_pb2.NodeStats:
         await asyncio.sleep(self.stats_delay_s)
         return common_pb2.NodeStats(node_id=self.node_id, role="decode", num_blocks=1000, free_blocks=self.free_blocks,
-                                    block_size=self.block_size)
+                                    block_size=self.block_size, prefix_cache_queries=self.cache_counters[0],
+                                    prefix_cache_hits=self.cache_counters[1], offload_hits=self.cache_counters[2],
+                                    offload_blocks=self.cache_counters[3])
 
 
 class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):

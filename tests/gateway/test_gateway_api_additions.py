@@ -76,6 +76,7 @@ def test_get_loads_reports_each_node(served_model: ServedModel, smollm2_dir: Pat
         async with scripted_cluster(served_model, smollm2_dir, [1, 2, 3], num_decode=2, dead_decode=1,
                                     stats_interval_s=0.05) as c:
             c.decodes[0].free_blocks = 250  # seen at the next poll
+            c.decodes[0].cache_counters = (900, 600, 160, 42)
 
             async def loads() -> list[generate_pb2.NodeLoad]:
                 return list((await c.stub.GetLoads(generate_pb2.GetLoadsRequest())).nodes)
@@ -92,5 +93,10 @@ def test_get_loads_reports_each_node(served_model: ServedModel, smollm2_dir: Pat
             assert (by_id["decode-0"].num_blocks, by_id["decode-0"].free_blocks) == (1000, 250)
             assert by_id["decode-0"].kv_usage == pytest.approx(0.75) and by_id["decode-1"].kv_usage == 0.0
             assert {n.num_inflight for n in nodes} == {0}
+            # The node's prefix-cache counters pass through (tandem bench serve reads them per run)
+            d0 = by_id["decode-0"]
+            assert (d0.prefix_cache_queries, d0.prefix_cache_hits, d0.offload_hits, d0.offload_blocks) == (
+                900, 600, 160, 42)
+            assert by_id["decode-1"].offload_hits == 0
 
     run_async(scenario())

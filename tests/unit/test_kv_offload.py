@@ -152,6 +152,9 @@ def test_offline_greedy_output_unchanged_with_blocks_from_the_tier(tiny_model_fa
             for batch in (first, second, first):
                 outputs += [c.token_ids for c in llm.generate(batch, params)]
             llm.engine.kv.check_integrity()
+            stats = llm.engine.stats()  # what the node's Stats and tandem:kv_offload_* report
+            assert stats.offload_hits == llm.engine.kv.offload_hits
+            assert (stats.offload_blocks > 0) == (offload != "none")
             return outputs, llm.engine.kv.offload_hits
 
     plain, no_hits = run("none")
