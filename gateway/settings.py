@@ -48,8 +48,10 @@ class GatewaySettings:
     internal_port: int = 0
     node_drop_after_s: float = 10.0  # a registered node whose Stats polls fail this long leaves routing
     max_inflight: int = 256  # samples in progress (both fronts); beyond it new requests queue for a slot
-    max_queued: int = 1024  # requests waiting for a slot; one more gets RESOURCE_EXHAUSTED (HTTP 429); 0: no queue
-    queue_timeout_s: float = 60.0  # the longest a request waits for a slot (within its own deadline)
+    # Load the system can serve is queued, not refused (as vLLM's scheduler queues it): a burst of thousands waits
+    # for slots until its own deadline. Both limits are there to bound a gateway under a flood, not a burst.
+    max_queued: int = 16384  # requests waiting for a slot; one more gets RESOURCE_EXHAUSTED (HTTP 429); 0: no queue
+    queue_timeout_s: float = 600.0  # the longest a request waits for a slot (within its own deadline)
     request_timeout_s: float = 600.0  # per Generate, or the client's deadline when that is sooner
     kv_timeout_s: float = 60.0  # a decode node frees a reservation whose KV has not arrived by then
     stats_interval_s: float = 1.0  # how often each node's Stats is polled for routing
