@@ -11,7 +11,8 @@ Sections (each one that fails is reported as such; the others still run):
 - prefill: 8 x 2k fresh tokens without a cache (FlashInfer ragged, Triton backend's SDPA, torch);
 - e2e: tokens/s of the bundled model (64 prompts x 128 tokens, greedy), Triton backend;
 - e2e-8b: the same with a random-weight Llama-3-8B-shaped model in bf16 (bundled tokenizer's vocabulary);
-- graphs: CUDA-graph decode steps (reported absent: the engine has no CUDA-graph path yet);
+- graphs: decode steps through the model runner, CUDA graphs (common/engine/cuda_graphs.py) vs eager, batch 1, 8
+  and 32 at 512 tokens of context, a random-weight SmolLM2-135M-shaped model in bf16, Triton backend ("speedup");
 - kv-ipc: KV transfer between two processes on one GPU over CUDA IPC (benchmarks.bench_kv_transfer).
 """
 
@@ -155,6 +156,79 @@ def llama3_8b_shaped(directory: Path, tokenizer_dir: Path) -> Path:
     return directory
 
 
+# SmolLM2-135M's architecture (its config.json's fields): the graphs section builds it with random weights.
+SMOLLM2_135M: dict[str, Any] = {
+    "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+    "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+
+
+def random_model(raw: dict[str, Any], device: str, backend: str, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A model of ``raw``'s shape with random weights, built on ``device`` and prepared as the loader does."""
+    from common.config.model_config import ModelConfig
+    from common.model.llama import LlamaForCausalLM
+    from common.model.prepare import prepare_model
+
+    with torch.device(device):
+        model = LlamaForCausalLM(ModelConfig.from_dict(raw, "random"), get_backend(backend))
+    model = model.to(dtype).eval().requires_grad_(False)
+    for name, param in model.named_parameters():  # the embedding is allocated, not initialised
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02)
+    prepare_model(model, device)
+    return model
+
+
+def graph_decode(batches: tuple[int, ...] = (1, 8, 32), context: int = 512, device: str = "cuda",
+                 backend: str = "triton", raw: dict[str, Any] | None = None) -> list[Row]:
+    """One decode step through ``ModelRunner.forward`` (host-side batch building included), captured vs eager."""
+    from common.engine.cuda_graphs import DecodeGraphSpec
+    from common.engine.model_runner import ModelRunner
+    from common.engine.request import Request
+    from common.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+    from common.sampling.params import SamplingParams
+
+    model = random_model(raw or SMOLLM2_135M, device, backend)
+    max_len = context + BLOCK
+    per_seq = max_len // BLOCK
+    num_blocks = max(batches) * per_seq
+    eager = ModelRunner(model, BLOCK, num_blocks)
+    graphed = ModelRunner(model, BLOCK, num_blocks, decode_graphs=DecodeGraphSpec(max(batches), max_len))
+    if graphed.decode_graphs is None:
+        return [{"section": "graphs", "case": "-", "error": "the runner declined CUDA graphs (see its log)"}]
+    timer = _time_cuda if device == "cuda" else _time_host
+    rows: list[Row] = []
+    for batch in batches:
+        # decode at the context's last position (the K/V before it: whatever the cache holds; timing only)
+        chunks = [ScheduledChunk(Request(f"r{i}", [7 + i] * context, SamplingParams()), context - 1, 1,
+                                 list(range(i * per_seq, (i + 1) * per_seq))) for i in range(batch)]
+        step = SchedulerOutput(chunks)
+        with torch.inference_mode():
+            want = eager.forward(step)[0].float()
+            got = graphed.forward(step)[0].float()
+            error = (got - want).abs().max().item()
+            eager_s = timer(functools.partial(eager.forward, step))
+            graph_s = timer(functools.partial(graphed.forward, step))
+        shape = "SmolLM2 shape" if raw is None else "given shape"
+        rows.append({"section": "graphs", "case": f"batch {batch}, {shape}, {backend}, {context} ctx",
+                     "ms": graph_s * 1e3, "eager_ms": eager_s * 1e3, "speedup": eager_s / graph_s,
+                     "max_abs_err_vs_eager": error})
+    return rows
+
+
+def _time_host(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Median seconds of ``fn`` on the host (a CPU run of a section, to check it runs)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def kv_ipc(out: Path) -> list[Row]:
     path = out / "kv-ipc.json"
     subprocess.run([sys.executable, "-m", "benchmarks.bench_kv_transfer", "--device", "cuda", "--transports", "shm",
@@ -192,8 +266,7 @@ def run(sections: list[str], out: Path, home: Path) -> list[Row]:
     section("e2e", lambda: end_to_end("e2e", str(bundled), "triton"))
     section("e2e-8b", lambda: end_to_end(
         "e2e-8b", str(llama3_8b_shaped(out / "llama3-8b-shaped", Path(str(bundled)))), "triton", 32, 64))
-    section("graphs", lambda: [{"section": "graphs", "case": "CUDA-graph decode steps",
-                                "error": "not implemented in the engine yet"}])
+    section("graphs", graph_decode)
     section("kv-ipc", lambda: kv_ipc(out))
     return rows
 
@@ -207,6 +280,8 @@ def markdown(rows: list[Row]) -> str:
 
     for r in rows:
         note = r.get("error") or (f"max err {r['max_abs_err_vs_torch']:.2e}" if "max_abs_err_vs_torch" in r else "")
+        if "speedup" in r:
+            note = f"{r['speedup']:.2f}x eager ({r['eager_ms']:.3f} ms), max err {r['max_abs_err_vs_eager']:.2e}"
         lines.append(f"| {r['section']} | {r['case']} | {fmt(r.get('ms'), '.3f')} | {fmt(r.get('gb_s'), '.1f')} | "
                      f"{fmt(r.get('vs_copy'), '.0%')} | {fmt(r.get('tokens_per_s'), '.0f')} | {note} |")
     return "\n".join(lines) + "\n"

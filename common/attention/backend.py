@@ -26,6 +26,9 @@ class AttentionBackend(ABC):
     # Whether ``forward`` honours ``softcap`` (Gemma 2's attn_logit_softcapping: torch and triton); a model that
     # needs it refuses a backend without it at start (common/model/llama.py), naming the field and the backend.
     supports_softcap: bool = False
+    # Whether a pure-decode ``forward`` can be captured in a CUDA graph (common/engine/cuda_graphs.py): it reads
+    # lengths only from the metadata's tensors (host-side lengths at most bound a launch's size) and syncs nothing.
+    capturable: bool = False
 
     @abstractmethod
     def forward(

@@ -32,6 +32,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_softcap = True  # Gemma 2's score cap in both kernels (HAS_SOFTCAP) and the cache-less SDPA path
+    # paged_decode masks by the seq_lens tensor; max_seq_len only sizes its split-K grid (the capacity, captured)
+    capturable = True
 
     def __init__(self) -> None:
         try:

@@ -81,6 +81,9 @@ class SchedulerConfig:
     # Requests queued for admission (a decode node's pending reservations included); one more is refused.
     max_waiting: int = knob(1024, "requests queued for admission (a decode node's reservations included); one "
                             "more is refused (RESOURCE_EXHAUSTED)")
+    # vLLM's name. On CUDA, pure decode steps of up to max_num_seqs sequences replay CUDA graphs captured per
+    # batch-size bucket (common/engine/cuda_graphs.py); on other devices every step is eager whatever this says.
+    enforce_eager: bool = knob(False, "run every step eager: no CUDA graphs for decode steps (CUDA only)")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -161,6 +161,7 @@ class EngineSettings:
     max_prefill_chunk: int | None = DEVICE_DEFAULT
     prefill_order: str = ENGINE_DEFAULT
     max_waiting: int = ENGINE_DEFAULT
+    enforce_eager: bool = ENGINE_DEFAULT
 
     def __post_init__(self) -> None:
         # 0 reads as unset, as these flags and variables have always been documented ("0: derive", "0: by device").

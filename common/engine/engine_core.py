@@ -23,6 +23,7 @@ from common.engine.commands import (
     SetKVEventSink,
     SnapshotKVBlocks,
 )
+from common.engine.cuda_graphs import DecodeGraphSpec
 from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner, kv_cache_spec
 from common.engine.request import Request, RequestOutput
@@ -76,7 +77,11 @@ class EngineCore:
             self.runner: ModelRunner = ParallelModelRunner(parallel, model, cache.block_size, num_blocks,
                                                            scheduler.max_num_seqs, speculative, draft_model)
         else:
-            self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative, draft_model)
+            graphs = None
+            if next(model.parameters()).device.type == "cuda" and not scheduler.enforce_eager:
+                graphs = DecodeGraphSpec(scheduler.max_num_seqs, self.max_model_len)
+            self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative, draft_model,
+                                      decode_graphs=graphs)
         self._kv_event_sink: KVEventSink | None = None  # set by SetKVEventSink while someone subscribes
         self.offload: OffloadTier | None = None
         if cache.kv_offload != "none":

@@ -13,6 +13,7 @@ ride along in the same forward, and the target's logits at every draft position 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -22,6 +23,7 @@ import torch
 
 from common.attention.metadata import AttentionMetadata
 from common.config.engine_config import SpeculativeConfig
+from common.engine.cuda_graphs import DecodeGraphs, DecodeGraphSpec, capture_refusal
 from common.engine.scheduler_output import StepResult
 from common.kv.kv_cache import KVCache, KVCacheSpec
 from common.sampling.sampler import RequestSamplingState, Sampler
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from common.model.llama import LlamaForCausalLM
     from common.spec_decode.draft_model import DraftModelProposer
 
+log = logging.getLogger(__name__)
 
 
 def kv_cache_spec(model: LlamaForCausalLM, block_size: int) -> KVCacheSpec:
@@ -49,12 +52,19 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int,
                  speculative: SpeculativeConfig | None = None, draft_model: LlamaForCausalLM | None = None,
-                 kv_cache: KVCache | None = None) -> None:
-        """``kv_cache``: one allocated elsewhere (a parallel node's shared one; ``model`` is then a skeleton)."""
+                 kv_cache: KVCache | None = None, decode_graphs: DecodeGraphSpec | None = None) -> None:
+        """``kv_cache``: one allocated elsewhere (a parallel node's shared one; ``model`` is then a skeleton).
+        ``decode_graphs``: run pure decode steps through static buffers, as CUDA graphs on CUDA
+        (common/engine/cuda_graphs.py); the engine asks for it on CUDA unless --enforce-eager."""
         self.model = model
-        self.kv_cache = kv_cache or KVCache(kv_cache_spec(model, block_size), num_blocks,
+        # With decode graphs the cache holds one block more than the scheduler hands out: the padding rows' block.
+        own_blocks = num_blocks + 1 if decode_graphs is not None and kv_cache is None else num_blocks
+        self.kv_cache = kv_cache or KVCache(kv_cache_spec(model, block_size), own_blocks,
                                             next(model.parameters()).device)
         self.device = self.kv_cache.data.device
+        self.decode_graphs: DecodeGraphs | None = None
+        if decode_graphs is not None:
+            self.decode_graphs = self._decode_graphs(decode_graphs, kv_cache is None, num_blocks, block_size)
         self.block_size = block_size
         self.sampler = Sampler()
         self.speculative = speculative or SpeculativeConfig()
@@ -65,6 +75,18 @@ class ModelRunner:
         self.forward_seconds = 0.0  # time in the target's forward + sampling / verification
         self.num_steps = 0
         self.draft_cost = DraftCostMeter()  # a draft's cost here, for adaptive k (batch-1 decode steps)
+
+    def _decode_graphs(self, spec: DecodeGraphSpec, own_cache: bool, num_blocks: int,
+                       block_size: int) -> DecodeGraphs | None:
+        """The decode graphs, or None (logged once) where this model or cache cannot have them."""
+        refusal = None if own_cache else "the KV cache is shared with other ranks (no padding block)"
+        if self.device.type == "cuda":
+            refusal = refusal or capture_refusal(self.model)
+        if refusal is not None:
+            log.warning("CUDA graphs for decode are off: %s; decode steps run eager", refusal)
+            return None
+        return DecodeGraphs(self.model, self.kv_cache, block_size, spec, pad_block=num_blocks,
+                            capture=self.device.type == "cuda")
 
     @property
     def draft(self) -> DraftModelProposer | None:
@@ -190,6 +212,9 @@ class ModelRunner:
                 drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
         """The forward alone: hidden states ``[num_tokens, hidden]`` and the batch metadata."""
         batch = FlatBatch.of(output.chunks, drafts, self.block_size)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.applies(batch):
+            return graphs.run(batch), graphs.step_meta(batch)
         meta = AttentionMetadata.build(batch.query_lens, batch.context_lens, batch.tables, self.block_size,
                                        self.device)
         hidden = self.model(
