@@ -75,6 +75,10 @@ def capture_refusal(model: LlamaForCausalLM) -> str | None:
         return "attention sinks run on the torch backend"
     if model.decode_step is not None:
         return "the one-call CPU decode step is not capturable"
+    if model.config.moe is not None:
+        return "MoE routing reads its experts' row counts on the host"
+    if model.config.embed_scale is not None:
+        return "the embedding scale is made from a host number in every forward"
     return None
 
 
@@ -168,20 +172,29 @@ class DecodeGraphs:
         self.context_lens[:bucket].copy_(lens[1], non_blocking=non_blocking)
         self.block_tables[:bucket].copy_(tables, non_blocking=non_blocking)
 
-    def run(self, batch: FlatBatch) -> torch.Tensor:
+    def run(self, batch: FlatBatch) -> torch.Tensor | None:
         """The step's hidden states ``[num_seqs, hidden]``, through its bucket's graph (captured on first use)
-        or, without capture, the static-buffer forward run eagerly. ``applies(batch)`` must hold."""
+        or, without capture, the static-buffer forward run eagerly. ``applies(batch)`` must hold.
+
+        None when the bucket's capture fails (logged): the caller runs the step, and every later one, eager.
+        The failed attempt's forwards wrote the step's own K/V into its own slots, which the eager run rewrites."""
         n = len(batch.query_lens)
         bucket = self.bucket(n)
         assert bucket is not None and self.applies(batch)
         self._load(batch, bucket)
-        self.num_replays += 1
         if not self.capture:
+            self.num_replays += 1
             return self._forward(bucket, tuple(p + 1 for p in batch.positions) + (1,) * (bucket - n))[:n]
         graph = self._graphs.get(bucket)
         if graph is None:
-            graph = self._capture(bucket)
+            try:
+                graph = self._capture(bucket)
+            except Exception as exc:  # an op that syncs or allocates from the host under capture, an old driver
+                log.warning("CUDA graph capture of the batch-%d decode step failed (%s: %s); decode steps run eager",
+                            bucket, type(exc).__name__, exc)
+                return None
         graph.replay()
+        self.num_replays += 1
         return self._outputs[bucket][:n]
 
     def capture_all(self) -> None:

@@ -214,7 +214,10 @@ class ModelRunner:
         batch = FlatBatch.of(output.chunks, drafts, self.block_size)
         graphs = self.decode_graphs
         if graphs is not None and graphs.applies(batch):
-            return graphs.run(batch), graphs.step_meta(batch)
+            replayed = graphs.run(batch)
+            if replayed is not None:
+                return replayed, graphs.step_meta(batch)
+            self.decode_graphs = None  # the capture failed (logged): eager from now on
         meta = AttentionMetadata.build(batch.query_lens, batch.context_lens, batch.tables, self.block_size,
                                        self.device)
         hidden = self.model(

@@ -21,7 +21,7 @@ from common.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.sampling.params import SamplingParams
-from tests.engine.test_colocated_engine import prompts
+from tests.engine.test_colocated_engine import contiguous_greedy, prompts, run_staggered
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 192
@@ -89,6 +89,22 @@ def test_static_buffer_decode_equals_eager(tiny: LlamaForCausalLM, batch: int) -
     torch.testing.assert_close(graphed.kv_cache.data[:NUM_BLOCKS], eager.kv_cache.data, rtol=1e-5, atol=1e-5)
 
 
+def test_an_engine_with_static_buffer_decode_generates_the_oracle_s_tokens(tiny: LlamaForCausalLM) -> None:
+    """Staggered arrivals: steps mix prefill chunks with decodes (eager) and pure decode steps of changing
+    batch sizes (the static buffers); every request's greedy tokens are the cache-less oracle's."""
+    engine = ColocatedEngine(tiny, CacheConfig(num_blocks=64, block_size=8), SchedulerConfig(max_num_batched_tokens=48))
+    spec = DecodeGraphSpec(engine.scheduler.config.max_num_seqs, engine.max_model_len)
+    engine.runner = ModelRunner(tiny, 8, 64, decode_graphs=spec)  # what a CUDA engine builds, run on CPU
+    work = [(p, SamplingParams(temperature=0.0, max_tokens=12 + 2 * i, ignore_eos=True))
+            for i, p in enumerate(prompts(7, tiny.config.vocab_size, seed=11))]
+    got = run_staggered(engine, work, arrivals=[0, 0, 1, 3, 3, 8, 12])
+    for i, (p, params) in enumerate(work):
+        assert got[f"r{i}"] == contiguous_greedy(tiny, p, params.max_tokens), i
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.num_replays > 10
+    engine.kv.check_integrity()
+
+
 def test_what_runs_eager(tiny: LlamaForCausalLM) -> None:
     graphs = DecodeGraphs(tiny, ModelRunner(tiny, BLOCK_SIZE, NUM_BLOCKS + 1).kv_cache, BLOCK_SIZE,
                           DecodeGraphSpec(4, MAX_MODEL_LEN), pad_block=NUM_BLOCKS, capture=False)
@@ -109,6 +125,23 @@ def test_what_runs_eager(tiny: LlamaForCausalLM) -> None:
     long = Request("long", [3] * (MAX_MODEL_LEN + 1), SamplingParams())
     assert not graphs.applies(flat(decode([long], [list(range(BLOCKS_PER_REQUEST + 1))])))  # wider than the tables
     assert graphs.bucket(5) is None
+
+
+def test_a_failed_capture_runs_the_step_and_the_next_ones_eager(tiny: LlamaForCausalLM,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    eager = ModelRunner(tiny, BLOCK_SIZE, NUM_BLOCKS)
+    runner = ModelRunner(tiny, BLOCK_SIZE, NUM_BLOCKS, decode_graphs=DecodeGraphSpec(8, MAX_MODEL_LEN))
+    # capture on a machine without CUDA: the capture itself fails, as an uncapturable op would on a GPU
+    runner.decode_graphs = DecodeGraphs(tiny, runner.kv_cache, BLOCK_SIZE, DecodeGraphSpec(8, MAX_MODEL_LEN),
+                                        pad_block=NUM_BLOCKS, capture=True)
+    reqs, tables = requests_with_tables(tiny, 3, seed=4)
+    last_logits(eager, prefill(reqs, tables))
+    last_logits(runner, prefill(reqs, tables))
+    with caplog.at_level("WARNING", logger="common.engine.cuda_graphs"):
+        got = last_logits(runner, decode(reqs, tables))
+    assert "capture of the batch-4 decode step failed" in caplog.text
+    assert runner.decode_graphs is None  # eager from now on
+    torch.testing.assert_close(got, last_logits(eager, decode(reqs, tables)))
 
 
 def test_a_backend_that_cannot_be_captured_is_declined(tiny: LlamaForCausalLM) -> None:
