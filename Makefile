@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test test-stress lint typecheck bench bench-quick bench-peers bench-attention gpu-bundle clean
+.PHONY: venv demo test test-ray test-stress lint typecheck bench bench-quick bench-peers bench-attention gpu-bundle clean
 
 venv:
 	@PREBUILD_ARGS="$(PREBUILD_ARGS)" bash scripts/setup-venv.sh
@@ -18,6 +18,12 @@ demo: venv
 
 test: venv
 	@bash scripts/run-tests.sh
+
+# Tandem on a real Ray cluster of three raylets on loopback (tests/ray): installs the ray extra (~1.5 min
+# the first time), which `make test` and CI leave out (tests/ray skip themselves there)
+test-ray: venv
+	@$(PY) -m pip install --disable-pip-version-check -q -c requirements/constraints-cpu.txt -e '.[ray]'
+	TANDEM_RAY_TESTS=1 $(PY) -m pytest tests/ray -q -p no:cacheprovider -s
 
 # The suite three times in a row beside a CPU-burning process: no test may depend on timing (stress-logs/)
 test-stress: venv
