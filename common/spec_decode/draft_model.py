@@ -52,7 +52,9 @@ class DraftModelProposer:
         self.block_size = block_size
         self.device = device
         self.kv_cache = KVCache(spec, num_blocks, device)
-        if prompt_kv is not None and (prompt_kv.spec != spec or prompt_kv.data.shape != self.kv_cache.data.shape):
+        # The target's cache may hold one block more than the draft's (CUDA graphs' padding block,
+        # common/engine/cuda_graphs.py): the scheduler's block ids, all the copy reads, index both.
+        if prompt_kv is not None and (prompt_kv.spec != spec or prompt_kv.num_blocks < num_blocks):
             raise ValueError("the draft copies the target's prompt K/V only with the same KV layout")
         self.prompt_kv = prompt_kv
         self._computed: dict[str, int] = {}  # request id -> leading tokens with valid draft KV

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config.engine_config import CacheConfig, SchedulerConfig
+from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from common.engine.cuda_graphs import DecodeGraphs, DecodeGraphSpec, batch_buckets, capture_refusal
 from common.engine.engine_core import ColocatedEngine
 from common.engine.model_runner import FlatBatch, ModelRunner
@@ -103,6 +103,27 @@ def test_an_engine_with_static_buffer_decode_generates_the_oracle_s_tokens(tiny:
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.num_replays > 10
     engine.kv.check_integrity()
+
+
+def test_speculation_and_static_buffer_decode_share_an_engine(tiny: LlamaForCausalLM) -> None:
+    """The target as its own draft, speculating up to 2 decoding requests: steps with drafts verify eager, the
+    larger pure decode steps take the static buffers; the draft copies prompt K/V from the target's cache, which
+    holds the padding block too. Tokens stay the oracle's."""
+    spec = SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL, draft_model="(loaded by the test)",
+                             num_speculative_tokens=3, max_batch_size=2)
+    engine = ColocatedEngine(tiny, CacheConfig(num_blocks=64, block_size=8), SchedulerConfig(max_num_batched_tokens=48),
+                             speculative=spec, draft_model=tiny)
+    engine.runner = ModelRunner(tiny, 8, 64, spec, draft_model=tiny,
+                                decode_graphs=DecodeGraphSpec(16, engine.max_model_len))
+    draft = engine.runner.draft
+    assert draft is not None and draft.prompt_kv is engine.runner.kv_cache
+    work = [(p, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))
+            for p in prompts(5, tiny.config.vocab_size, seed=12)]
+    got = run_staggered(engine, work, arrivals=[0, 0, 0, 6, 6])
+    for i, (p, params) in enumerate(work):
+        assert got[f"r{i}"] == contiguous_greedy(tiny, p, params.max_tokens), i
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.num_replays > 0 and engine.scheduler.num_draft_tokens > 0
 
 
 def test_what_runs_eager(tiny: LlamaForCausalLM) -> None:
