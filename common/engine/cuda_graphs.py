@@ -153,10 +153,13 @@ class DecodeGraphs:
         """Copy the step's inputs into the static buffers; rows ``len(batch) .. bucket`` become padding."""
         n = len(batch.query_lens)
         device = self.input_ids.device
-        tables = torch.full((bucket, self.width), self.pad_block, dtype=torch.int32)
-        for i, table in enumerate(batch.tables):
-            # a slot freed outside a sliding window (NULL_BLOCK, -1) reads as block 0: the window masks it
-            tables[i, : len(table)] = torch.tensor([max(b, 0) for b in table], dtype=torch.int32)
+        # Only the columns this step's longest table reaches: a row's kernel reads no block past its length, so
+        # what older steps left further right is never read. A slot freed outside a sliding window (NULL_BLOCK,
+        # -1) reads as block 0: the window masks it.
+        used = max(len(t) for t in batch.tables)
+        pad_row = [self.pad_block] * used
+        tables = torch.tensor([[max(b, 0) for b in t] + pad_row[len(t):] for t in batch.tables]
+                              + [pad_row] * (bucket - n), dtype=torch.int32)
         slots = [t[p // self.block_size] * self.block_size + p % self.block_size
                  for t, p in zip(batch.tables, batch.positions, strict=True)]
         pad = bucket - n
@@ -170,7 +173,7 @@ class DecodeGraphs:
         self.slot_mapping[:bucket].copy_(host[2], non_blocking=non_blocking)
         self.seq_lens[:bucket].copy_(lens[0], non_blocking=non_blocking)
         self.context_lens[:bucket].copy_(lens[1], non_blocking=non_blocking)
-        self.block_tables[:bucket].copy_(tables, non_blocking=non_blocking)
+        self.block_tables[:bucket, :used].copy_(tables, non_blocking=non_blocking)
 
     def run(self, batch: FlatBatch) -> torch.Tensor | None:
         """The step's hidden states ``[num_seqs, hidden]``, through its bucket's graph (captured on first use)
@@ -197,13 +200,6 @@ class DecodeGraphs:
         self.num_replays += 1
         return self._outputs[bucket][:n]
 
-    def capture_all(self) -> None:
-        """Capture every bucket, largest first (smaller graphs then reuse the shared pool's memory), as vLLM
-        does at start; otherwise each bucket is captured on its first step."""
-        for bucket in reversed(self.buckets):
-            if bucket not in self._graphs:
-                self._capture(bucket)
-
     def _capture(self, bucket: int) -> torch.cuda.CUDAGraph:
         # Host lengths at the tables' capacity: the split heuristic and the rotary table see the longest case,
         # the kernels mask by the seq_lens buffer.
@@ -217,7 +213,9 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a capture mid-serving must not fail (or fail) another thread's CUDA calls (KV transfer,
+        # the offload tier's copies); only this thread's unsafe calls are refused while it captures.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._outputs[bucket] = self._forward(bucket, capacity)
         self._graphs[bucket] = graph
         return graph

@@ -205,7 +205,9 @@ def test_captured_decode_equals_eager_on_cuda(tiny_model_factory: Callable[..., 
         for _ in range(5):
             want = last_logits(eager, decode(reqs, tables))
             got = last_logits(graphed, decode(reqs, tables))
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            # the captured kernels split K/V by the tables' capacity, eager ones by the batch's longest sequence:
+            # the same sums in another order (tf32 dots where Triton uses them)
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
             for r, token in zip(reqs, want.argmax(-1).tolist(), strict=True):
                 r.output_token_ids.append(token)
     assert graphs.captured_buckets == (1, 4, 32)  # one capture per bucket used
