@@ -67,18 +67,15 @@ class DecodeGraphSpec:
 
 def capture_refusal(model: LlamaForCausalLM) -> str | None:
     """Why the model's decode forward cannot be captured, or None when it can."""
-    attn = cast("LlamaDecoderLayer", model.layers[0]).self_attn  # every layer shares the model's backend
-    backend = attn.backend
-    if not backend.capturable:
-        return f"attention backend {backend.name!r} reads host-side lengths per step"
-    if attn.sinks is not None:
-        return "attention sinks run on the torch backend"
-    if model.decode_step is not None:
-        return "the one-call CPU decode step is not capturable"
     if model.config.moe is not None:
         return "MoE routing reads its experts' row counts on the host"
     if model.config.embed_scale is not None:
         return "the embedding scale is made from a host number in every forward"
+    backend = cast("LlamaDecoderLayer", model.layers[0]).self_attn.backend  # every layer shares the model's
+    if not backend.capturable:
+        return f"attention backend {backend.name!r} reads host-side lengths per step"
+    if model.decode_step is not None:
+        return "the one-call CPU decode step is not capturable"
     return None
 
 

@@ -19,7 +19,7 @@ from common.engine.model_runner import FlatBatch, ModelRunner
 from common.engine.request import Request
 from common.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from common.model.llama import LlamaForCausalLM
-from common.model.loader import load_model
+from common.model.loader import load_model, load_skeleton
 from common.sampling.params import SamplingParams
 from tests.engine.test_colocated_engine import contiguous_greedy, prompts, run_staggered
 
@@ -165,9 +165,14 @@ def test_a_failed_capture_runs_the_step_and_the_next_ones_eager(tiny: LlamaForCa
     torch.testing.assert_close(got, last_logits(eager, decode(reqs, tables)))
 
 
-def test_a_backend_that_cannot_be_captured_is_declined(tiny: LlamaForCausalLM) -> None:
+def test_what_cannot_be_captured_is_declined(tiny: LlamaForCausalLM, tiny_model_factory: Callable[..., Path]) -> None:
     refusal = capture_refusal(tiny)  # the torch backend loops over sequences with host lengths
     assert refusal is not None and "'torch'" in refusal
+    moe = load_skeleton(tiny_model_factory("qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32))
+    assert "MoE" in (capture_refusal(moe) or "")
+    gemma = load_skeleton(tiny_model_factory("gemma2", head_dim=16))
+    assert "embedding scale" in (capture_refusal(gemma) or "")
 
 
 def test_cpu_engines_run_eager_whatever_the_knob(tiny: LlamaForCausalLM) -> None:
