@@ -167,6 +167,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the recommendation (or CONFIG: colocated, 1P:1D, 1P:1D@256) with bench serve and "
                    "compare predicted with measured TTFT/TPOT p50")
     p.add_argument("--json", dest="json_path", help="also write the plan here as JSON")
+    ray = p.add_argument_group("applying the plan to a Tandem deployment on Ray (docs/multi-machine.md)")
+    ray.add_argument("--apply", action="store_true", help="scale the Ray deployment --name at --address to the "
+                     "recommended prefill and decode node counts, chosen among the prefill:decode splits only (`tandem "
+                     "ray scale`'s path: new nodes serve before it returns, removed ones are drained first)")
+    ray.add_argument("--address", help="the Ray cluster's head, host:port (with --apply)")
+    ray.add_argument("--name", default="tandem", help="the Ray deployment's name (with --apply) [tandem]")
     p.set_defaults(prompt_len=None, output_len=None)
 
 
@@ -178,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+    if getattr(args, "apply", False) and not args.address:
+        raise ValueError("--apply needs --address (the Ray cluster's head, host:port) and --name (the deployment)")
     thresholds = [int(t) for t in args.thresholds.split(",") if t.strip()]
     workload = configure_workload(args)
     slo = args.slo or WORKLOADS[args.workload].slo
@@ -195,8 +203,12 @@ def run(args: argparse.Namespace) -> int:
     if any(r.follows is not None for r in requests):
         raise ValueError(f"--workload {workload.name}: the planner's simulator sends independent requests; it does "
                          f"not model conversations whose turns wait for each other")
-    results = [Candidate(simulate(requests, d, cost, scheduler, cache), slo)
-               for d in candidates(args.nodes, thresholds)]
+    # A Ray deployment runs prefill and decode nodes: --apply chooses among those layouts only.
+    layouts = [d for d in candidates(args.nodes, thresholds) if not (getattr(args, "apply", False) and d.colocated)]
+    if not layouts:
+        raise ValueError("--apply: with --nodes 1 there is no prefill:decode split to apply (a Ray deployment has at "
+                         "least one of each)")
+    results = [Candidate(simulate(requests, d, cost, scheduler, cache), slo) for d in layouts]
     best = recommend(results)
     print(plan_report(results, best, workload, args, slo, cost, key, fitted))
     document: dict[str, Any] = {
@@ -208,9 +220,33 @@ def run(args: argparse.Namespace) -> int:
         target = best if args.validate == "recommended" else Candidate(
             simulate(requests, parse_deployment(args.validate, args.nodes), cost, scheduler, cache), slo)
         document["validation"] = validate(target, args, model_dir, dtype, cpus)
+    if getattr(args, "apply", False):
+        document["applied"] = apply_on_ray(best.result.deployment, args.address, args.name)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(document, indent=2))
     return 0
+
+
+def apply_on_ray(d: Deployment, address: str, name: str) -> dict[str, Any]:
+    """Scale the Ray deployment ``name`` to ``d``'s node counts (tandem_cli.ray_command.apply_scale). A colocated
+    recommendation cannot be applied to a Ray deployment (its nodes are prefill and decode nodes): refused."""
+    if d.colocated:
+        raise ValueError(f"--apply: the recommendation is {d.name} (colocated replicas); a Tandem deployment on Ray "
+                         "runs prefill and decode nodes, so it is left as it is")
+    from tandem_cli.ray_cluster import RayDeployment, connect, load_spec
+    from tandem_cli.ray_command import apply_scale
+
+    connect(address)
+    deployment = RayDeployment(load_spec(name))
+    result = apply_scale(deployment, d.num_prefill, d.num_decode)
+    note = ""
+    if d.local_prefill_max_tokens:
+        note = (f"; its local-prefill threshold ({d.local_prefill_max_tokens} tokens) is the gateway's "
+                "--local-prefill-max-tokens, set when the deployment starts (`tandem ray up --gateway-arg=...`)")
+    print(f"applied {d.name} to the Ray deployment {name}: {d.num_prefill} prefill + {d.num_decode} decode nodes "
+          f"(added {', '.join(result['added']) or 'none'}; removed {', '.join(result['removed']) or 'none'}){note}",
+          file=sys.stderr)
+    return {"deployment": name, "prefill": d.num_prefill, "decode": d.num_decode, **result}
 
 
 def plan_report(results: Sequence[Candidate], best: Candidate, workload: Workload, args: argparse.Namespace,

@@ -237,3 +237,18 @@ def test_plan_is_an_entry_point_of_the_tandem_cli() -> None:
     args = build_parser().parse_args(["plan", "--workload", "mixed", "--slo", "ttft:900,tpot:80", "--nodes", "3"])
     assert args.func is plan.cmd_plan and args.slo == SLO(0.9, 0.08) and args.nodes == 3 and args.validate is None
     assert build_parser().parse_args(["plan", "--validate"]).validate == "recommended"
+
+
+def test_apply_refuses_a_colocated_recommendation_and_needs_an_address() -> None:
+    """`tandem plan --apply` scales a Ray deployment (tests/ray run it on a real cluster); a colocated
+    recommendation cannot be a Ray deployment's shape, and --apply without --address is refused, before Ray."""
+    import argparse
+
+    from benchmarks.planner.plan import add_arguments, apply_on_ray, run
+
+    with pytest.raises(ValueError, match=r"--apply: the recommendation is .*colocated"):
+        apply_on_ray(Deployment(0, 2), "127.0.0.1:1", "tandem")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError, match="--apply needs --address"):
+        run(parser.parse_args(["--apply"]))

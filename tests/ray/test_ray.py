@@ -221,3 +221,25 @@ def test_bad_input_is_refused_naming_the_flag_and_leaves_nothing(deployment: Dep
     assert f"running: {DEPLOYMENT}" in unknown.stderr  # nothing of "bad" left, the test deployment untouched
     drain = tandem(cluster, "drain", "nosuch-node", "--gateway", deployment.internal, timeout=60)
     assert drain.returncode != 0 and "nosuch-node" in drain.stderr, drain.stderr[-2000:]
+
+
+def test_plan_apply_scales_the_ray_deployment_to_the_recommendation(deployment: Deployment,
+                                                                     tiny_served_model_dir: Path) -> None:
+    """`tandem plan --apply` on 3 nodes: the deployment takes the recommended prefill:decode split's counts
+    (through `tandem ray scale`'s path; --apply chooses among the splits only)."""
+    one = tandem(deployment.cluster, "ray", "scale", "--address", deployment.cluster.address, "--name", DEPLOYMENT,
+                 "--prefill", "1", "--decode", "1")  # 1P:1D: any split of 3 nodes changes it
+    assert one.returncode == 0, one.stderr[-2000:]
+    plan = tandem(deployment.cluster, "plan", "--model", str(tiny_served_model_dir), "--dtype", "float32",
+                  "--quick", "--nodes", "3", "--apply", "--address", deployment.cluster.address, "--name",
+                  DEPLOYMENT, timeout=600)
+    recommended = plan.stdout.split("**Recommended: ", 1)[1].split("**", 1)[0]
+    members = deployment.status()
+    print(f"tandem plan recommended {recommended}: {plan.stderr.strip().splitlines()[-1]}")
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert not recommended.startswith("colocated")
+    p_part, d_part = recommended.split()[0].split(":")  # "1P:2D" or "1P:2D local<=256"
+    prefill, decode = int(p_part.removesuffix("P")), int(d_part.removesuffix("D"))
+    assert sum(m.startswith("prefill") for m in members) == prefill
+    assert sum(m.startswith("decode") for m in members) == decode
+    assert f"applied {recommended}" in plan.stderr and "added none" not in plan.stderr
