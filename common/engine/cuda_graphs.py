@@ -32,7 +32,7 @@ from common.attention.metadata import AttentionMetadata
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-    from common.engine.model_runner import FlatBatch
+    from common.engine.flat_batch import FlatBatch
     from common.kv.kv_cache import KVCache
     from common.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 

@@ -12,11 +12,10 @@ ride along in the same forward, and the target's logits at every draft position 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from common.attention.metadata import AttentionMetadata
 from common.config.engine_config import SpeculativeConfig
 from common.engine.cuda_graphs import DecodeGraphs, DecodeGraphSpec, capture_refusal
+from common.engine.flat_batch import FlatBatch
 from common.engine.scheduler_output import StepResult
 from common.kv.kv_cache import KVCache, KVCacheSpec
 from common.sampling.sampler import RequestSamplingState, Sampler
@@ -227,41 +227,6 @@ class ModelRunner:
             self.kv_cache,
         )
         return hidden, meta
-
-
-@dataclass(frozen=True)
-class FlatBatch:
-    """A step's chunks laid end to end, each followed by its drafts: what one forward takes (here, or in
-    every rank of a parallel node: common/parallel/executor.py)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    query_lens: list[int]  # chunk tokens + drafts, per chunk
-    context_lens: list[int]  # tokens before the chunk (with KV already), per chunk
-    tables: list[list[int]]  # the blocks each chunk's positions reach
-
-    @classmethod
-    def of(cls, chunks: list[ScheduledChunk], drafts: list[list[int]] | None, block_size: int) -> FlatBatch:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
-        for i, chunk in enumerate(chunks):
-            extra = drafts[i] if drafts else []
-            end = chunk.start + chunk.num_tokens + len(extra)
-            input_ids.extend(chunk.request.token_slice(chunk.start, chunk.start + chunk.num_tokens))
-            input_ids.extend(extra)
-            positions.extend(range(chunk.start, end))
-            query_lens.append(end - chunk.start)
-            context_lens.append(chunk.start)
-            tables.append(chunk.block_ids[: -(-end // block_size)])
-        return cls(input_ids, positions, query_lens, context_lens, tables)
-
-    @property
-    def ends(self) -> list[int]:
-        """Where each chunk's rows end in the flat batch."""
-        return list(itertools.accumulate(self.query_lens))
 
 
 def sample_rows(chunks: list[ScheduledChunk], drafts: list[list[int]], ends: list[int]) -> list[int]:

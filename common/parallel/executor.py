@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.config.engine_config import SpeculativeConfig
-from common.engine.model_runner import FlatBatch, ModelRunner, kv_cache_spec, sample_rows
+from common.engine.flat_batch import FlatBatch
+from common.engine.model_runner import ModelRunner, kv_cache_spec, sample_rows
 from common.engine.scheduler_output import StepResult
 from common.kv.kv_cache import KVCache
 from common.kv.shared_segment import SharedSegment

@@ -15,7 +15,8 @@ import torch
 from common.config.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig, SpeculativeMethod
 from common.engine.cuda_graphs import DecodeGraphs, DecodeGraphSpec, batch_buckets, capture_refusal
 from common.engine.engine_core import ColocatedEngine
-from common.engine.model_runner import FlatBatch, ModelRunner
+from common.engine.flat_batch import FlatBatch
+from common.engine.model_runner import ModelRunner
 from common.engine.request import Request
 from common.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from common.model.llama import LlamaForCausalLM
