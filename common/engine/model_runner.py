@@ -8,6 +8,9 @@ With speculative decoding, a decoding chunk with draft slots gets proposals from
 (``common/spec_decode/proposer.py``: n-gram lookup, the model's own first layers, a draft model), the drafts
 ride along in the same forward, and the target's logits at every draft position are verified exactly
 (``common.spec_decode.rejection``); the proposer then hears how many the target kept.
+
+On CUDA, pure decode steps replay CUDA graphs captured per batch-size bucket over static buffers
+(``common/engine/cuda_graphs.py``); every other step, and every step on other devices, runs eager.
 """
 
 from __future__ import annotations
