@@ -40,9 +40,10 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def loopback_cluster(hosts: tuple[str, ...]) -> Iterator[tuple[str, dict[str, str]]]:
-    """A Ray cluster of ``len(hosts)`` raylets on 127.0.0.1 (scripts/ray-loopback.sh), raylet i holding the
-    custom resource ``hosts[i]``; yields its address and the environment to run ``tandem ray`` with."""
+def loopback_cluster(hosts: tuple[str, ...], units: int = 1) -> Iterator[tuple[str, dict[str, str], Path]]:
+    """A Ray cluster of ``len(hosts)`` raylets on 127.0.0.1 (scripts/ray-loopback.sh), raylet i holding
+    ``units`` of the custom resource ``hosts[i]``; yields its address, the environment to run ``tandem ray``
+    with, and Ray's temporary directory (its session logs). Stopped (``ray stop --force``) on the way out."""
     temp_dir = Path(tempfile.mkdtemp(prefix="bray-", dir="/tmp"))  # Ray's socket paths must stay short
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHON": sys.executable}
     port = _free_port()
@@ -56,10 +57,10 @@ def loopback_cluster(hosts: tuple[str, ...]) -> Iterator[tuple[str, dict[str, st
 
     try:
         ray("start", "--head", "--port", str(port), "--temp-dir", str(temp_dir), "--include-dashboard", "false",
-            "--disable-usage-stats", "--resources", json.dumps({hosts[0]: 1}), *common)
+            "--disable-usage-stats", "--resources", json.dumps({hosts[0]: units}), *common)
         for host in hosts[1:]:
-            ray("start", "--address", address, "--resources", json.dumps({host: 1}), *common)
-        yield address, env
+            ray("start", "--address", address, "--resources", json.dumps({host: units}), *common)
+        yield address, env, temp_dir
     finally:
         subprocess.run(["bash", str(LOOPBACK), "stop", "--force"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -67,7 +68,7 @@ def loopback_cluster(hosts: tuple[str, ...]) -> Iterator[tuple[str, dict[str, st
 
 @contextlib.contextmanager
 def on_ray(model_args: tuple[str, ...], node_args: tuple[str, ...]) -> Iterator[str]:
-    with loopback_cluster(("host_a", "host_b")) as (address, env):
+    with loopback_cluster(("host_a", "host_b")) as (address, env, _):
         port, internal = _free_port(), _free_port()
         up = subprocess.run([sys.executable, "-m", "tandem_cli", "ray", "up", "--address", address, "--name", "bench",
                              "--prefill-resources", '{"host_a": 1}', "--decode-resources", '{"host_b": 1}',

@@ -10,10 +10,8 @@ installs the `ray` extra and sets TANDEM_RAY_TESTS=1.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +20,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LOOPBACK = ROOT / "scripts" / "ray-loopback.sh"
 HOSTS = ("host_a", "host_b", "host_c")
 
 if os.environ.get("TANDEM_RAY_TESTS") != "1":
@@ -59,28 +56,12 @@ class RayCluster:
     before: frozenset[tuple[str, str]]  # the machine's listening sockets before the cluster started
 
 
-def _ray(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(LOOPBACK), *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[RayCluster]:
     pytest.importorskip("ray", reason="make test-ray installs the ray extra")
+    from benchmarks.bench_ray import loopback_cluster
+
     before = listeners()
-    temp_dir = Path(tempfile.mkdtemp(prefix="tray-", dir="/tmp"))  # Ray's socket paths must stay short
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHON": str(ROOT / ".venv" / "bin" / "python")}
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    common = ("--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--object-store-memory", "80000000")
-    try:
-        head = _ray(env, "start", "--head", "--port", str(port), "--temp-dir", str(temp_dir), "--include-dashboard",
-                    "false", "--disable-usage-stats", "--resources", f'{{"{HOSTS[0]}": 2}}', *common)
-        assert head.returncode == 0, head.stderr[-2000:]
-        for host in HOSTS[1:]:
-            worker = _ray(env, "start", "--address", address, "--resources", f'{{"{host}": 2}}', *common)
-            assert worker.returncode == 0, worker.stderr[-2000:]
+    with loopback_cluster(HOSTS, units=2) as (address, env, temp_dir):
         time.sleep(1.0)
         yield RayCluster(address, temp_dir, env, frozenset(before))
-    finally:
-        _ray(env, "stop", "--force", timeout=60)
-        shutil.rmtree(temp_dir, ignore_errors=True)
