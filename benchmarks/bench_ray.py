@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,15 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import cpu_summary
+from common.serving.port_reservation import reserve_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = ROOT / "scripts" / "ray-loopback.sh"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -46,7 +40,7 @@ def loopback_cluster(hosts: tuple[str, ...], units: int = 1) -> Iterator[tuple[s
     with, and Ray's temporary directory (its session logs). Stopped (``ray stop --force``) on the way out."""
     temp_dir = Path(tempfile.mkdtemp(prefix="bray-", dir="/tmp"))  # Ray's socket paths must stay short
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHON": sys.executable}
-    port = _free_port()
+    (port,) = reserve_ports(1)
     address = f"127.0.0.1:{port}"
     common = ("--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--object-store-memory", "80000000")
 
@@ -69,7 +63,7 @@ def loopback_cluster(hosts: tuple[str, ...], units: int = 1) -> Iterator[tuple[s
 @contextlib.contextmanager
 def on_ray(model_args: tuple[str, ...], node_args: tuple[str, ...]) -> Iterator[str]:
     with loopback_cluster(("host_a", "host_b")) as (address, env, _):
-        port, internal = _free_port(), _free_port()
+        port, internal = reserve_ports(2)
         up = subprocess.run([sys.executable, "-m", "tandem_cli", "ray", "up", "--address", address, "--name", "bench",
                              "--prefill-resources", '{"host_a": 1}', "--decode-resources", '{"host_b": 1}',
                              "--port", str(port), "--internal-port", str(internal), *model_args,

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bench_moe import time_call
 from common.attention.backend import get_backend
 from common.attention.metadata import AttentionMetadata
 from common.kv.kv_cache import KVCache, KVCacheSpec
@@ -220,13 +221,7 @@ def graph_decode(batches: tuple[int, ...] = (1, 8, 32), context: int = 512, devi
 
 def _time_host(fn: Callable[[], object], repeats: int = 5) -> float:
     """Median seconds of ``fn`` on the host (a CPU run of a section, to check it runs)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return time_call(fn, repeats)[0]
 
 
 def kv_ipc(out: Path) -> list[Row]:

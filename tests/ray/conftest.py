@@ -10,7 +10,6 @@ installs the `ray` extra and sets TANDEM_RAY_TESTS=1.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,12 +23,6 @@ HOSTS = ("host_a", "host_b", "host_c")
 
 if os.environ.get("TANDEM_RAY_TESTS") != "1":
     collect_ignore_glob = ["test_*.py"]  # `make test-ray` runs them (Ray installed, TANDEM_RAY_TESTS=1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def listeners() -> set[tuple[str, str]]:

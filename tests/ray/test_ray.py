@@ -22,9 +22,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.serving.port_reservation import reserve_ports
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 from tests.e2e.test_disaggregated import prompts, reference, request
-from tests.ray.conftest import ROOT, RayCluster, free_port, listeners, on_loopback
+from tests.ray.conftest import ROOT, RayCluster, listeners, on_loopback
 
 pytestmark = pytest.mark.e2e
 TIMEOUT_S = 120.0
@@ -61,7 +62,7 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster: RayCluster, tiny_served_model_dir: Path) -> Iterator[Deployment]:
-    port, internal = free_port(), free_port()
+    port, internal = reserve_ports(2)
     up = tandem(ray_cluster, "ray", "up", "--address", ray_cluster.address, "--name", DEPLOYMENT,
                 "--prefill-nodes", "1", "--decode-nodes", "2", "--prefill-resources", '{"host_a": 1}',
                 "--decode-resources", '[{"host_b": 1}, {"host_c": 1}]', "--port", str(port),
@@ -200,21 +201,21 @@ def test_scaling_decode_under_a_steady_load_fails_nothing(deployment: Deployment
 def test_bad_input_is_refused_naming_the_flag_and_leaves_nothing(deployment: Deployment,
                                                                   tiny_served_model_dir: Path) -> None:
     cluster = deployment.cluster
-    nowhere = tandem(cluster, "ray", "up", "--address", f"127.0.0.1:{free_port()}", "--name", "bad",
+    nowhere = tandem(cluster, "ray", "up", "--address", f"127.0.0.1:{reserve_ports(1)[0]}", "--name", "bad",
                      "--model", str(tiny_served_model_dir), timeout=60)
     assert nowhere.returncode == 2 and "--address" in nowhere.stderr and "no Ray cluster answers" in nowhere.stderr
+    def bad_up(*flags: str) -> subprocess.CompletedProcess[str]:
+        port, internal = reserve_ports(2)
+        return tandem(cluster, "ray", "up", "--address", cluster.address, "--name", "bad", "--placement-timeout-s",
+                      "3", "--port", str(port), "--internal-port", str(internal), "--model",
+                      str(tiny_served_model_dir), "--dtype", "float32", *flags, timeout=300)
+
     started = time.monotonic()
-    unplaceable = tandem(cluster, "ray", "up", "--address", cluster.address, "--name", "bad", "--decode-resources",
-                         '{"host_z": 1}', "--placement-timeout-s", "3", "--port", str(free_port()),
-                         "--internal-port", str(free_port()), "--model", str(tiny_served_model_dir), "--dtype",
-                         "float32", timeout=300)
+    unplaceable = bad_up("--decode-resources", '{"host_z": 1}')
     assert unplaceable.returncode != 0 and "--decode-resources" in unplaceable.stderr, unplaceable.stderr[-2000:]
     assert "host_z" in unplaceable.stderr and time.monotonic() - started < 120
     # Three ranks (T=3) of {"host_b": 1} packed on one Ray node: no node has host_b 3.
-    layout = tandem(cluster, "ray", "up", "--address", cluster.address, "--name", "bad", "--decode-resources",
-                    '{"host_b": 1}', "--decode-tensor-parallel-size", "3", "--placement-timeout-s", "3", "--port",
-                    str(free_port()), "--internal-port", str(free_port()), "--model", str(tiny_served_model_dir),
-                    "--dtype", "float32", timeout=300)
+    layout = bad_up("--decode-resources", '{"host_b": 1}', "--decode-tensor-parallel-size", "3")
     assert layout.returncode != 0 and "3 x {'host_b': 1.0}" in layout.stderr, layout.stderr[-2000:]
     unknown = tandem(cluster, "ray", "status", "--address", cluster.address, "--name", "bad", timeout=60)
     assert unknown.returncode == 2 and "--name bad: no Tandem deployment" in unknown.stderr, unknown.stderr

@@ -199,12 +199,18 @@ class GateCopier:
             handle[2] = True
 
 
-def test_write_behind_offers_freed_blocks_and_an_eviction_waits_for_their_copy() -> None:
+def _gated() -> tuple[KVCache, KVCacheManager, GateCopier, OffloadTier]:
+    """A pool of 4 blocks over a write-behind tier of 8 slots whose copies land when the test says."""
     cache = KVCache(SPEC, num_blocks=4)
     manager = KVCacheManager(4, SPEC.block_size)
     copier = GateCopier()
     tier = OffloadTier(OffloadStore(cache, 8, None), OffloadIndex(8), copier)
     manager.set_offload(tier)
+    return cache, manager, copier, tier
+
+
+def test_write_behind_offers_freed_blocks_and_an_eviction_waits_for_their_copy() -> None:
+    cache, manager, copier, tier = _gated()
     a = list(range(100, 113))  # 3 full blocks + 1 token
     blocks_a = _write(cache, manager, "a", a)
     kv_a = cache.data[blocks_a[:3]].clone()
@@ -226,11 +232,7 @@ def test_write_behind_offers_freed_blocks_and_an_eviction_waits_for_their_copy()
 
 
 def test_write_behind_copies_that_landed_cost_the_eviction_nothing() -> None:
-    cache = KVCache(SPEC, num_blocks=4)
-    manager = KVCacheManager(4, SPEC.block_size)
-    copier = GateCopier()
-    tier = OffloadTier(OffloadStore(cache, 8, None), OffloadIndex(8), copier)
-    manager.set_offload(tier)
+    cache, manager, copier, tier = _gated()
     a = list(range(100, 113))
     blocks_a = _write(cache, manager, "a", a)
     kv_a = cache.data[blocks_a[:3]].clone()
