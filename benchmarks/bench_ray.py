@@ -42,7 +42,10 @@ def loopback_cluster(hosts: tuple[str, ...], units: int = 1) -> Iterator[tuple[s
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHON": sys.executable}
     (port,) = reserve_ports(1)
     address = f"127.0.0.1:{port}"
-    common = ("--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--object-store-memory", "80000000")
+    # Ray's worker processes on random (ephemeral) ports: its default range, 10002-19999, lies where
+    # common.serving.port_reservation reserves Tandem's ports and this cluster's head port.
+    common = ("--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--object-store-memory", "80000000",
+              "--min-worker-port", "0", "--max-worker-port", "0")
 
     def ray(*args: str) -> None:
         out = subprocess.run(["bash", str(LOOPBACK), *args], env=env, capture_output=True, text=True, timeout=120)

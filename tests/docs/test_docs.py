@@ -64,10 +64,12 @@ OTHER_VARIABLES = {
 
 # Flags of tools that are not Tandem's, shown in the pages' example commands: docker / compose (`--rm`,
 # `--name`, `--build`, `--profile`, `--build-arg`), Jaeger's image (`--set`), pip (`--no-deps`, `--no-index`),
-# kubectl (`--replicas`), Ray's `ray start` (`--head`, `--node-ip-address`, `--resources`). They cannot be checked
-# against Tandem's parsers; keep this list to other tools' flags only.
+# kubectl (`--replicas`), Ray's `ray start` (`--head`, `--node-ip-address`, `--resources`,
+# `--min/max-worker-port`). They cannot be checked against Tandem's parsers; keep this list to other tools' flags
+# only.
 PEER_TOOL_FLAGS = {"--rm", "--name", "--build", "--profile", "--build-arg", "--set", "--no-deps", "--no-index",
-                   "--replicas", "--head", "--node-ip-address", "--resources"}
+                   "--replicas", "--head", "--node-ip-address", "--resources",
+                   "--min-worker-port", "--max-worker-port"}
 
 TOP_LEVEL = ("common", "tandem_cli", "benchmarks", "scripts", "docs", "gateway", "kv_transfer", "prefill_service",
              "decode_service", "tests", "protos", "requirements", "docker")

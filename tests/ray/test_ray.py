@@ -146,11 +146,17 @@ def test_a_killed_decode_node_fails_no_request_and_ray_brings_it_back(
     back_s = time.monotonic() - killed
     print(f"decode-0 routed again {back_s:.1f} s after SIGKILL")
     # Concurrent requests spread over the decode nodes by load (one at a time, an idle pair's tie always goes
-    # to the same node): the restarted node takes its share.
-    with ThreadPoolExecutor(8) as pool:
-        after = list(pool.map(lambda p: stream(deployment.gateway, p, 32), prompts(8, seed=10)))
-    assert [code for _, code, _ in after] == ["OK"] * 8
-    assert "decode-0" in {node for _, _, node in after}, after
+    # to the same node): the restarted node takes its share within a few waves (the router sees loads as its
+    # last Stats poll did; a busy machine delays that).
+    served: set[str] = set()
+    for wave in range(10):
+        with ThreadPoolExecutor(8) as pool:
+            after = list(pool.map(lambda p: stream(deployment.gateway, p, 32), prompts(8, seed=10 + wave)))
+        assert [code for _, code, _ in after] == ["OK"] * 8
+        served |= {node for _, _, node in after}
+        if "decode-0" in served:
+            break
+    assert "decode-0" in served, served
 
 
 def test_scaling_decode_under_a_steady_load_fails_nothing(deployment: Deployment) -> None:
