@@ -22,6 +22,7 @@ from opentelemetry.trace import Link
 
 from common.engine.commands import AbortRequest, AddRequest, ReserveKV
 from common.engine.kv_event_publisher import KVEventPublisher
+from common.kv.kv_cache_manager import NULL_BLOCK
 from common.protocol import finish_reason_to_proto, logprob_to_proto, sampling_from_proto, stats_to_proto
 from common.serving.errors import ResourceExhaustedError
 from common.serving.status import StatusInterceptor
@@ -106,19 +107,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         stream = self.engine.open_stream(engine_id)
         with _tracer.start_as_current_span(spans.DECODE_RESERVE) as reserve_span:
             try:
-                block_ids, num_cached = await self._reserve(engine_id, prompt, params, eos, transfer_id, stream)
+                table, num_cached = await self._reserve(engine_id, prompt, params, eos, transfer_id, stream)
             except BaseException:
                 self.engine.close_stream(engine_id)
                 raise
+            # The table's leading NULL_BLOCK slots lie outside every sliding window at the first decode query: no
+            # block is held for them and none of their KV is sent (Reservation.first_block).
+            first_block = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
+            block_ids = list(table[first_block:])
+            assert NULL_BLOCK not in block_ids, "only a leading run of the table is outside the window"
             if reserve_span.is_recording():
                 reserve_span.set_attributes({spans.RESERVED_BLOCKS: len(block_ids), spans.CACHED_TOKENS: num_cached})
         # The transfer's end is reported to the engine's KVConsumer by the receiver (the next step starts the
         # request or aborts it); here it is only awaited, for the trace, the metrics and the client's error.
-        self.receiver.expect(transfer_id, list(block_ids), num_cached)
+        num_sent_from = max(num_cached // self.block_size, first_block)  # the first prompt block the prefill sends
+        self.receiver.expect(transfer_id, block_ids, (num_sent_from - first_block) * self.block_size)
         try:
             yield decode_pb2.DecodeResponse(reservation=decode_pb2.Reservation(
                 transfer_id=transfer_id, block_ids=block_ids, num_cached_tokens=num_cached,
-                kv_endpoint=self.kv_endpoint, node_id=self.node_id))
+                kv_endpoint=self.kv_endpoint, node_id=self.node_id, first_block=first_block))
             waited_from = time.monotonic()
             with _tracer.start_as_current_span(spans.DECODE_WAIT_KV) as wait_span:
                 # The KV timeout runs from the prefill's first chunk: its node's queue does not count.
@@ -134,7 +141,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise
         self.metrics.transfer_done(result.bytes, result.seconds)
         if span.is_recording():  # (wait_span has ended: it records no more)
-            num_blocks = len(block_ids) - num_cached // self.block_size
+            num_blocks = len(block_ids) - (num_sent_from - first_block)
             _record_receive(result, num_blocks, transfer_id, wait_span)
         async for response in self._relay(engine_id, stream, span, arrival, remote=True):
             yield response

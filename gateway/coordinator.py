@@ -382,7 +382,7 @@ class Coordinator:
             sampling=sampling_to_proto(req.sampling), eos_token_ids=self._model.eos_token_ids,
             destination=prefill_pb2.KVDestination(kv_endpoint=r.kv_endpoint, node_id=r.node_id,
                                                   transfer_id=r.transfer_id, block_ids=r.block_ids,
-                                                  num_cached_tokens=r.num_cached_tokens),
+                                                  num_cached_tokens=r.num_cached_tokens, first_block=r.first_block),
             resumed_output_tokens=req.sampling.resumed_output_tokens,
         )
         tried: list[str] = []

@@ -40,6 +40,11 @@ class KVProducer(KVConnector):
     def request_finished(self, request: Request) -> bool:
         return True  # the KV transfer reads the blocks after the first token; its end frees them
 
+    def kv_read_from(self, request: Request) -> int | None:
+        # Blocks before skip_blocks are never pushed: cached on the decode node, or outside its window there.
+        push = self._pushes.get(request.request_id)
+        return push.destination.skip_blocks if push is not None else None
+
     def attach(self, request_id: str, destination: KVDestination,
                chunk_timings: list[ChunkTiming] | None) -> None:
         self._pushes[request_id] = _Push(destination)
@@ -66,7 +71,9 @@ class KVProducer(KVConnector):
             dest = push.destination
             first = max(push.next_block, dest.skip_blocks)
             if done > first:
-                dest.target.push(chunk.block_ids[first:done], list(dest.block_ids[first:done]))
+                # dest.block_ids[0] is the prompt's block dest.first_block (<= skip_blocks)
+                dst = dest.block_ids[first - dest.first_block : done - dest.first_block]
+                dest.target.push(chunk.block_ids[first:done], list(dst))
                 push.next_block = done
 
     def forget(self, request_id: str) -> None:

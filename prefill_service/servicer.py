@@ -82,9 +82,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             span.set_attributes({spans.REQUEST_ID: request.request_id, spans.NODE: self.node_id,
                                  spans.PROMPT_TOKENS: len(prompt), spans.TRANSFER_ID: dest.transfer_id,
                                  spans.KV_PEER: dest.node_id, spans.DEST_CACHED_TOKENS: dest.num_cached_tokens})
-        if len(dest.block_ids) * bs < len(prompt):
-            raise InvalidRequestError("destination.block_ids", f"{len(dest.block_ids)} blocks of {bs} cannot hold "
-                                      f"{len(prompt)} prompt tokens")
+        if dest.first_block * bs >= len(prompt):
+            raise InvalidRequestError("destination.first_block", f"{dest.first_block} blocks of {bs} must be before "
+                                      f"the prompt's last token ({len(prompt)} tokens)")
+        if (dest.first_block + len(dest.block_ids)) * bs < len(prompt):
+            raise InvalidRequestError("destination.block_ids", f"{len(dest.block_ids)} blocks of {bs} from block "
+                                      f"{dest.first_block} cannot hold {len(prompt)} prompt tokens")
         if dest.num_cached_tokens >= len(prompt):
             raise InvalidRequestError("destination.num_cached_tokens", f"must be < the prompt's {len(prompt)} tokens")
         # The engine's id for this call: a resend of the same request may arrive while the last is still aborting.
@@ -97,8 +100,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             handle = await self.sender.open(dest.transfer_id, dest, trace_context)
             reply, counters = await self._run(rid, prompt, params, request, handle, arrival, chunk_timings)
-            # The first token is out, so every block of the prompt has been pushed but those cached there.
-            num_blocks = max(-(-len(prompt) // bs) - dest.num_cached_tokens // bs, 0)
+            # The first token is out, so every block of the prompt has been pushed but those cached there or
+            # outside the decode node's window.
+            num_blocks = max(-(-len(prompt) // bs) - max(dest.num_cached_tokens // bs, dest.first_block), 0)
             stats = await self._transfer(handle, rid, reply, num_blocks, send_span)
         except BaseException as exc:
             spans.set_error(send_span, exc, spans.failure_code(exc, self._status_for))
@@ -115,7 +119,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                    ) -> tuple[prefill_pb2.PrefillResponse, RequestCounters | None]:
         """Prefill the prompt (the engine pushes KV as chunks finish) and sample the first token."""
         dest = request.destination
-        destination = KVDestination(handle, tuple(dest.block_ids), dest.num_cached_tokens // self.block_size)
+        destination = KVDestination(handle, tuple(dest.block_ids),
+                                    max(dest.num_cached_tokens // self.block_size, dest.first_block), dest.first_block)
         stream = self.engine.open_stream(rid)
         try:
             await self.engine.call(AddRequest(rid, tuple(prompt), params, tuple(request.eos_token_ids),

@@ -56,12 +56,18 @@ class KVPushTarget(Protocol):
 
 @dataclass(frozen=True)
 class KVDestination:
-    """Where a prefill node sends one request's KV: the decode-side block ids, of which the first
-    ``skip_blocks`` are already cached there."""
+    """Where a prefill node sends one request's KV: the decode-side block ids of the prompt's blocks from
+    ``first_block`` on (those before it lie outside every sliding window at the decode node's first query: it
+    holds none for them), and the first ``skip_blocks`` prompt blocks (``>= first_block``) are not sent (cached
+    there, or outside the window)."""
 
     target: KVPushTarget
     block_ids: tuple[int, ...]
     skip_blocks: int
+    first_block: int = 0
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.first_block <= self.skip_blocks, f"first_block {self.first_block} > {self.skip_blocks}"
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class EngineCore:
         self.num_steps = self.step_prefill_tokens = self.step_decode_tokens = 0
         self.step_seconds = 0.0
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.kv.window = None if parallel is not None else _kv_window(model, draft_model, self.connector)
+        self.kv.window = None if parallel is not None else _kv_window(model, draft_model)
         self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, self.connector, speculative)
         if parallel is not None:
             from common.parallel.executor import ParallelModelRunner
@@ -272,6 +272,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps, step_seconds=self.step_seconds,
             step_prefill_tokens=self.step_prefill_tokens, step_decode_tokens=self.step_decode_tokens,
+            peak_used_blocks=kv.pool.peak_used_blocks,
         )
 
 
@@ -292,22 +293,25 @@ class EngineStats:
     step_decode_tokens: int = 0  # decode tokens (draft slots included) they computed
     offload_hits: int = 0  # prompt tokens restored from the offload tier (a part of prefix_cache_hits)
     offload_blocks: int = 0  # blocks the offload tier holds
+    peak_used_blocks: int = 0  # the most blocks requests held at once since the engine started
 
 
 class ColocatedEngine(EngineCore):
     """Prefill and decode in one process (Sarathi-Serve style mixed batches): the base connector."""
 
 
-def _kv_window(model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None, connector: KVConnector) -> int | None:
+def _kv_window(model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None) -> int | None:
     """The window past which a request's KV blocks are freed early (KVCacheManager.window), or None.
 
-    Only when every layer is windowed (a model with any full-attention layer reads every block) and on a
-    colocated node (a prefill node's connector sends the whole prompt's blocks, so they stay until it has read
-    them). Not with a draft model: it catches up from its own position, which may lie before the window, and
-    writes its KV through the same block tables. Not in T x P ranks either (the caller): the worker protocol
-    carries block ids as uint32, with no placeholder.
+    Only when every layer is windowed (a model with any full-attention layer reads every block), on every role:
+    a decode node reserves no block for the prompt's leading blocks outside the window at its first query and
+    frees the rest as decoding moves on; a prefill node frees a chunked prompt's dead blocks as it goes, but
+    never one its KV transfer still reads (``KVConnector.kv_read_from``: it sends only the blocks the decode
+    node's window reads). Not with a draft model: it catches up from its own position, which may lie before the
+    window, and writes its KV through the same block tables. Not in T x P ranks either (the caller): the worker
+    protocol carries block ids as uint32, with no placeholder.
     """
-    if connector.role != "colocated" or draft_model is not None:
+    if draft_model is not None:
         return None
     windows = model.config.layer_windows
     if not windows or any(w is None for w in windows):

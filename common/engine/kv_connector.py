@@ -7,6 +7,8 @@ vLLM v1's ``KVConnectorBase`` shape. The scheduler is role-agnostic; it asks its
   with its blocks allocated until the KV has arrived;
 - ``request_finished``: whether a finished request's blocks must be held (a prefill node: until the
   KV transfer has read them), to be freed later by ``Scheduler.free_held``;
+- ``kv_read_from``: the first block a transfer may still read, so the blocks a sliding window frees early
+  stop before it (a prefill node sends only the blocks the decode node's window reads, from that block on);
 - ``ends_at_first_token``: whether requests end once their prompt is computed and one token sampled.
 
 and the engine calls the worker side: ``save_kv`` after every forward, once the step's KV is written, and
@@ -101,6 +103,11 @@ class KVConnector:
     def request_finished(self, request: Request) -> bool:
         """``request`` just finished: True to hold its blocks until ``Scheduler.free_held``."""
         return False
+
+    def kv_read_from(self, request: Request) -> int | None:
+        """The first of ``request``'s blocks that a KV transfer may still read (a prefill node's send): it and
+        the blocks after it stay even once outside every sliding window. None: no transfer reads its blocks."""
+        return None
 
     # ---- engine side -----------------------------------------------------------------------------
 

@@ -92,11 +92,13 @@ class Scheduler:
         the requests already running. It goes ahead of queued requests only when their blocks stay free too
         (none waits longer), so a prefill node is not left idle while this queue waits for the next step.
         """
-        needed = self.kv.blocks_needed(request.num_prompt_tokens) + self.blocks_waiting()
+        first_query = self._first_query(request)
+        needed = (self.kv.blocks_needed(request.num_prompt_tokens) - self.kv.blocks_outside_window(first_query)
+                  + self.blocks_waiting())
         if needed > self.kv.num_free_blocks - self._watermark_blocks:
             return None
         self._stalled = False
-        allocation = self.kv.allocate(request.request_id, request.prompt_token_ids)
+        allocation = self.kv.allocate(request.request_id, request.prompt_token_ids, first_query_pos=first_query)
         if allocation is None:
             return None
         request.arrival_seq = next(self._arrivals)
@@ -263,8 +265,10 @@ class Scheduler:
         if request.num_computed_tokens // block_size > before // block_size:
             # A block just filled up: enter it in the prefix cache.
             self.kv.commit(request.request_id, request.token_slice(0, request.num_computed_tokens))
-        # No later step queries below num_computed_tokens: blocks before every window are dead (a no-op without one).
-        self.kv.free_outside_window(request.request_id, request.num_computed_tokens)
+        # No later step queries below num_computed_tokens: blocks before every window are dead (a no-op without
+        # one), unless a KV transfer still reads them.
+        self.kv.free_outside_window(request.request_id, request.num_computed_tokens,
+                                    self.connector.kv_read_from(request))
 
     # ---- ending ----------------------------------------------------------------------------------
 
@@ -345,14 +349,21 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _first_query(self, request: Request) -> int:
+        """The lowest position whose query this node computes for ``request`` before allocation: past the
+        prompt tokens whose KV another node provides (a decode node's remote prefill), else 0."""
+        return self.connector.get_num_new_matched_tokens(request, 0)
+
     def _admit(self, request: Request) -> bool:
         tokens = request.all_token_ids
-        fresh = self.kv.blocks_needed(len(tokens)) - len(self.kv.get_computed_blocks(tokens)[0])
+        first_query = self._first_query(request)
+        held = max(len(self.kv.get_computed_blocks(tokens)[0]), self.kv.blocks_outside_window(first_query))
+        fresh = self.kv.blocks_needed(len(tokens)) - held
         # The watermark only holds back new work while others run; alone, a request may use it all.
         reserve = self._watermark_blocks if self.running else 0
         if fresh > self.kv.num_free_blocks - reserve:
             return False
-        allocation = self.kv.allocate(request.request_id, tokens)
+        allocation = self.kv.allocate(request.request_id, tokens, first_query_pos=first_query)
         if allocation is None:
             return False
         if request.first_scheduled_time is None:

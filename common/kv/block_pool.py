@@ -54,6 +54,8 @@ class BlockPool:
         # Called with (block id, hash) for each cached block whose last reference has just gone (it joins the free
         # queue with its KV intact): a write-behind tier starts copying it. None: nothing is told.
         self.on_free: Callable[[int, BlockHash], None] | None = None
+        # The most blocks referenced at once since the pool was made (the ``peak_used_blocks`` stat).
+        self.peak_used_blocks = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -124,6 +126,7 @@ class BlockPool:
             block_ids.append(block_id)
         if evicted and self.events is not None:
             self.events.removed(evicted)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return block_ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -133,6 +136,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 del self._free_queue[block_id]
             block.ref_cnt += 1
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, appending those that reach zero to the tail of the free queue.

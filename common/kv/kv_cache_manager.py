@@ -27,8 +27,10 @@ if TYPE_CHECKING:
     from common.kv.offload import Tier
 
 NULL_BLOCK = -1
-"""A table slot whose block was freed early because it is wholly outside every layer's sliding window
-(``free_outside_window``); attention never reads it (the metadata maps it to block 0, masked by the window)."""
+"""A table slot with no block because it is wholly outside every layer's sliding window: freed early
+(``free_outside_window``), or never given one (``allocate`` with a ``first_query_pos``: a decode node receiving
+only the window's blocks). Attention never reads it (the metadata maps it to block 0, masked by the window);
+``commit`` hashes its tokens (the chain goes on) but caches nothing for it."""
 
 BlockCopy = tuple[int, int]
 """(src_block_id, dst_block_id): copy the KV of ``src`` into ``dst`` before the next write to ``dst``."""
@@ -39,7 +41,8 @@ class Allocation:
     """The result of admitting a request: its full block table and how much of the prompt is cached."""
 
     block_ids: list[int]
-    # The first num_cached_tokens prompt tokens already have KV in block_ids; compute the rest.
+    # The first num_cached_tokens prompt tokens already have KV in block_ids (or, allocated with a first_query_pos,
+    # lie outside the window: their KV is needed nowhere here); compute the rest.
     num_cached_tokens: int
 
 
@@ -148,26 +151,38 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ mutations
 
-    def allocate(self, request_id: str, token_ids: Sequence[int], salt: bytes | None = None) -> Allocation | None:
-        """Admit a new request: reuse its cached prefix and reserve fresh blocks for the rest of the prompt."""
+    def allocate(self, request_id: str, token_ids: Sequence[int], salt: bytes | None = None,
+                 first_query_pos: int = 0) -> Allocation | None:
+        """Admit a new request: reuse its cached prefix and reserve fresh blocks for the rest of the prompt.
+
+        ``first_query_pos``: the lowest position this node will compute a query for (a decode node receiving the
+        prompt's KV: the prompt's length). With ``window`` set, the leading blocks no such query reads
+        (``blocks_outside_window``) get no block: their slots are ``NULL_BLOCK`` from the start, a cached one is
+        not taken, and nothing is restored into them; they need no hit either (their hashes only carry the chain
+        on to the blocks that do), and they count as cached: their KV is needed neither here nor from elsewhere.
+        """
         assert request_id not in self._requests, f"request {request_id!r} already has blocks"
         assert len(token_ids) > 0, "empty prompt"
+        # At least the prompt's last token keeps a block (as a prefix hit leaves one token to compute).
+        num_dead = min(self.blocks_outside_window(first_query_pos), (len(token_ids) - 1) // self.block_size)
         cached_ids: list[int] = []
         cached_hashes: list[BlockHash] = []
         if self.enable_prefix_caching:
-            cached_ids, cached_hashes = self._match_prefix(token_ids, salt)
-        # The hash chain goes on in the offload tier: blocks it holds past the pool's hits are restored below.
+            cached_ids, cached_hashes = self._match_prefix(token_ids, salt, num_dead)
+        live_hits = cached_ids[num_dead:]
+        # The hash chain goes on in the offload tier: blocks it holds past the pool's hits are restored below
+        # (past the dead blocks too: the match above only ends at a miss after them).
         offloaded = self._match_offloaded(token_ids, salt, cached_hashes) if self.offload is not None else []
-        num_new = self.blocks_needed(len(token_ids)) - len(cached_ids)
+        num_new = self.blocks_needed(len(token_ids)) - max(num_dead, len(cached_ids))
         # A hit on a free cached block takes it out of the free queue, so it no longer counts as free.
-        num_revived = sum(self.pool.ref_count(block_id) == 0 for block_id in cached_ids)
+        num_revived = sum(self.pool.ref_count(block_id) == 0 for block_id in live_hits)
         if num_new > self.pool.num_free_blocks - num_revived:
             return None
         # Touch before allocating so get_new_blocks can't evict the very blocks we are reusing.
-        self.pool.touch(cached_ids)
+        self.pool.touch(live_hits)
         restored: list[BlockHash] = []
         if offloaded:  # the next new blocks take the tier's KV and are cached at once, as written blocks are
-            assert self.offload is not None
+            assert self.offload is not None and len(cached_ids) >= num_dead  # the match never ends before them
             self.offload.pin(offloaded)  # the pool's evictions below are saved without displacing them
             try:
                 new_ids = self.pool.get_new_blocks(num_new)
@@ -184,12 +199,14 @@ class KVCacheManager:
                                         tuple(token_ids[start * bs : (start + len(restored)) * bs]), bs)
         else:
             new_ids = self.pool.get_new_blocks(num_new)
-        block_ids = cached_ids + new_ids
+        block_ids = [NULL_BLOCK] * num_dead + live_hits + new_ids
         self._requests[request_id] = _RequestBlocks(block_ids, len(token_ids), salt, cached_hashes + restored)
-        num_cached_tokens = (len(cached_ids) + len(restored)) * self.block_size
+        num_cached_tokens = max(len(cached_hashes) + len(restored), num_dead) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(token_ids)
-            self.prefix_cache_hits += num_cached_tokens
+            # only blocks found here (a dead one too, though it is not taken), not those merely outside the window
+            found = sum(block_id != NULL_BLOCK for block_id in cached_ids) + len(restored)
+            self.prefix_cache_hits += found * self.block_size
             self.offload_hits += len(restored) * self.block_size
         return Allocation(list(block_ids), num_cached_tokens)
 
@@ -224,6 +241,8 @@ class KVCacheManager:
             parent = hash_block(parent, token_ids[index * bs : (index + 1) * bs], req.salt)
             req.block_hashes.append(parent)
             block_id = req.block_ids[index]
+            if block_id == NULL_BLOCK:  # outside the window from the start (allocate): no KV here to cache
+                continue
             existing = self.pool.get_block_hash(block_id)
             if existing is None:
                 if self.pool.cache_block(block_id, parent) and stored is not None:
@@ -295,21 +314,31 @@ class KVCacheManager:
         req = self._requests.pop(request_id)
         self.pool.free_blocks(b for b in reversed(req.block_ids) if b != NULL_BLOCK)
 
-    def free_outside_window(self, request_id: str, first_query_pos: int) -> list[int]:
+    def blocks_outside_window(self, first_query_pos: int) -> int:
+        """Leading blocks no query at ``first_query_pos`` or later reads (0 without ``window``).
+
+        A query at position q reads positions q - window + 1 .. q, so block i (positions i*bs .. (i+1)*bs - 1) is
+        dead once (i+1)*bs <= first_query_pos - window + 1.
+        """
+        if self.window is None:
+            return 0
+        return max(0, first_query_pos - self.window + 1) // self.block_size
+
+    def free_outside_window(self, request_id: str, first_query_pos: int, keep_from: int | None = None) -> list[int]:
         """Free the blocks no query at ``first_query_pos`` or later can read; return their ids, head first.
 
-        Only with ``window`` set. A query at position q reads positions q - window + 1 .. q, so block i (positions
-        i*bs .. (i+1)*bs - 1) is dead once (i+1)*bs <= first_query_pos - window + 1. The caller passes the lowest
-        position any later step computes (``num_computed_tokens``: rollbacks never go below it). Freed blocks go
+        Only with ``window`` set. The caller passes the lowest position any later step computes
+        (``num_computed_tokens``: rollbacks never go below it), and in ``keep_from`` the first block something
+        else still reads (a KV transfer sending it: ``KVConnector.kv_read_from``), which stays. Freed blocks go
         through the pool's normal free path, so they stay cached (and findable) until evicted; their table slots
         become ``NULL_BLOCK``. With prefix caching only committed blocks are freed (commit reads the table).
         """
         req = self._requests[request_id]
         if self.window is None:
             return []
-        bs = self.block_size
-        num_dead = max(0, first_query_pos - self.window + 1) // bs
-        num_dead = min(num_dead, req.num_tokens // bs)
+        num_dead = min(self.blocks_outside_window(first_query_pos), req.num_tokens // self.block_size)
+        if keep_from is not None:
+            num_dead = min(num_dead, keep_from)
         if self.enable_prefix_caching:
             num_dead = min(num_dead, len(req.block_hashes))
         freed = [b for b in req.block_ids[:num_dead] if b != NULL_BLOCK]
@@ -351,7 +380,10 @@ class KVCacheManager:
             parent = req.block_hashes[start - 1] if start > 0 else None
             events.stored(req.block_hashes[start:end], parent, tuple(token_ids[start * bs : end * bs]), bs)
 
-    def _match_prefix(self, token_ids: Sequence[int], salt: bytes | None) -> tuple[list[int], list[BlockHash]]:
+    def _match_prefix(self, token_ids: Sequence[int], salt: bytes | None,
+                      num_unread: int = 0) -> tuple[list[int], list[BlockHash]]:
+        """The cached blocks of the prompt's leading full blocks and their hashes. The first ``num_unread`` need
+        no hit (outside the window: ``NULL_BLOCK`` when not cached); after them it stops at the first miss."""
         # Stop at the first miss: chained hashes mean no later block can hit once one block misses.
         bs = self.block_size
         parent: BlockHash | None = None
@@ -361,7 +393,9 @@ class KVCacheManager:
             parent = hash_block(parent, token_ids[index * bs : (index + 1) * bs], salt)
             block_id = self.pool.get_cached_block(parent)
             if block_id is None:
-                break
+                if index >= num_unread:
+                    break
+                block_id = NULL_BLOCK
             block_ids.append(block_id)
             hashes.append(parent)
         return block_ids, hashes

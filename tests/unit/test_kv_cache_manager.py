@@ -441,3 +441,71 @@ def test_an_evicted_freed_block_ends_the_prefix_hit() -> None:
     kv.free("x")
     assert kv.get_computed_blocks(C) == ([], 0)  # block 1 is still cached, but the chain broke at block 0
     kv.check_integrity()
+
+
+# ---------------------------------------------------------------- a decode node: only the window's blocks reserved
+
+
+def test_allocate_for_a_remote_prompt_reserves_only_the_window() -> None:
+    kv = make()
+    kv.window = 5  # the first decode query, at 12, reads 8..12: blocks 0 (0..3) and 1 (4..7) are never read
+    assert kv.blocks_outside_window(12) == 2 and kv.blocks_outside_window(11) == 1
+    # the dead blocks' 8 tokens count as cached: their KV is needed neither here nor from elsewhere
+    assert kv.allocate("a", C + [42], first_query_pos=13) == Allocation([NULL_BLOCK, NULL_BLOCK, 0, 1], 8)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (13, 0)  # but they were no hit
+    assert (kv.num_used_blocks, kv.pool.peak_used_blocks) == (2, 2)
+    kv.check_integrity()
+    # the KV landed: only the window's block is cached; the dead ones have no KV here, their hashes only chain
+    kv.commit("a", C + [42])
+    assert kv.get_computed_blocks(C + [42]) == ([], 0)
+    assert kv.pool.get_block_hash(0) is not None and kv.pool.num_cached_blocks == 1
+    assert kv.free_outside_window("a", 13) == []  # nothing more to free, nothing freed twice
+    kv.check_integrity()
+    kv.free("a")
+    assert kv.num_free_blocks == 10
+    kv.check_integrity()
+    # the same prompt again: the dead blocks need no hit, the chain goes on to the window's cached block
+    assert kv.allocate("b", C + [42], first_query_pos=13) == Allocation([NULL_BLOCK, NULL_BLOCK, 0, 2], 12)
+    assert kv.prefix_cache_hits == 4
+    kv.check_integrity()
+    kv.commit("b", C + [42])
+    kv.free("b")
+    assert kv.num_free_blocks == 10 and kv.pool.num_cached_blocks == 1
+    kv.check_integrity()
+
+
+def test_allocate_for_a_remote_prompt_takes_only_the_live_prefix_hits() -> None:
+    kv = make()
+    kv.allocate("a", C)
+    kv.commit("a", C)
+    kv.free("a")  # blocks 0, 1, 2 cached and free
+    kv.window = 5
+    # the prompt's first three blocks hit; the first two lie outside the window at 13: not taken
+    assert kv.allocate("b", C + [42], first_query_pos=13) == Allocation([NULL_BLOCK, NULL_BLOCK, 2, 3], 12)
+    assert [kv.pool.ref_count(b) for b in range(4)] == [0, 0, 1, 1] and kv.num_used_blocks == 2
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (25, 12)
+    kv.check_integrity()
+    kv.commit("b", C + [42])  # the hash chain was kept: nothing is re-hashed or cached twice
+    assert kv.get_computed_blocks(C + [42]) == ([0, 1, 2], 12)
+    kv.check_integrity()
+    kv.free("b")
+    assert kv.num_free_blocks == 10
+    kv.check_integrity()
+
+
+def test_allocate_with_a_first_query_but_no_window_reserves_everything() -> None:
+    kv = make()
+    assert kv.blocks_outside_window(100) == 0
+    assert kv.allocate("a", C + [42], first_query_pos=13) == Allocation([0, 1, 2, 3], 0)
+
+
+def test_free_outside_window_keeps_the_blocks_a_transfer_reads() -> None:
+    kv = make()
+    kv.window = 4
+    kv.allocate("a", C)
+    kv.commit("a", C)
+    assert kv.free_outside_window("a", 12, keep_from=1) == [0]  # block 1 is dead too, but still being sent
+    assert kv.free_outside_window("a", 12, keep_from=0) == []
+    assert kv.free_outside_window("a", 12) == [1]
+    assert kv.block_table("a") == [NULL_BLOCK, NULL_BLOCK, 2]
+    kv.check_integrity()

@@ -12,7 +12,7 @@ import torch
 
 from common.kv.block_hash import hash_prompt_blocks
 from common.kv.kv_cache import KVCache, KVCacheSpec
-from common.kv.kv_cache_manager import KVCacheManager
+from common.kv.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from common.kv.offload import OffloadIndex, OffloadStore, OffloadTier
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype_name="float32")
@@ -298,3 +298,29 @@ def test_write_behind_on_a_thread_matches_the_synchronous_tier() -> None:
     assert any(n > 0 for n, _ in threaded)
     for (_, kv_t), (_, kv_s) in zip(threaded, synchronous, strict=True):
         assert torch.equal(kv_t, kv_s)
+
+
+def test_a_remote_prompt_restores_only_the_blocks_inside_the_window(tmp_path: Path) -> None:
+    """A decode node reserving a prompt whose KV comes from elsewhere: hits outside the window at its first query
+    are neither taken from the pool nor restored from the tier; their hashes still chain to the live ones."""
+    cache = KVCache(SPEC, num_blocks=6)
+    manager = KVCacheManager(6, SPEC.block_size)
+    tier = OffloadTier(OffloadStore(cache, 2, None), OffloadIndex(2))
+    manager.set_offload(tier)
+    a = list(range(100, 117))  # 4 full blocks + 1 token
+    blocks_a = _write(cache, manager, "a", a)
+    kv_block2 = cache.data[blocks_a[2]].clone()
+    manager.free("a")
+    _write(cache, manager, "b", list(range(300, 317)))  # as above: the pool keeps a's block 0, the tier 1 and 2
+    manager.free("b")
+    manager.window = 8  # a query at 17 reads 10..17: blocks 0 (0..3) and 1 (4..7) are dead
+    again = manager.allocate("a2", a, first_query_pos=len(a))
+    assert again is not None and again.num_cached_tokens == 12 and manager.offload_hits == 4
+    assert again.block_ids[:2] == [NULL_BLOCK, NULL_BLOCK] and NULL_BLOCK not in again.block_ids[2:]
+    assert manager.num_used_blocks == 3  # the restored block 2, then 3 and 4: the pool's block 0 was not taken
+    assert torch.equal(cache.data[again.block_ids[2]], kv_block2)  # the tier's block 2, restored
+    manager.check_integrity()
+    manager.commit("a2", a)
+    manager.free("a2")
+    assert manager.num_free_blocks == 6
+    manager.check_integrity()

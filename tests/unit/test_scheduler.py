@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from common.config.engine_config import SchedulerConfig
+from common.engine.commands import KVDestination
 from common.engine.kv_connector import KVConnector
 from common.engine.request import FinishReason, Request, RequestStatus
 from common.engine.scheduler import Scheduler
@@ -365,3 +368,126 @@ def test_sliding_window_frees_blocks_before_the_window_mid_request() -> None:
     ]
     assert not s.has_work() and s.kv.num_free_blocks == 16
     assert s.kv.get_computed_blocks(list(range(10)) + [7])[1] == 8  # the freed blocks stayed cached
+
+
+# ---- sliding windows on disaggregated nodes: a decode node reserves and keeps only the window's blocks ----------
+
+
+def test_decode_role_reserves_the_window_only_and_frees_blocks_as_it_decodes() -> None:
+    s = make(connector=KVConsumer())
+    s.kv.window = 5  # every layer windowed: a query at q reads q - 4 .. q
+    r = req("a", 14, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), remote=True)
+    allocation = s.admit_now(r)
+    N = NULL_BLOCK
+    # the first query computed here is at 14 (the prefill's first token): it reads 10..14, blocks 0 and 1 are dead
+    assert allocation is not None and allocation.block_ids == [N, N, 0, 1]
+    (announced,) = s.take_announced()
+    assert announced.reserved_block_ids == (N, N, 0, 1) and s.kv.num_used_blocks == 2
+    s.kv_arrived("a", 42)
+    # the landed KV is cached for the window's block only: the dead ones hold no KV here
+    assert s.kv.get_computed_blocks(list(range(14)) + [42])[1] == 0
+    tables = []
+    while s.has_work():
+        step(s)
+        if s.kv.has_request("a"):
+            tables.append(s.kv.block_table("a"))
+    assert tables == [
+        [N, N, 0, 1],  # computed 15
+        [N, N, N, 1],  # computed 16: the next query (16) reads 12..16, block 2 (8..11) freed
+        [N, N, N, 1, 2],  # computed 17: a new block from the free queue's head (block 0 went to its tail)
+        [N, N, N, 1, 2],  # computed 18; the next step samples the sixth token and finishes
+    ]
+    assert r.output_token_ids == [42, 7, 7, 7, 7, 7] and s.kv.num_free_blocks == 16
+    assert s.kv.pool.peak_used_blocks == 2  # the full sequence (19 tokens) would have needed 5
+    s.kv.check_integrity()
+
+
+def test_decode_role_window_reservation_survives_preemption_and_abort() -> None:
+    """A preempted request recomputes its whole prompt here (its dead blocks have no KV anywhere on this node);
+    aborting in any state frees each held block exactly once."""
+    s = make(connector=KVConsumer())
+    s.kv.window = 5
+    r = req("a", 14, remote=True)
+    assert s.admit_now(r) is not None
+    s.kv_arrived("a", 42)
+    step(s)
+    s.running.remove(r)
+    s._preempt(r)
+    s.kv.check_integrity()
+    assert s.kv.num_used_blocks == 0
+    assert step(s) == [("a", 0, 16)]  # nothing cached before the window: recomputed from 0 (budget 16)
+    assert s.kv.block_table("a")[:3] == [NULL_BLOCK] * 3 and s.kv.num_used_blocks == 1  # then freed as usual
+    s.abort("a")
+    assert s.kv.num_used_blocks == 0
+    b = req("b", 14, first=50, remote=True)
+    assert s.admit_now(b) is not None
+    s.abort("b")  # still waiting for its KV
+    assert s.kv.num_used_blocks == 0 and not s.waiting_for_kv
+    s.kv.check_integrity()
+
+
+def test_decode_role_queued_remote_request_is_admitted_with_the_window_only() -> None:
+    s = make(connector=KVConsumer(), num_blocks=3)
+    s.kv.window = 5
+    assert s.admit_now(req("x", 10, first=80, remote=True)) is not None  # its first query, 10, reads 6..10: 2 blocks
+    s.take_announced()
+    b = req("b", 14, first=50, remote=True)
+    s.add_request(b)
+    assert s.schedule().is_empty and b.status is RequestStatus.WAITING
+    s.abort("x")
+    (announced,) = s.update(s.schedule(), None)  # 2 blocks are enough now: the full prompt would need 4
+    assert announced.reserved_block_ids == (NULL_BLOCK, NULL_BLOCK, 2, 1)
+
+
+def test_prefill_role_frees_dead_blocks_the_transfer_never_reads_and_pushes_the_window_only() -> None:
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_chunk=4, watermark=0.0)
+    producer = KVProducer(block_size=4)
+    s = Scheduler(config, KVCacheManager(8, 4), max_model_len=64, connector=producer)
+    s.kv.window = 5
+    target = _Target()
+    # the decode node holds blocks 100, 101 for the prompt's blocks 2 and 3 (first_block 2: outside its window)
+    producer.attach("a", KVDestination(target, (100, 101), skip_blocks=2, first_block=2), None)
+    s.add_request(req("a", 14, SamplingParams(temperature=0.0, max_tokens=50)))
+    tables = []
+    while s.has_work():
+        out = s.schedule()
+        producer.save_kv(out, 0)
+        s.update(out, fake_sample(out))
+        s.kv.check_integrity()
+        tables.append(s.kv.block_table("a"))
+    N = NULL_BLOCK
+    assert tables == [[0, 1, 2, 3], [N, 1, 2, 3], [N, N, 2, 3], [N, N, 2, 3]]  # chunks of 4, 4, 4, 2
+    assert target.pushed == [([2], [100]), ([3], [101])]  # never a block before the decode node's window
+    assert "a" in s.held and s.kv.num_used_blocks == 2
+    s.free_held("a")
+    assert s.kv.num_used_blocks == 0
+
+
+def test_prefill_role_keeps_every_block_a_full_destination_reads() -> None:
+    """A decode node that reads the whole prompt (a draft model there): the window frees nothing it is sent."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_chunk=4, watermark=0.0)
+    producer = KVProducer(block_size=4)
+    s = Scheduler(config, KVCacheManager(8, 4), max_model_len=64, connector=producer)
+    s.kv.window = 5
+    target = _Target()
+    producer.attach("a", KVDestination(target, (100, 101, 102, 103), skip_blocks=1), None)  # block 0 cached there
+    s.add_request(req("a", 14, SamplingParams(temperature=0.0, max_tokens=50)))
+    while s.has_work():
+        out = s.schedule()
+        producer.save_kv(out, 0)
+        s.update(out, fake_sample(out))
+    assert s.kv.block_table("a") == [NULL_BLOCK, 1, 2, 3]  # block 0 was never to be sent: freed
+    assert target.pushed == [([1], [101]), ([2], [102]), ([3], [103])]
+
+
+class _Target:
+    """A KVPushTarget that records what a prefill node pushes."""
+
+    def __init__(self) -> None:
+        self.pushed: list[tuple[list[int], list[int]]] = []
+
+    def push(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        self.pushed.append((list(src_block_ids), list(dst_block_ids)))
+
+    def when_finished(self, callback: Callable[[], None]) -> None:
+        pass
