@@ -14,7 +14,10 @@ and a temporary. ``FusedOps`` does each group in one pass:
 - ``rotary_(q, k, cos_sin, positions)``: rotary embedding in place on the qkv projection's views;
 - ``rotary_write_kv_(q, k, v, cos_sin, positions, kv, slot_mapping)``: the same, then the new tokens' K/V
   into their paged-cache slots (``common.kv.kv_cache.write_kv``), so attention finds them written;
-- ``argmax_rows(logits)``: each row's first maximum (greedy sampling), ``torch.max(dim=-1).indices``.
+- ``argmax_rows(logits)``: each row's first maximum (greedy sampling), ``torch.max(dim=-1).indices``;
+- ``sample_rows(logits, temps, uniforms)``: each row's token drawn at a temperature by inverting its CDF at its
+  uniform (``common.sampling.sampler``'s ``target_probs`` + ``sample_from`` without top-k/top-p/min-p),
+  temperature 0 the first maximum;
 
 ``EagerOps`` is the reference (the same torch ops ``layers.py`` runs) and every kernel is tested against
 it. ``CppOps`` is ``cpu_fused.cpp``, built per instruction set into the CPU kernel module
@@ -70,6 +73,12 @@ class EagerOps:
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         # max's indices: the first maximum, as argmax's, in less time on CPU (benchmarks/results/figures-from-code.md)
         return logits.max(dim=-1).indices
+
+    def sample_rows(self, logits: torch.Tensor, temps: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        # logits [n, V] fp32, temps [n] fp32 (0: greedy), uniforms [n] fp64 in [0, 1) -> [n] int64
+        greedy = temps <= 0
+        probs = torch.softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)
+        return torch.where(greedy, self.argmax_rows(logits), inverse_cdf(probs, uniforms))
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:
         # q: [n, H, D], k: [n, Hkv, D], in place; cos_sin: [P, D] = cat(cos, sin)
@@ -129,6 +138,11 @@ class CppOps:
             return EagerOps().argmax_rows(logits)
         return self._m.argmax_rows(logits)
 
+    def sample_rows(self, logits: torch.Tensor, temps: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1 or logits.shape[1] == 0:
+            return EagerOps().sample_rows(logits, temps, uniforms)
+        return self._m.sample_rows(logits, temps.float().contiguous(), uniforms.double().contiguous())
+
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:
         self._m.rotary_(q, k, cos_sin, positions)
 
@@ -142,6 +156,15 @@ class CppOps:
 
 
 FusedOps = EagerOps | CppOps
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` (``[batch, vocab]``, non-negative, each row with positive mass, not
+    necessarily normalised): the first entry whose fp64 CDF exceeds ``uniform * total`` (``uniform``: ``[batch]``
+    in [0, 1)). ``common.sampling.sampler.sample_from`` is this."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [batch, vocab]
+    target = (uniform.to(torch.float64) * cdf[:, -1]).unsqueeze(1)  # [batch, 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def fused_mode() -> str:

@@ -141,6 +141,14 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
         device = logits.device
+        params = [s.params for s in states]
+        if device.type == "cpu" and not any(p.top_k is not None or p.top_p < 1.0 or p.min_p > 0 for p in params):
+            # Temperature only (what OpenAI clients send by default): one fused pass per row on CPU, no [n, V]
+            # probabilities nor fp64 CDF (common/model/fused_ops.py's sample_rows; the same distribution).
+            from common.model.fused_ops import fused_ops_for
+
+            temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+            return fused_ops_for(device).sample_rows(logits, temps, row_uniforms(states, device))
         greedy = torch.tensor([s.params.greedy for s in states], device=device)
         probs = target_probs(logits, [s.params for s in states])  # [batch, vocab]
         sampled = sample_from(probs, row_uniforms(states, device))
@@ -195,10 +203,12 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     benchmarks/results/2026-12-03-serve-vllm/RESULTS.md, benchmarks/results/figures-from-code.md). The
     CDF is summed in fp64, so the chosen token's probability is exact to ~1e-12; a zero-probability token
     is never chosen (its CDF step is empty and the search takes the first entry strictly above the draw).
+    Temperature-only batches on CPU skip this for the fused kernel (``FusedOps.sample_rows``: the same CDF
+    inverted without the [batch, vocab] fp64 temporaries).
     """
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [batch, vocab]
-    target = (uniform.to(torch.float64) * cdf[:, -1]).unsqueeze(1)  # [batch, 1]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    from common.model.fused_ops import inverse_cdf
+
+    return inverse_cdf(probs, uniform)
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -201,6 +201,41 @@ def test_argmax_rows_matches_torch_max(cpp: CppOps, vocab: int) -> None:
     assert torch.equal(cpp.argmax_rows(x.bfloat16()), x.bfloat16().max(dim=-1).indices)  # other dtypes: torch's
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 64, 1000, 49152])
+def test_sample_rows_draws_the_references_tokens(cpp: CppOps, vocab: int) -> None:
+    """The fused draw inverts the same CDF as target_probs + sample_from: the same token for the same uniform
+    (greedy rows, temperatures, rows fed as views), and never a token of weight 0."""
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(5):
+        x = torch.randn(16, vocab, generator=g) * (1 + 3 * trial)
+        temps = torch.tensor([0.0, 0.5, 1.0, 1.7] * 4)
+        u = torch.rand(16, generator=g, dtype=torch.float64)
+        u[0], u[1] = 0.0, 1.0 - 1e-12  # the ends of the CDF
+        want = EagerOps().sample_rows(x, temps, u)
+        assert torch.equal(cpp.sample_rows(x, temps, u), want)
+        assert torch.equal(want[temps == 0], x[temps == 0].max(dim=-1).indices)
+        assert torch.equal(cpp.sample_rows(x[::2], temps[::2], u[::2]), want[::2])
+    if vocab > 3:
+        x = torch.zeros(3, vocab)
+        x[:, ::2] = -float("inf")  # zero weight: never drawn, at any uniform
+        drawn = cpp.sample_rows(x, torch.ones(3), torch.tensor([0.0, 0.5, 1.0 - 1e-15], dtype=torch.float64))
+        assert all(int(t) % 2 == 1 for t in drawn)
+        x = torch.randn(2, vocab)
+        x[0, 2] = float("nan")  # no finite mass: the first maximum (the NaN), as greedy
+        x[1, 3] = float("inf")
+        assert cpp.sample_rows(x, torch.ones(2), torch.full((2,), 0.5, dtype=torch.float64)).tolist() == [2, 3]
+
+
+def test_sample_rows_follows_the_softmax(cpp: CppOps) -> None:
+    """Drawn with many uniforms, each token's share is its softmax probability at the row's temperature."""
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])
+    for temp in (0.7, 1.0, 2.0):
+        u = torch.rand(20000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        drawn = cpp.sample_rows(x.repeat(len(u), 1), torch.full((len(u),), temp), u)
+        share = torch.bincount(drawn, minlength=5).double() / len(u)
+        assert torch.allclose(share, torch.softmax(x[0].double() / temp, dim=0), atol=0.015)
+
+
 def test_mode_off_and_cuda_use_the_eager_reference_ops() -> None:
     assert isinstance(fused_ops_for(torch.device("cpu"), "off"), EagerOps)
     assert isinstance(fused_ops_for(torch.device("cuda"), "on"), EagerOps)

@@ -44,7 +44,7 @@ QUANT_FUNCTIONS = ("isa", "int4_matmul", "int8_matmul", "int4_matmul_a8", "int8_
                    "int8_dequantize", "dense_matmul", "int8_matmul_panel", "int4_matmul_panel", "int8_panel_path",
                    "dense_matmul_panel", "dense_panel_path", "int8_matmul_panel_amx", "int4_matmul_panel_amx",
                    "int8_dequantize_panel", "int4_dequantize_panel", "moe_experts", "moe_experts_packed")
-FUSED_FUNCTIONS = ("add_rms_norm", "silu_mul", "rotary_", "rotary_write_kv_", "argmax_rows")
+FUSED_FUNCTIONS = ("add_rms_norm", "silu_mul", "rotary_", "rotary_write_kv_", "argmax_rows", "sample_rows")
 STEP_FUNCTIONS = ("decode_step_plan", "decode_step_run", "decode_step_free", "decode_step_profile",
                   "decode_step_times")
 # -fno-math-errno: exp vectorises through glibc's vector math without -ffast-math's reassociation of the
