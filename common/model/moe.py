@@ -25,7 +25,9 @@ How the routed tokens are multiplied is the module's ``experts`` strategy (vLLM'
   over the rows padded to the busiest expert; at prefill sizes (many rows per expert, where padding would be
   wasted arithmetic) one GEMM per expert over its contiguous slice of the sorted rows; where few experts are
   hit (batch-1 decode), one GEMM per hit expert. Each expert's weights are read once per step either way.
-- ``PackedExperts`` (``--quantization int8 | int4`` on CPU): the same one call over int8 / int4 panels.
+- ``PackedExperts`` (``--quantization int8 | int4`` on CPU): the same one call over int8 / int4 panels; gpt-oss's
+  biased experts (the one call runs silu(gate) * up only) one packed GEMM per hit expert and projection, the
+  biases and the clamped SwiGLU in PyTorch between them.
 - On CUDA, ``TritonExperts`` (common/kernels/triton/moe.py): the sorted pairs aligned to row blocks of one
   expert each, one grouped-GEMM launch per projection (vLLM's fused-MoE layout).
 """
@@ -259,19 +261,22 @@ class PackedExperts:
     """int8 or int4 experts (``--quantization``) in the packed panel layouts of common/quant/panels.py, the layer's
     experts in one C++ call (``moe_experts_packed``): activations rounded to int8 in blocks of 32, integer dot
     products, as a packed ``Linear``'s ``tandem_a8`` method. Each expert is quantized as a ``Linear`` of the same
-    format is (int8: one scale per output row; int4: asymmetric groups of ``group_size``); the router stays float."""
+    format is (int8: one scale per output row; int4: asymmetric groups of ``group_size``); the router stays float.
+
+    gpt-oss's experts (biases, the clamped SwiGLU: not ``moe.plain``) run the same panels through the packed
+    ``Linear``'s kernels (``int8_matmul_panel`` / ``int4_matmul_panel``, the same a8 rounding) one hit expert at a
+    time, with the float path's bias adds and ``moe.activate`` between the two GEMMs."""
 
     def __init__(self, ops: ModuleType, int4: bool, group_size: int) -> None:
         self._ops = ops
         self.int4, self.group_size = int4, group_size
         self.name = "int4 panels" if int4 else "int8 panels"
+        self._panel = ops.int4_matmul_panel if int4 else ops.int8_matmul_panel  # gpt-oss: one expert at a time
 
     @staticmethod
     def fits(moe: SparseMoE, int4: bool, group_size: int) -> str | None:
         """Why these experts cannot be packed (None: they can): panels of 16 rows over inputs in 32-blocks."""
         inter, hidden = moe.intermediate_size, moe.w13.shape[2]
-        if not moe.plain:
-            return "the packed experts run silu(gate) * up without biases (gpt_oss's experts are not packed yet)"
         if moe.w13.device.type != "cpu":
             return f"packed experts run on CPU; the experts are on {moe.w13.device}"
         if hidden % 32 or inter % 32 or (2 * inter) % 16 or hidden % 16:
@@ -310,9 +315,42 @@ class PackedExperts:
         b = moe.get_buffer
         g13, g2 = self._groups
         xf = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        if not moe.plain:
+            return self._biased(moe, xf, expert, token, weight, counts.tolist(), ops).to(x.dtype)
         out = self._ops.moe_experts_packed(xf.contiguous(), token, weight.float().contiguous(), offsets,
                                            b("q13"), b("s13"), b("z13"), g13, b("q2"), b("s2"), b("z2"), g2)
         return out.to(x.dtype)
+
+    def _biased(self, moe: SparseMoE, x: torch.Tensor, expert: torch.Tensor, token: torch.Tensor,
+                weight: torch.Tensor, counts: list[int], ops: FusedOps) -> torch.Tensor:
+        """gpt-oss: per hit expert, packed GEMM -> + b13 -> clamped SwiGLU -> packed GEMM -> + b2, as the float
+        path's ``_slices``; x ``[T, hidden]`` fp32 or bf16 -> ``[T, hidden]``."""
+        out = torch.zeros_like(x)
+        if expert.numel() == 0:
+            return out
+        assert moe.b13 is not None and moe.b2 is not None
+        b = moe.get_buffer
+        g13, g2 = self._groups
+        w13, w2 = (b("q13"), b("s13"), b("z13")), (b("q2"), b("s2"), b("z2"))
+        xs = x[token]  # [n, hidden]: the pairs' rows, sorted by expert
+        pieces = []
+        start = 0
+        for e, rows in enumerate(counts):
+            if rows:
+                h = self._matmul(xs[start : start + rows], w13, e, g13) + moe.b13[e]  # [rows, 2 * inter]
+                act = moe.activate(h, ops).contiguous()  # [rows, inter]
+                pieces.append(self._matmul(act, w2, e, g2) + moe.b2[e])  # [rows, hidden]
+                start += rows
+        out.index_add_(0, token, torch.cat(pieces) * weight[:, None].to(x.dtype))
+        return out
+
+    def _matmul(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], e: int,
+                group: int) -> torch.Tensor:
+        """x ``[rows, K]`` times expert e of one stacked projection's (q, scales, zeros) -> ``[rows, N]``."""
+        q, s, z = packed
+        if self.int4:
+            return self._panel(x, q[e], s[e], z[e], group)
+        return self._panel(x, q[e], s[e], group)
 
 
 def packed_experts_for(moe: SparseMoE, method: str, group_size: int) -> PackedExperts:
@@ -388,7 +426,8 @@ class SparseMoE(nn.Module):
 
     @property
     def plain(self) -> bool:
-        """silu(gate) * up with no biases: what the compiled and Triton strategies run."""
+        """silu(gate) * up with no biases: what the compiled and Triton strategies run (``PackedExperts`` runs the
+        other kind one expert at a time)."""
         return self.b13 is None and self.swiglu_limit is None
 
     def bias13(self, e: int) -> torch.Tensor | None:
