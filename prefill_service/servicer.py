@@ -102,7 +102,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             reply, counters = await self._run(rid, prompt, params, request, handle, arrival, chunk_timings)
             # The first token is out, so every block of the prompt has been pushed but those cached there or
             # outside the decode node's window.
-            num_blocks = max(-(-len(prompt) // bs) - max(dest.num_cached_tokens // bs, dest.first_block), 0)
+            num_blocks = max(-(-len(prompt) // bs) - _unsent_blocks(dest, bs), 0)
             stats = await self._transfer(handle, rid, reply, num_blocks, send_span)
         except BaseException as exc:
             spans.set_error(send_span, exc, spans.failure_code(exc, self._status_for))
@@ -119,8 +119,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                    ) -> tuple[prefill_pb2.PrefillResponse, RequestCounters | None]:
         """Prefill the prompt (the engine pushes KV as chunks finish) and sample the first token."""
         dest = request.destination
-        destination = KVDestination(handle, tuple(dest.block_ids),
-                                    max(dest.num_cached_tokens // self.block_size, dest.first_block), dest.first_block)
+        destination = KVDestination(handle, tuple(dest.block_ids), _unsent_blocks(dest, self.block_size),
+                                    dest.first_block)
         stream = self.engine.open_stream(rid)
         try:
             await self.engine.call(AddRequest(rid, tuple(prompt), params, tuple(request.eos_token_ids),
@@ -218,3 +218,8 @@ async def _drain(handle: TransferHandle, reason: str, timeout_s: float) -> None:
 def _trace_context(context: grpc.aio.ServicerContext) -> dict[str, str]:
     """W3C trace context headers of the incoming call, to travel in KV control messages."""
     return {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
+
+
+def _unsent_blocks(dest: prefill_pb2.KVDestination, block_size: int) -> int:
+    """The prompt's leading blocks not sent to ``dest``: cached on the decode node, or outside its window there."""
+    return max(dest.num_cached_tokens // block_size, dest.first_block)

@@ -170,17 +170,31 @@ def _padded(moe: SparseMoE, x: torch.Tensor, expert: torch.Tensor, token: torch.
     return y if moe.b2 is None else y + moe.b2[expert]
 
 
+Projection = Callable[[torch.Tensor, int, int], torch.Tensor]
+"""(rows, expert e, 0: gate/up | 1: down) -> the rows through expert e's projection, its bias added."""
+
+
+def _float_projection(moe: SparseMoE) -> Projection:
+    def project(x: torch.Tensor, e: int, which: int) -> torch.Tensor:
+        if which == 0:
+            return nn.functional.linear(x, moe.w13[e], moe.bias13(e))
+        return nn.functional.linear(x, moe.w2[e], moe.bias2(e))
+
+    return project
+
+
 def _slices(moe: SparseMoE, xs: torch.Tensor, counts: list[int], ops: FusedOps,
-            weights_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
-    """One GEMM per hit expert over its contiguous rows of ``xs`` (the pairs' tokens, sorted by expert).
-    ``weights_of(e)``: expert e's row-major (w13, w2) (default: the stacked float weights)."""
+            project: Projection | None = None) -> torch.Tensor:
+    """One GEMM per hit expert and projection over its contiguous rows of ``xs`` (the pairs' tokens, sorted by
+    expert), the activation between them. ``project``: how an expert's projection runs (default: ``F.linear``
+    over the stacked float weights)."""
+    project = _float_projection(moe) if project is None else project
     pieces = []
     start = 0
     for e, rows in enumerate(counts):
         if rows:
-            w13, w2 = weights_of(e) if weights_of is not None else (moe.w13[e], moe.w2[e])
-            h = moe.activate(nn.functional.linear(xs[start : start + rows], w13, moe.bias13(e)), ops)
-            pieces.append(nn.functional.linear(h, w2, moe.bias2(e)))
+            h = moe.activate(project(xs[start : start + rows], e, 0), ops)
+            pieces.append(project(h, e, 1))
             start += rows
     return torch.cat(pieces)
 
@@ -220,7 +234,9 @@ class PanelExperts:
         if expert.numel() and int(counts.max()) > self.max_rows:  # prefill sizes: torch's GEMM per expert
             from common.model.gemv import unpack_panels
 
-            y = _slices(moe, x[token], counts.tolist(), ops, lambda e: (unpack_panels(w13[e]), unpack_panels(w2[e])))
+            panels = (w13, w2)  # plain experts: no biases
+            y = _slices(moe, x[token], counts.tolist(), ops,
+                        lambda rows, e, which: nn.functional.linear(rows, unpack_panels(panels[which][e])))
             out = torch.zeros_like(x)
             out.index_add_(0, token, y * weight[:, None].to(x.dtype))
             return out
@@ -323,25 +339,22 @@ class PackedExperts:
 
     def _biased(self, moe: SparseMoE, x: torch.Tensor, expert: torch.Tensor, token: torch.Tensor,
                 weight: torch.Tensor, counts: list[int], ops: FusedOps) -> torch.Tensor:
-        """gpt-oss: per hit expert, packed GEMM -> + b13 -> clamped SwiGLU -> packed GEMM -> + b2, as the float
-        path's ``_slices``; x ``[T, hidden]`` fp32 or bf16 -> ``[T, hidden]``."""
+        """gpt-oss: the float path's ``_slices`` (per hit expert: + b13, clamped SwiGLU, + b2) over the packed
+        GEMMs; x ``[T, hidden]`` fp32 or bf16 -> ``[T, hidden]``."""
         out = torch.zeros_like(x)
         if expert.numel() == 0:
             return out
         assert moe.b13 is not None and moe.b2 is not None
         b = moe.get_buffer
         g13, g2 = self._groups
-        w13, w2 = (b("q13"), b("s13"), b("z13")), (b("q2"), b("s2"), b("z2"))
-        xs = x[token]  # [n, hidden]: the pairs' rows, sorted by expert
-        pieces = []
-        start = 0
-        for e, rows in enumerate(counts):
-            if rows:
-                h = self._matmul(xs[start : start + rows], w13, e, g13) + moe.b13[e]  # [rows, 2 * inter]
-                act = moe.activate(h, ops).contiguous()  # [rows, inter]
-                pieces.append(self._matmul(act, w2, e, g2) + moe.b2[e])  # [rows, hidden]
-                start += rows
-        out.index_add_(0, token, torch.cat(pieces) * weight[:, None].to(x.dtype))
+        packed = ((b("q13"), b("s13"), b("z13"), g13, moe.b13), (b("q2"), b("s2"), b("z2"), g2, moe.b2))
+
+        def project(rows: torch.Tensor, e: int, which: int) -> torch.Tensor:
+            q, scales, zeros, group, bias = packed[which]
+            return self._matmul(rows.contiguous(), (q, scales, zeros), e, group) + bias[e]
+
+        y = _slices(moe, x[token], counts, ops, project)
+        out.index_add_(0, token, y * weight[:, None].to(x.dtype))
         return out
 
     def _matmul(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], e: int,

@@ -439,14 +439,16 @@ def test_decode_role_queued_remote_request_is_admitted_with_the_window_only() ->
     assert announced.reserved_block_ids == (NULL_BLOCK, NULL_BLOCK, 2, 1)
 
 
-def test_prefill_role_frees_dead_blocks_the_transfer_never_reads_and_pushes_the_window_only() -> None:
+def _windowed_prefill(block_ids: tuple[int, ...], skip_blocks: int, first_block: int = 0,
+                      ) -> tuple[Scheduler, _Target, list[list[int]]]:
+    """A prefill node (window 5, blocks of 4) computing a 14-token prompt in chunks of 4 and pushing it to
+    ``block_ids``: the scheduler, the push target and the request's block table after each step."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_chunk=4, watermark=0.0)
     producer = KVProducer(block_size=4)
     s = Scheduler(config, KVCacheManager(8, 4), max_model_len=64, connector=producer)
     s.kv.window = 5
     target = _Target()
-    # the decode node holds blocks 100, 101 for the prompt's blocks 2 and 3 (first_block 2: outside its window)
-    producer.attach("a", KVDestination(target, (100, 101), skip_blocks=2, first_block=2), None)
+    producer.attach("a", KVDestination(target, block_ids, skip_blocks=skip_blocks, first_block=first_block), None)
     s.add_request(req("a", 14, SamplingParams(temperature=0.0, max_tokens=50)))
     tables = []
     while s.has_work():
@@ -455,6 +457,12 @@ def test_prefill_role_frees_dead_blocks_the_transfer_never_reads_and_pushes_the_
         s.update(out, fake_sample(out))
         s.kv.check_integrity()
         tables.append(s.kv.block_table("a"))
+    return s, target, tables
+
+
+def test_prefill_role_frees_dead_blocks_the_transfer_never_reads_and_pushes_the_window_only() -> None:
+    # the decode node holds blocks 100, 101 for the prompt's blocks 2 and 3 (first_block 2: outside its window)
+    s, target, tables = _windowed_prefill((100, 101), skip_blocks=2, first_block=2)
     N = NULL_BLOCK
     assert tables == [[0, 1, 2, 3], [N, 1, 2, 3], [N, N, 2, 3], [N, N, 2, 3]]  # chunks of 4, 4, 4, 2
     assert target.pushed == [([2], [100]), ([3], [101])]  # never a block before the decode node's window
@@ -465,17 +473,7 @@ def test_prefill_role_frees_dead_blocks_the_transfer_never_reads_and_pushes_the_
 
 def test_prefill_role_keeps_every_block_a_full_destination_reads() -> None:
     """A decode node that reads the whole prompt (a draft model there): the window frees nothing it is sent."""
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_chunk=4, watermark=0.0)
-    producer = KVProducer(block_size=4)
-    s = Scheduler(config, KVCacheManager(8, 4), max_model_len=64, connector=producer)
-    s.kv.window = 5
-    target = _Target()
-    producer.attach("a", KVDestination(target, (100, 101, 102, 103), skip_blocks=1), None)  # block 0 cached there
-    s.add_request(req("a", 14, SamplingParams(temperature=0.0, max_tokens=50)))
-    while s.has_work():
-        out = s.schedule()
-        producer.save_kv(out, 0)
-        s.update(out, fake_sample(out))
+    s, target, _ = _windowed_prefill((100, 101, 102, 103), skip_blocks=1)  # block 0 cached there
     assert s.kv.block_table("a") == [NULL_BLOCK, 1, 2, 3]  # block 0 was never to be sent: freed
     assert target.pushed == [([1], [101]), ([2], [102]), ([3], [103])]
 
