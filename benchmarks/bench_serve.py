@@ -113,7 +113,8 @@ SYSTEMS: Mapping[str, System] = {s.name: s for s in (
     System("colocated-nocache", disaggregated=False, prefix_caching=False),
 )}
 DEFAULT_SYSTEMS = ("disaggregated", "colocated")
-TIER_SUFFIXES = ("cpu", "disk")  # --systems NAME+cpu: the system with that offload tier under every node's pool
+TIER_SUFFIXES = ("cpu", "disk", "shared")  # --systems NAME+cpu: the system with that offload tier under every node's
+# pool; +shared: one directory of block files (a fresh temporary one per run) that all the system's nodes share
 STATS_POLL_S = 1.5  # a gateway polls its nodes' Stats every second (gateway/settings.py stats_interval_s)
 DEFAULT_BLOCK_SIZE = 16  # the nodes' --block-size default (common/config/engine_config.py)
 
@@ -122,8 +123,8 @@ def system_named(name: str) -> System:
     """``NAME`` or ``NAME+TIER`` (a system of SYSTEMS with the KV offload tier TIER under each node's pool)."""
     base, sep, tier = name.partition("+")
     if base not in SYSTEMS or (sep and tier not in TIER_SUFFIXES):
-        raise ValueError(f"--systems: choose from {', '.join(SYSTEMS)}, each optionally +cpu or +disk (an offload "
-                         f"tier), got {name!r}")
+        raise ValueError(f"--systems: choose from {', '.join(SYSTEMS)}, each optionally +cpu, +disk or +shared (an "
+                         f"offload tier), got {name!r}")
     if sep and not SYSTEMS[base].prefix_caching:
         raise ValueError(f"--systems: {name!r}: an offload tier is indexed by the prefix cache, which {base} turns off")
     return dataclasses.replace(SYSTEMS[base], name=name, kv_offload=tier or "none")
@@ -144,6 +145,10 @@ def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, nu
 
     topology: Topology | ColocatedTopology
     node_args = (*system.node_args, *pool_args)
+    shared = None
+    if system.kv_offload == "shared":  # one directory for every node of this system, gone with the run
+        shared = tempfile.TemporaryDirectory(prefix="tandem-kv-shared-")
+        node_args += ("--kv-offload-dir", shared.name)
     if system.disaggregated:
         topology = Topology(num_prefill=num_prefill, num_decode=num_decode, free_ports=True,
                             model_args=model_args, node_args=node_args,
@@ -152,7 +157,10 @@ def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, nu
         topology = ColocatedTopology(replicas=num_prefill + num_decode, free_ports=True, model_args=model_args,
                                      node_args=node_args, cpus=cpus, serve_http=True)
     launcher = Launcher(topology, log_dir=log_dir / system.name)
-    with launcher:
+    with contextlib.ExitStack() as stack:
+        if shared is not None:
+            stack.enter_context(shared)  # removed after the launcher (entered next) has stopped the nodes
+        stack.enter_context(launcher)
         placement = ", ".join(f"{s.name} [cpu {','.join(map(str, s.cpus))}]" if s.cpus else f"{s.name} [unpinned]"
                               for s in launcher.specs)
         fronts = [s for s in launcher.specs if s.role in ("gateway", "colocated")]

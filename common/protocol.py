@@ -85,5 +85,5 @@ def stats_to_proto(stats: EngineStats, node_id: str, role: str) -> common_pb2.No
         prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
         num_preemptions=stats.num_preemptions, block_size=stats.block_size,
         offload_hits=stats.offload_hits, offload_blocks=stats.offload_blocks,
-        peak_used_blocks=stats.peak_used_blocks,
+        peak_used_blocks=stats.peak_used_blocks, kv_shared_tier=stats.kv_shared_tier,
     )

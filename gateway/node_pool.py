@@ -26,7 +26,8 @@ def load_from_proto(stats: common_pb2.NodeStats) -> NodeLoad:
     return NodeLoad(node_id=stats.node_id, num_blocks=stats.num_blocks, free_blocks=stats.free_blocks,
                     num_running=stats.num_running, num_waiting=stats.num_waiting, block_size=stats.block_size,
                     prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
-                    offload_hits=stats.offload_hits, offload_blocks=stats.offload_blocks)
+                    offload_hits=stats.offload_hits, offload_blocks=stats.offload_blocks,
+                    shared_tier=stats.kv_shared_tier)
 
 
 DEFAULT_BLOCK_SIZE = 16  # NodeSettings' default: what the pool assumes until a node reports its own

@@ -37,6 +37,7 @@ class NodeLoad:
     prefix_cache_hits: int = 0  # of which found (pool or offload tier)
     offload_hits: int = 0  # of which restored from its offload tier
     offload_blocks: int = 0  # blocks its offload tier holds
+    shared_tier: str = ""  # its shared offload tier's id (--kv-offload shared): "" none
 
 
 @dataclass(eq=False)
@@ -203,12 +204,23 @@ class Router:
         prefill node it sent the prefix to, the decode node that served the conversation) and the nodes' KV events
         (``cache_index``, when the gateway follows them) say."""
         out = self.affinity.matched_blocks(block_hashes)
-        sources = [self.history.matched_blocks(block_hashes)]
+        history = self.history.matched_blocks(block_hashes)
+        sources = [history]
         if self.cache_index is not None:
             sources.append(self.cache_index.matched_blocks(block_hashes))
         for source in sources:
             for target, blocks in source.items():
                 out[target] = max(out.get(target, 0), blocks)
+        # A decode node that served the conversation wrote its blocks (prompt and answer) to its shared tier when
+        # the request let go of them: every prefill node on the same tier restores them (common/kv/shared_tier.py).
+        for target, blocks in history.items():
+            node = self.decode.get(target)
+            tier = node.load.shared_tier if node is not None and node.load is not None else ""
+            if not tier:
+                continue
+            for prefill in self.prefill.values():
+                if prefill.load is not None and prefill.load.shared_tier == tier:
+                    out[prefill.target] = max(out.get(prefill.target, 0), blocks)
         return out
 
     def record_history(self, block_hashes: Sequence[BlockHash], target: str) -> None:

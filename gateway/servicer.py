@@ -142,5 +142,6 @@ def router_loads(router: Router) -> list[generate_pb2.NodeLoad]:
                 msg.kv_usage = 1.0 - load.free_blocks / load.num_blocks if load.num_blocks else 0.0
                 msg.prefix_cache_queries, msg.prefix_cache_hits = load.prefix_cache_queries, load.prefix_cache_hits
                 msg.offload_hits, msg.offload_blocks = load.offload_hits, load.offload_blocks
+                msg.kv_shared_tier = load.shared_tier
             out.append(msg)
     return out

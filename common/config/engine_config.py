@@ -30,10 +30,12 @@ class CacheConfig:
     enable_prefix_caching: bool = knob(True, "reuse cached full blocks of a prompt's prefix")
     # The tier under the pool (common/kv/offload.py): evicted full blocks kept by their prefix-cache hash and
     # restored on a hit instead of recomputed.
-    kv_offload: str = knob("none", "KV offload tier under the pool: none | cpu (host memory) | disk (a file)",
-                           ("none", "cpu", "disk"))
-    kv_offload_gb: float = knob(4.0, "GiB of the KV offload tier")
-    kv_offload_dir: str = knob("", "directory of the disk tier's file ('': the system's temporary directory)")
+    kv_offload: str = knob("none", "KV offload tier under the pool: none | cpu (host memory) | disk (a file) | "
+                           "shared (block files in --kv-offload-dir that every node of the deployment reads)",
+                           ("none", "cpu", "disk", "shared"))
+    kv_offload_gb: float = knob(4.0, "GiB of the KV offload tier (shared: of the blocks this node writes there)")
+    kv_offload_dir: str = knob("", "directory of the disk tier's file ('': the system's temporary directory); "
+                                   "shared: the directory the deployment's nodes share (required)")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -42,8 +44,11 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if self.kv_offload not in ("none", "cpu", "disk"):
-            raise ValueError(f"kv_offload must be none, cpu or disk, got {self.kv_offload!r}")
+        if self.kv_offload not in ("none", "cpu", "disk", "shared"):
+            raise ValueError(f"kv_offload must be none, cpu, disk or shared, got {self.kv_offload!r}")
+        if self.kv_offload == "shared" and not self.kv_offload_dir:
+            raise ValueError("kv_offload shared needs kv_offload_dir: the directory every node of the deployment "
+                             "shares (one host, or a shared filesystem)")
         if self.kv_offload != "none" and self.kv_offload_gb <= 0:
             raise ValueError(f"kv_offload_gb must be > 0, got {self.kv_offload_gb}")
         if self.kv_offload != "none" and not self.enable_prefix_caching:

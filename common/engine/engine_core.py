@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from common.engine.commands import KVEventSink
     from common.engine.scheduler_output import SchedulerOutput
     from common.kv.offload import OffloadTier
+    from common.kv.shared_tier import SharedTier
     from common.model.llama import LlamaForCausalLM
     from common.parallel.executor import ParallelLaunch
     from common.sampling.params import SamplingParams
@@ -83,9 +84,9 @@ class EngineCore:
             self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative, draft_model,
                                       decode_graphs=graphs)
         self._kv_event_sink: KVEventSink | None = None  # set by SetKVEventSink while someone subscribes
-        self.offload: OffloadTier | None = None
+        self.offload: OffloadTier | SharedTier | None = None
         if cache.kv_offload != "none":
-            self.offload = self._offload_tier(cache, draft_model is not None)
+            self.offload = self._offload_tier(cache, model, draft_model is not None)
             self.kv.set_offload(self.offload)
 
     # ---- commands --------------------------------------------------------------------------------
@@ -237,9 +238,10 @@ class EngineCore:
         else:
             self.kv.enable_events(command.capacity)
 
-    def _offload_tier(self, cache: CacheConfig, drafts: bool) -> OffloadTier:
+    def _offload_tier(self, cache: CacheConfig, model: LlamaForCausalLM, drafts: bool) -> OffloadTier | SharedTier:
         """The KV offload tier under the pool (``--kv-offload``); refused where a draft model keeps its own KV at
-        the same block ids (the tier would restore the target's KV without the draft's)."""
+        the same block ids (the tier would restore the target's KV without the draft's). ``shared``: the directory
+        every node of the deployment reads and writes (common/kv/shared_tier.py), namespaced by this model."""
         import tempfile
         from pathlib import Path
 
@@ -248,6 +250,11 @@ class EngineCore:
         if drafts:
             raise ValueError("--kv-offload with --speculative draft_model is not supported: the draft model's KV "
                              "at the same blocks is not offloaded")
+        if cache.kv_offload == "shared":
+            from common.kv.shared_tier import SharedTier, model_fingerprint
+
+            return SharedTier(self.runner.kv_cache, Path(cache.kv_offload_dir), cache.kv_offload_gb,
+                              model_fingerprint(model))
         directory = Path(cache.kv_offload_dir or tempfile.gettempdir())
         return OffloadTier.create(cache.kv_offload, self.runner.kv_cache, cache.kv_offload_gb, directory)
 
@@ -268,7 +275,8 @@ class EngineCore:
             block_size=kv.block_size, num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            offload_hits=kv.offload_hits, offload_blocks=len(self.offload.index) if self.offload is not None else 0,
+            offload_hits=kv.offload_hits, offload_blocks=len(self.offload) if self.offload is not None else 0,
+            kv_shared_tier=getattr(self.offload, "id", ""),
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps, step_seconds=self.step_seconds,
             step_prefill_tokens=self.step_prefill_tokens, step_decode_tokens=self.step_decode_tokens,
@@ -294,6 +302,7 @@ class EngineStats:
     offload_hits: int = 0  # prompt tokens restored from the offload tier (a part of prefix_cache_hits)
     offload_blocks: int = 0  # blocks the offload tier holds
     peak_used_blocks: int = 0  # the most blocks requests held at once since the engine started
+    kv_shared_tier: str = ""  # the shared offload tier's id (common/kv/shared_tier.py); "": none
 
 
 class ColocatedEngine(EngineCore):

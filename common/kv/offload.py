@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from common.kv.kv_cache import KVCache
 
-OFFLOAD_KINDS = ("none", "cpu", "disk")
+OFFLOAD_KINDS = ("none", "cpu", "disk", "shared")  # shared: common/kv/shared_tier.py
 
 
 class Tier(Protocol):
@@ -233,8 +233,8 @@ class OffloadTier:
     def create(cls, kind: str, kv_cache: KVCache, size_gb: float, directory: Path,
                write_behind: bool = True) -> OffloadTier:
         """``kind`` cpu (host memory) or disk (a file under ``directory``) of ``size_gb`` GiB."""
-        if kind not in OFFLOAD_KINDS or kind == "none":
-            raise ValueError(f"kv_offload must be cpu or disk to create a tier, got {kind!r}")
+        if kind not in ("cpu", "disk"):
+            raise ValueError(f"kv_offload must be cpu or disk to create a private tier, got {kind!r}")
         per_block = kv_cache.data[0].numel() * kv_cache.data.element_size()
         slots = int(size_gb * 2**30) // per_block
         if slots < 1:
@@ -244,6 +244,9 @@ class OffloadTier:
         path = directory / f"kv-offload-{os.getpid()}-{id(kv_cache):x}.bin" if kind == "disk" else None
         copier = copier_for(kv_cache.data.device) if write_behind else None
         return cls(OffloadStore(kv_cache, slots, path), OffloadIndex(slots), copier)
+
+    def __len__(self) -> int:
+        return len(self.index)
 
     @property
     def num_pending(self) -> int:

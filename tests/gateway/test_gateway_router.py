@@ -176,3 +176,20 @@ def test_what_the_nodes_say_they_cache_counts_beside_the_routers_records() -> No
     assert r.cached_blocks(prompt) == {"p0": 1, "d1": 3, "p1": 4}
     assert target(r.pick_decode(4, block_hashes=prompt)) == "d1"
     assert target(r.pick_prefill(prompt)) == "p1"
+
+
+def test_a_history_on_a_shared_tier_counts_for_the_prefill_nodes_on_that_tier() -> None:
+    """A decode node's finished conversation is written to its shared offload tier: every prefill node reporting
+    the same tier restores it, so it counts as cached there (a prefill node on another tier, or none, gets nothing)."""
+    import dataclasses
+
+    r = Router(["p0", "p1", "p2"], ["d0"])
+    history = blocks(7, n=6)
+    r.record_history(history[:5], "d0")
+    assert r.cached_blocks(history) == {"d0": 5}  # no tier reported yet
+    r.update("d0", dataclasses.replace(load(), shared_tier="t1"))
+    r.update("p0", dataclasses.replace(load(), shared_tier="t1"))
+    r.update("p1", dataclasses.replace(load(), shared_tier="t2"))
+    r.update("p2", load())
+    assert r.cached_blocks(history) == {"d0": 5, "p0": 5}
+    assert target(r.pick_prefill(history)) == "p0"  # the warm node, as for its own prefix cache

@@ -125,7 +125,7 @@ def test_offload_needs_prefix_caching() -> None:
 
     with pytest.raises(ValueError, match=r"kv_offload needs prefix caching"):
         CacheConfig(kv_offload="cpu", enable_prefix_caching=False)
-    with pytest.raises(ValueError, match=r"kv_offload must be none, cpu or disk, got 'tape'"):
+    with pytest.raises(ValueError, match=r"kv_offload must be none, cpu, disk or shared, got 'tape'"):
         CacheConfig(kv_offload="tape")
 
 
