@@ -9,13 +9,18 @@ node restores the history the decode node wrote, as LMCache's shared storage and
 workers. The router knows (the nodes report the tier's id in their stats) and counts a decode node's conversation
 history as available to the prefill nodes sharing its tier (``Router.cached_blocks``).
 
-- Files: ``DIR/<namespace>/<hash hex>.kv``, the block's raw bytes (``num_layers * 2 * block_size * heads *
-  head_dim`` elements of the cache dtype). The namespace hashes the KV layout and a fingerprint of the model's
-  weights, so nodes of another model (or another quantization) sharing the directory never read these blocks.
-  A file is written under a temporary name and renamed: a reader sees a whole block or none.
-- Each node bounds what it wrote itself to ``--kv-offload-gb`` (least recently used first, its own files only);
-  a file another node still reads stays readable after its name is removed, because readers open a file when
-  they find it (``holds``) and read through that descriptor (``load``).
+- Files: ``DIR/<namespace>/<writer>/<hash hex>.kv``, the block's raw bytes (``num_layers * 2 * block_size *
+  heads * head_dim`` elements of the cache dtype). The namespace hashes the KV layout and a fingerprint of the
+  model's weights, so nodes of another model (or another quantization) sharing the directory never read these
+  blocks. A file is written under a temporary name and renamed: a reader sees a whole block or none. A lookup
+  tries the node's own directory, then every other writer's (listed again at most every ``RESCAN_S``).
+- Each node writes only under its own ``<writer>`` directory and bounds it to ``--kv-offload-gb`` (least recently
+  used first); a file another node still reads stays readable after its name is removed, because readers open a
+  file when they find it (``holds``) and read through that descriptor (``load``).
+- Nothing outlives its writer: a node removes its directory when it stops, and holds an exclusive ``flock`` on
+  ``<writer>.lock`` while it runs; the kernel drops that lock however the process ends, so the next node to list
+  the writers (any node on the directory, at its start or a rescan) finds the lock free and removes the dead
+  writer's files (``reap_dead_writers``).
 - Writes go behind, off the step (a background thread), as the private tiers' do: a freed block's copy is
   written while it sits in the pool's free queue, and its eviction waits for that write (``save``).
 - Same host: the page cache makes a restore a memory copy. Several hosts: a shared filesystem (the figures in
@@ -24,9 +29,14 @@ history as available to the prefill nodes sharing its tier (``Router.cached_bloc
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
+import shutil
 import threading
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +51,8 @@ if TYPE_CHECKING:
     from common.kv.kv_cache import KVCache
 
 _SUFFIX = ".kv"
+_LOCK = ".lock"
+RESCAN_S = 0.5  # how stale a node's list of the other writers' directories may be
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -76,8 +88,17 @@ class SharedTier:
                  write_behind: bool = True) -> None:
         self.kv_cache = kv_cache  # its ``data`` may be rebound (shared memory): read at each copy
         self.id = namespace(kv_cache, model_key)
-        self.directory = directory / self.id
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.root = directory / self.id
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.writer = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # The lock first, then the directory: a directory whose lock is free belongs to a writer that is gone.
+        self._lock_fd = os.open(self.root / (self.writer + _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.directory = self.root / self.writer  # this node's files
+        self.directory.mkdir()
+        self._others: list[Path] = []  # the other writers' directories, as last listed
+        self._listed_at = -RESCAN_S
+        self.reaped = reap_dead_writers(self.root)
         self.bytes_per_block = kv_cache.data[0].numel() * kv_cache.data.element_size()
         self.capacity = int(size_gb * 2**30) // self.bytes_per_block
         if self.capacity < 1:
@@ -101,12 +122,8 @@ class SharedTier:
             return True
         if len(self._open) > 4096:  # found by lookups that never loaded (an allocation refused for room)
             self._close_all()
-        try:
-            fd = os.open(self._path(block_hash), os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        if os.fstat(fd).st_size != self.bytes_per_block:  # another layout's stray file: not ours to read
-            os.close(fd)
+        fd = self._find(block_hash)
+        if fd is None:
             return False
         self._open[block_hash] = fd
         return True
@@ -135,8 +152,10 @@ class SharedTier:
         import torch
 
         fd = self._open.pop(block_hash, None)
-        if fd is None:
-            fd = os.open(self._path(block_hash), os.O_RDONLY)  # found earlier and not kept open: read it now
+        if fd is None:  # found earlier and not kept open: find it again
+            fd = self._find(block_hash)
+            if fd is None:
+                raise FileNotFoundError(f"shared KV tier: block {block_hash.hex()} is gone from {self.root}")
         try:
             dst = self.kv_cache.data[block_id]
             staging = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype)
@@ -176,14 +195,38 @@ class SharedTier:
         self._pending.clear()
         self._close_all()
         with self._lock:
-            own, self._own = list(self._own), OrderedDict()
-        for h in own:
-            self._unlink(h)
+            self._own = OrderedDict()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / (self.writer + _LOCK)).unlink()
+        os.close(self._lock_fd)
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _path(self, block_hash: BlockHash) -> Path:
-        return self.directory / (block_hash.hex() + _SUFFIX)
+    def _path(self, block_hash: BlockHash, directory: Path | None = None) -> Path:
+        return (directory or self.directory) / (block_hash.hex() + _SUFFIX)
+
+    def _writers(self) -> list[Path]:
+        """The other writers' directories (listed again, and dead writers reaped, at most every ``RESCAN_S``)."""
+        now = time.monotonic()
+        if now - self._listed_at >= RESCAN_S:
+            self._listed_at = now
+            self.reaped += reap_dead_writers(self.root)
+            with os.scandir(self.root) as entries:
+                self._others = [Path(e.path) for e in entries if e.is_dir() and e.name != self.writer]
+        return self._others
+
+    def _find(self, block_hash: BlockHash) -> int | None:
+        """An open descriptor on a whole file of ``block_hash`` (this node's first, then any writer's), or None."""
+        for directory in (self.directory, *self._writers()):
+            try:
+                fd = os.open(self._path(block_hash, directory), os.O_RDONLY)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if os.fstat(fd).st_size == self.bytes_per_block:
+                return fd
+            os.close(fd)  # another layout's stray file: not ours to read
+        return None
 
     def _touch(self, block_hash: BlockHash) -> bool:
         """Mark a file this node wrote as recently used; whether one with this hash exists (any node's)."""
@@ -191,7 +234,7 @@ class SharedTier:
             if block_hash in self._own:
                 self._own.move_to_end(block_hash)
                 return True
-        return self._path(block_hash).exists()
+        return any(self._path(block_hash, d).exists() for d in self._writers())
 
     def _write(self, src: torch.Tensor, block_hash: BlockHash) -> None:
         import torch
@@ -215,10 +258,47 @@ class SharedTier:
         for h in victims:
             self._unlink(h)
 
-    def _unlink(self, block_hash: BlockHash) -> None:
+    def _unlink(self, block_hash: BlockHash) -> None:  # of this node's own
         self._path(block_hash).unlink(missing_ok=True)
 
     def _close_all(self) -> None:
         for fd in self._open.values():
             os.close(fd)
         self._open.clear()
+
+
+def reap_dead_writers(root: Path) -> int:
+    """Remove the directories of writers under ``root`` whose lock no process holds (they ended without closing:
+    killed, crashed); return how many. A lock held elsewhere is left alone, as is a directory without a lock file
+    younger than a minute (a writer between creating its lock and its directory cannot be seen that way: the lock
+    comes first; this only clears what an older layout or a hand left behind)."""
+    reaped = 0
+    with os.scandir(root) as entries:
+        names = [e.name for e in entries]
+    locks = {n[: -len(_LOCK)] for n in names if n.endswith(_LOCK)}
+    for writer in locks:
+        path = root / (writer + _LOCK)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # alive
+            shutil.rmtree(root / writer, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            reaped += 1
+        finally:
+            os.close(fd)
+    for name in names:
+        directory = root / name
+        if name in locks or name.endswith(_LOCK) or not directory.is_dir():
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - directory.stat().st_mtime > 60:
+                shutil.rmtree(directory, ignore_errors=True)
+                reaped += 1
+    return reaped

@@ -214,3 +214,34 @@ def test_a_second_engine_continues_the_firsts_conversation_from_its_kv(tiny_mode
             assert b.engine.kv.offload_hits == 48 and out == expected
             b.engine.kv.check_integrity()
     assert not list(shared.rglob("*.kv"))  # every node removed the files it wrote
+
+
+def test_a_killed_writers_files_are_removed_by_the_next_node_that_lists_the_writers(tmp_path: Path) -> None:
+    """A node killed without closing leaves its directory; its lock went with the process, so the next node on
+    the directory finds the lock free and removes the files. A live writer's files are left alone."""
+    import subprocess
+    import sys
+
+    child = f"""
+import os, torch
+from pathlib import Path
+from common.kv.kv_cache import KVCache, KVCacheSpec
+from common.kv.shared_tier import SharedTier
+cache = KVCache(KVCacheSpec(2, 2, 4, 4, "float32"), num_blocks=2)
+tier = SharedTier(cache, Path({str(tmp_path)!r}), 0.001, "m", write_behind=False)
+tier.save(0, bytes(16))
+print(tier.writer, flush=True)
+os._exit(0)  # killed: no close
+"""
+    root = Path(__file__).resolve().parents[2]
+    dead = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, cwd=root,
+                          check=True).stdout.strip()
+    _, _, live = _node(tmp_path)  # a live writer on the same directory
+    files = [p.relative_to(live.root) for p in live.root.rglob("*.kv")]
+    assert dead and not any(str(p).startswith(dead) for p in files)  # reaped when `live` started
+    assert live.reaped == 1 and not (live.root / (dead + ".lock")).exists()
+    _, _, third = _node(tmp_path)
+    assert third.reaped == 0 and live.directory.is_dir()  # the live writer's lock is held: left alone
+    third.close()
+    live.close()
+    assert not list(tmp_path.rglob("*.kv")) and not list(tmp_path.rglob("*.lock"))
