@@ -138,9 +138,11 @@ SERVING = ServingWorkload()  # the defaults the help text names for the per-leng
 @contextlib.contextmanager
 def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, num_decode: int,
                cpus: tuple[int, ...], log_dir: Path, local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
-               pool_args: tuple[str, ...] = ()) -> Iterator[tuple[dict[Api, list[str]], str]]:
+               pool_args: tuple[str, ...] = (), role_pool_args: Mapping[str, tuple[str, ...]] | None = None,
+               ) -> Iterator[tuple[dict[Api, list[str]], str]]:
     """Start ``system``; yield the client's targets per front and a description of where each service runs.
-    ``pool_args``: node flags sizing every node's KV (``--num-blocks``, ``--kv-offload-gb``)."""
+    ``pool_args``: node flags sizing every node's KV (``--num-blocks``, ``--kv-offload-gb``); ``role_pool_args``:
+    per role (prefill, decode) of a disaggregated system, flags after them (so they override)."""
     from tandem_cli.launcher import ColocatedTopology, Launcher, Topology
 
     topology: Topology | ColocatedTopology
@@ -150,8 +152,10 @@ def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, nu
         shared = tempfile.TemporaryDirectory(prefix="tandem-kv-shared-")
         node_args += ("--kv-offload-dir", shared.name)
     if system.disaggregated:
+        roles = role_pool_args or {}
         topology = Topology(num_prefill=num_prefill, num_decode=num_decode, free_ports=True,
-                            model_args=model_args, node_args=node_args,
+                            model_args=model_args, node_args=node_args, prefill_args=roles.get("prefill", ()),
+                            decode_args=roles.get("decode", ()),
                             gateway_args=system.gateway_args(local_prefill_max_tokens), cpus=cpus)
     else:
         topology = ColocatedTopology(replicas=num_prefill + num_decode, free_ports=True, model_args=model_args,
@@ -185,7 +189,7 @@ def bench_system(system: System, args: argparse.Namespace, workload: Workload, v
     runs: list[tuple[tuple[Api, float], list[RequestRecord], float, dict[str, int]]] = []
     try:
         with deployment(system, model_args, args.prefill_nodes, args.decode_nodes, args.cpus, log_dir,
-                        args.local_prefill_max_tokens, pool_args(args)) as (targets, placement):
+                        args.local_prefill_max_tokens, pool_args(args), role_pool_args(args)) as (targets, placement):
             _progress(f"{system.name}: up in {time.perf_counter() - started:.1f} s ({placement}); warming up")
             for api in apis:
                 warm = ServingWorkload(num_requests=2 * len(targets[api]), prompt_len=(48, 256), output_len=(4, 8),
@@ -314,6 +318,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"multi-turn: user message lengths LOW:HIGH [{_show(turns.message_len)}]")
     p.add_argument("--system-len", type=int, help=f"multi-turn: the shared system prompt's tokens [{turns.system_len}]")
     p.add_argument("--num-blocks", type=int, help="KV blocks of every node's pool [the nodes' default]")
+    p.add_argument("--prefill-num-blocks", type=int, help="a disaggregated system's prefill nodes' pool, in place of "
+                   "--num-blocks (the same KV memory split otherwise between the roles) [--num-blocks]")
+    p.add_argument("--decode-num-blocks", type=int, help="a disaggregated system's decode nodes' pool, in place of "
+                   "--num-blocks [--num-blocks]")
     p.add_argument("--kv-offload-gb", type=float, help="GiB of the offload tier of a NAME+cpu / NAME+disk system "
                    "[the nodes' default]")
     p.add_argument("--seed", type=int, default=0, help="workload seed [0]")
@@ -404,6 +412,9 @@ def run(args: argparse.Namespace) -> int:
             history = workload.history_blocks(DEFAULT_BLOCK_SIZE)
             text += (f" (the pool: {args.num_blocks / history:.0%} of the conversations' whole histories, "
                      f"{history} blocks of {DEFAULT_BLOCK_SIZE} tokens)")
+    if roles := role_pool_args(args):
+        text += "\n- disaggregated systems' nodes, in place of that: " + "; ".join(
+            f"{role} {' '.join(flags)}" for role, flags in roles.items())
     if len(results) > 1:
         text += "\n" + same_outputs(results)
     print(text)
@@ -424,6 +435,15 @@ def same_outputs(results: Sequence[tuple[Summary, Sequence[RequestRecord]]]) -> 
         same = sum(tuple(r.output_ids) == tuple(reference[r.index]) for r in both)
         lines.append(f"- {summary.system}: {same} of {len(both)} requests generated {first}'s tokens")
     return "\n".join(lines)
+
+
+def role_pool_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """``--prefill-num-blocks`` / ``--decode-num-blocks``: a disaggregated system's pools per role."""
+    out: dict[str, tuple[str, ...]] = {}
+    for role in ("prefill", "decode"):
+        if (blocks := getattr(args, f"{role}_num_blocks", None)) is not None:
+            out[role] = ("--num-blocks", str(blocks))
+    return out
 
 
 def pool_args(args: argparse.Namespace) -> tuple[str, ...]:

@@ -169,6 +169,12 @@ def test_systems_with_an_offload_tier_and_the_pool_flags() -> None:
     assert pool_args(parse()) == ()
     assert pool_args(parse("--num-blocks", "200", "--kv-offload-gb", "0.5")) == (
         "--num-blocks", "200", "--kv-offload-gb", "0.5")
+    from benchmarks.bench_serve import role_pool_args
+
+    assert system_named("disaggregated+shared").node_args[-1] == "shared"
+    assert role_pool_args(parse("--num-blocks", "200")) == {}
+    assert role_pool_args(parse("--prefill-num-blocks", "120", "--decode-num-blocks", "226")) == {
+        "prefill": ("--num-blocks", "120"), "decode": ("--num-blocks", "226")}
 
 
 def test_multi_turn_flags_shape_the_workload() -> None:
