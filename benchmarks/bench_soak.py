@@ -2,7 +2,7 @@
 
     tandem bench soak --minutes M [--prefill-nodes P] [--decode-nodes D] [--concurrency C]
                       [--cancel-fraction F] [--restart-node NAME] [--out-dir DIR] [--model M]
-                      [--num-blocks N] [--kv-offload none|cpu|disk] [--kv-offload-gb G]
+                      [--num-blocks N] [--kv-offload none|cpu|disk|shared] [--kv-offload-gb G]
     python -m benchmarks.bench_soak ...          (the same)
 
 The deployment runs as ``tandem up`` runs it (tandem_cli.launcher: 1 gateway, P prefill, D decode nodes,
@@ -20,9 +20,10 @@ node's used blocks and queued requests after the load (the goal: 0 leaked), and 
 index (benchmarks/kv_drift.py, the gateway's own code) follows every node's events, has its connections cut
 at a quarter of the run, and is compared with each node's cached blocks at the end (the goal: 0 drift,
 exact). Every node runs with the KV offload tier (``--kv-offload``, default cpu): its prefix-cache hits and tier
-restores are reported, and with ``disk`` no tier file may be left once the nodes are gone (the killed one's
-included). Exit status 1 on a leak, drift, a tier file left, a failure outside the restart window, or a killed
-node that never served again.
+restores are reported, and with ``disk`` or ``shared`` no tier file may be left once the nodes are gone (the
+killed one's included: a disk tier's file is unlinked once mapped; a shared tier's files of a killed writer are
+removed by the next node on the directory, common/kv/shared_tier.py). Exit status 1 on a leak, drift, a tier
+file left, a failure outside the restart window, or a killed node that never served again.
 
 The KV cache tensor is allocated zeroed and its pages become resident when a block is first written, so a
 node's RSS climbs until the load has touched every block (faster with a smaller ``--num-blocks``): choose
@@ -286,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
     out_dir = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="tandem-soak-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    tier_dir = out_dir / "kv-offload"  # the disk tier's files: none may be left once the nodes are gone
+    tier_dir = out_dir / "kv-offload"  # the disk or shared tier's files: none may be left once the nodes are gone
     tier_args = ("--kv-offload", args.kv_offload, "--kv-offload-gb", f"{args.kv_offload_gb:g}",
                  "--kv-offload-dir", str(tier_dir)) if args.kv_offload != "none" else ("--kv-offload", "none")
     topology = Topology(num_prefill=args.prefill_nodes, num_decode=args.decode_nodes, free_ports=True,
@@ -329,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
             watch.stop()
         samples = sampler.stop()
     growth = rss_growth(samples, warmup_s=args.warmup_fraction * duration_s)
-    tier_files_left = sorted(p.name for p in tier_dir.glob("*")) if tier_dir.exists() else []
+    tier_files_left = sorted(str(p.relative_to(tier_dir)) for p in tier_dir.rglob("*") if not p.is_dir())
     result: dict[str, Any] = {
         "config": {"minutes": args.minutes, "prefill_nodes": args.prefill_nodes, "decode_nodes": args.decode_nodes,
                    "concurrency": args.concurrency, "cancel_fraction": args.cancel_fraction, "model": model_dir.name,
@@ -372,9 +373,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-node", default="decode-0",
                    help="the process killed (SIGKILL) halfway and restarted by the launcher; '' = none [decode-0]")
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks per node; 0: the node's default [0]")
-    p.add_argument("--kv-offload", choices=["none", "cpu", "disk"], default="cpu",
-                   help="the KV offload tier under every node's pool (its files, disk, under OUT_DIR/kv-offload: "
-                   "none may be left at the end) [cpu]")
+    p.add_argument("--kv-offload", choices=["none", "cpu", "disk", "shared"], default="cpu",
+                   help="the KV offload tier under every node's pool (its files, disk or shared, under "
+                   "OUT_DIR/kv-offload: none may be left at the end) [cpu]")
     p.add_argument("--kv-offload-gb", type=float, default=0.25, help="GiB of each node's tier [0.25]")
     p.add_argument("--sample-interval-s", type=float, default=5.0, help="RSS sampling period [5]")
     p.add_argument("--warmup-fraction", type=float, default=0.2,

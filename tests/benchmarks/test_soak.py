@@ -109,20 +109,20 @@ def test_failures_while_the_node_was_down_are_listed_apart() -> None:
 @pytest.mark.e2e
 def test_soak_smoke_run_on_the_tiny_model(tiny_served_model_dir: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    """20 seconds of load against 1 prefill + 1 decode node with small pools over a disk offload tier, decode-0
-    killed at 10 s: it is restarted and serves again, nothing leaks (blocks, requests, tier files), the tier served
-    prefix hits, only requests around the restart fail, every process has RSS samples, and
-    the KV-event subscriber (cut at 5 s) ends with 0 drift."""
+    """20 seconds of load against 1 prefill + 1 decode node with small pools over a shared offload tier (one
+    directory for both), decode-0 killed at 10 s: it is restarted and serves again, nothing leaks (blocks,
+    requests, tier files), the tier served prefix hits, only requests around the restart fail, every process has
+    RSS samples, and the KV-event subscriber (cut at 5 s) ends with 0 drift."""
     code = main(["bench", "soak", "--minutes", str(20 / 60), "--model", str(tiny_served_model_dir), "--dtype",
                  "float32", "--prefill-nodes", "1", "--decode-nodes", "1", "--concurrency", "4", "--num-blocks",
-                 "64", "--kv-offload", "disk", "--kv-offload-gb", "0.05", "--restart-node", "decode-0",
+                 "64", "--kv-offload", "shared", "--kv-offload-gb", "0.05", "--restart-node", "decode-0",
                  "--sample-interval-s", "1", "--out-dir", str(tmp_path)])
     result = json.loads((tmp_path / "soak.json").read_text())
     assert code == 0, result["requests"]
     assert result["restart"]["serving_again_at_s"] is not None
     assert result["leaked_blocks"] == 0 and result["leaked_requests"] == 0
-    # A pool of 64 blocks under the shared prefixes: blocks went to the disk tier and came back from it, and no
-    # tier file is left (decode-0's, SIGKILLed, included: each file is unlinked once mapped).
+    # A pool of 64 blocks under the shared prefixes: blocks went to the tier and came back from it, and no tier
+    # file is left (decode-0's, SIGKILLed, included: its restart found its lock free and removed its files).
     assert result["offload_hits"] > 0 and result["tier_files_left"] == []
     # The KV-event subscriber, cut at 5 s and through decode-0's restart, ends exact: 0 drift on every node.
     kv = result["kv_events"]
