@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from common.engine.commands import ChunkTiming
 from common.engine.kv_connector import KVConnector
+from common.kv.kv_cache_manager import NULL_BLOCK
 
 if TYPE_CHECKING:
     from common.engine.commands import KVDestination
@@ -45,6 +46,11 @@ class KVProducer(KVConnector):
         push = self._pushes.get(request.request_id)
         return push.destination.skip_blocks if push is not None else None
 
+    def can_preempt(self, request: Request) -> bool:
+        # A pushed block is read by the sender's thread later on: freeing it could hand it to another request first.
+        push = self._pushes.get(request.request_id)
+        return push is None or push.next_block == 0
+
     def attach(self, request_id: str, destination: KVDestination,
                chunk_timings: list[ChunkTiming] | None) -> None:
         self._pushes[request_id] = _Push(destination)
@@ -73,7 +79,10 @@ class KVProducer(KVConnector):
             if done > first:
                 # dest.block_ids[0] is the prompt's block dest.first_block (<= skip_blocks)
                 dst = dest.block_ids[first - dest.first_block : done - dest.first_block]
-                dest.target.push(chunk.block_ids[first:done], list(dst))
+                src = chunk.block_ids[first:done]
+                # kv_read_from keeps every block from skip_blocks on: none sent was freed behind the window
+                assert NULL_BLOCK not in src, f"{chunk.request.request_id}: a freed block would be sent"
+                dest.target.push(src, list(dst))
                 push.next_block = done
 
     def forget(self, request_id: str) -> None:

@@ -63,14 +63,16 @@ class EngineCore:
         num_blocks = cache.resolve_num_blocks(block_bytes)
         self.model_config = model.config
         self.block_size = cache.block_size
-        # A sequence must fit in the cache on its own, or it could only ever preempt itself.
-        self.max_model_len = min(scheduler.max_model_len or model.config.max_position_embeddings,
-                                 num_blocks * cache.block_size)
         self.connector = connector or KVConnector()
         self.num_steps = self.step_prefill_tokens = self.step_decode_tokens = 0
         self.step_seconds = 0.0
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.kv.window = None if parallel is not None else _kv_window(model, draft_model)
+        # A sequence must fit in the cache on its own, or it could only ever preempt itself; with a window on every
+        # layer it holds only the window and one chunk (validate checks Scheduler.peak_blocks), however long.
+        self.max_model_len = scheduler.max_model_len or model.config.max_position_embeddings
+        if self.kv.window is None:
+            self.max_model_len = min(self.max_model_len, num_blocks * cache.block_size)
         self.scheduler = Scheduler(scheduler, self.kv, self.max_model_len, self.connector, speculative)
         if parallel is not None:
             from common.parallel.executor import ParallelModelRunner
@@ -102,6 +104,8 @@ class EngineCore:
         match command:
             case AddRequest():
                 self._check_queue()
+                if command.destination is not None:  # blocks a transfer reads are held beyond the window
+                    self._check_sent_blocks(len(command.prompt_token_ids), command.destination.skip_blocks)
                 self.add_request(command.request_id, list(command.prompt_token_ids), command.params,
                                  command.eos_token_ids)
                 if command.destination is not None:
@@ -136,9 +140,17 @@ class EngineCore:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError("prompt_token_ids", f"ids must be in [0, {vocab})")
         params.check_vocab(vocab)
-        if self.kv.blocks_needed(len(prompt_token_ids) + 1) > self.kv.pool.num_blocks:
+        # With a window on every layer a request holds its window and one chunk, however long (peak_blocks).
+        if self.scheduler.peak_blocks(len(prompt_token_ids) + 1) > self.kv.pool.num_blocks:
             raise InvalidRequestError("prompt", f"{len(prompt_token_ids)} tokens exceed the KV cache "
                                       f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size})")
+
+    def _check_sent_blocks(self, num_prompt_tokens: int, skip_blocks: int) -> None:
+        need = self.scheduler.peak_blocks(num_prompt_tokens, keep_from=skip_blocks)
+        if need > self.kv.pool.num_blocks:
+            raise InvalidRequestError("destination.first_block", f"sending the prompt's blocks from block "
+                                      f"{skip_blocks} on needs {need} KV blocks here at once; this node has "
+                                      f"{self.kv.pool.num_blocks}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: tuple[int, ...] = ()) -> None:

@@ -9,6 +9,7 @@ vLLM v1's ``KVConnectorBase`` shape. The scheduler is role-agnostic; it asks its
   KV transfer has read them), to be freed later by ``Scheduler.free_held``;
 - ``kv_read_from``: the first block a transfer may still read, so the blocks a sliding window frees early
   stop before it (a prefill node sends only the blocks the decode node's window reads, from that block on);
+- ``can_preempt``: whether a request's blocks may be freed for recompute (not while a send may read them);
 - ``ends_at_first_token``: whether requests end once their prompt is computed and one token sampled.
 
 and the engine calls the worker side: ``save_kv`` after every forward, once the step's KV is written, and
@@ -108,6 +109,10 @@ class KVConnector:
         """The first of ``request``'s blocks that a KV transfer may still read (a prefill node's send): it and
         the blocks after it stay even once outside every sliding window. None: no transfer reads its blocks."""
         return None
+
+    def can_preempt(self, request: Request) -> bool:
+        """Whether ``request``'s blocks may be freed for recompute now: not while a KV transfer may read them."""
+        return True
 
     # ---- engine side -----------------------------------------------------------------------------
 

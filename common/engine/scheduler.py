@@ -17,6 +17,12 @@ gives every scheduled request a chunk of its uncomputed tokens, within a per-ste
    Blocks are granted in the same order: when the first waiting request in that order does not fit, no
    request after it is admitted in this step (none takes the memory it waits for).
 
+With a sliding window on every layer (``KVCacheManager.window``) a request computed here is admitted chunk by
+chunk: admission takes its cached prefix and the blocks of its first chunk, each later chunk grows its table
+(``_grow_chunk``) and the blocks that fall behind the window are freed after every step, so it never holds more
+than the window and one chunk (``peak_blocks``), however long its prompt. Admission reserves that peak: a request
+is admitted only while its peak fits beside what the windowed requests still in prefill may yet take.
+
 When a running request cannot grow, the newest running request is preempted by **recompute**: its blocks
 are freed (its full blocks stay in the prefix cache, so re-admission usually finds most of them) and it
 goes back to the front of the queue. We chose recompute over swap: swap needs a second, host-side pool
@@ -112,8 +118,11 @@ class Scheduler:
 
     def blocks_waiting(self) -> int:
         """Blocks the requests waiting for admission need for their tokens so far (cached prefixes not
-        subtracted: an upper bound)."""
-        return sum(self.kv.blocks_needed(len(r.all_token_ids)) for r in self.waiting)
+        subtracted: an upper bound; a windowed request computed here needs its ``peak_blocks``)."""
+        if self.kv.window is None:
+            return sum(self.kv.blocks_needed(len(r.all_token_ids)) for r in self.waiting)
+        return sum(self._peak(r) if self._chunked(r) else self.kv.blocks_needed(len(r.all_token_ids))
+                   for r in self.waiting)
 
     def _announce(self, request: Request) -> None:
         """A request now waits for its remote KV in blocks reserved for it: say which, on its stream (once)."""
@@ -192,8 +201,8 @@ class Scheduler:
                 break
             if request.status is RequestStatus.WAITING:
                 if not admitting:
-                    continue
-                if len(self.running) >= self.config.max_num_seqs or not self._admit(request):
+                    continue  # also a request preempted in this loop: no admissions in a step that preempts
+                if len(self.running) >= self.config.max_num_seqs or not self._admit(request, budget):
                     admitting = False  # later ones in this order must not take the blocks it waits for
                     continue
                 self.waiting.remove(request)
@@ -202,6 +211,14 @@ class Scheduler:
                     continue
                 self.running.append(request)
             n = self._chunk_size(request, budget)
+            # Only a windowed request admitted chunk by chunk lacks slots for its chunk here (else its table holds
+            # its whole prompt from admission on).
+            if self.kv.num_tokens(request.request_id) < request.num_computed_tokens + n:
+                grown = self._grow_chunk(request, n, chunks, preempted)
+                if preempted:
+                    admitting = False
+                if not grown:
+                    continue
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, n,
                                          self.kv.block_table(request.request_id)))
             scheduled.append(request)
@@ -324,11 +341,80 @@ class Scheduler:
     # ---- internals -------------------------------------------------------------------------------
 
     def _chunk_size(self, request: Request, budget: int) -> int:
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
-        if n > 1 and self._chunk_limit is not None:
-            n = min(n, self._chunk_limit)
+        n = min(request.num_tokens - request.num_computed_tokens, self._chunk_cap(budget, self._chunked(request)))
         assert n >= 1
         return n
+
+    def _chunk_cap(self, budget: int, chunked: bool) -> int:
+        """The most prompt tokens one request computes in this step: the budget, the step's chunk limit and, for a
+        request admitted chunk by chunk, the largest chunk that fits the pool beside its window."""
+        n = budget
+        if self._chunk_limit is not None:
+            n = min(n, self._chunk_limit)
+        if chunked:
+            n = min(n, self._window_chunk())
+        return max(n, 1)
+
+    # ---- sliding windows: a request computed here holds its window and one chunk, not its whole prompt ---------
+
+    def _chunked(self, request: Request) -> bool:
+        """Whether ``request`` is admitted chunk by chunk: every layer is windowed and all of its tokens are computed
+        here (a decode node reserves a remote prompt's window whole, for the transfer to fill)."""
+        return self.kv.window is not None and self._first_query(request) == 0
+
+    def _window_chunk(self) -> int:
+        """The largest prefill chunk a windowed request gets: the largest any step gives, capped so that the window
+        and one chunk fit the pool (a request alone can always grow)."""
+        config = self.config
+        kv = self.kv
+        assert kv.window is not None
+        chunk = min(config.max_num_batched_tokens, config.max_prefill_chunk or config.max_num_batched_tokens)
+        if config.backlog_budget is not None:
+            chunk = max(chunk, min(config.backlog_budget))
+        room = kv.pool.num_blocks * kv.block_size - (kv.window + kv.block_size - 2)
+        return max(1, min(chunk, room))
+
+    def peak_blocks(self, num_tokens: int, keep_from: int | None = None) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once if all of them are computed here: all of
+        them without a window; with one, those of the window and one chunk (a chunk at p .. p+c-1 reads from
+        p - window + 1, whose block starts up to block_size - 1 tokens earlier: blocks_needed(window + c +
+        block_size - 2)), plus the dead blocks from ``keep_from`` on that a KV transfer still reads
+        (``KVConnector.kv_read_from``); never more than all of them."""
+        kv = self.kv
+        whole = kv.blocks_needed(num_tokens)
+        if kv.window is None:
+            return whole
+        peak = kv.blocks_needed(kv.window + self._window_chunk() + kv.block_size - 2)
+        if keep_from is not None:
+            peak += max(0, kv.blocks_outside_window(num_tokens) - keep_from)
+        return min(whole, peak)
+
+    def _peak(self, request: Request) -> int:
+        return self.peak_blocks(len(request.all_token_ids), self.connector.kv_read_from(request))
+
+    def _window_growth(self) -> int:
+        """Blocks the running windowed requests still in prefill may yet take beyond those they hold."""
+        return sum(max(0, self._peak(r) - self.kv.num_held_blocks(r.request_id)) for r in self.running
+                   if r.num_tokens - r.num_computed_tokens > 1 and self._chunked(r))
+
+    def _grow_chunk(self, request: Request, n: int, chunks: list[ScheduledChunk], preempted: list[str]) -> bool:
+        """Slots for the next ``n`` prompt tokens of a request admitted chunk by chunk, preempting the newest running
+        requests not scheduled in this step if needed (one already given a chunk keeps its blocks: the chunk writes
+        them). A request a KV transfer may be reading (``KVConnector.can_preempt``) is never preempted.
+        False: ``request`` gets no chunk in this step (it was preempted itself, or waits for blocks)."""
+        needed = request.num_computed_tokens + n - self.kv.num_tokens(request.request_id)
+        while self.kv.append_slots(request.request_id, needed) is None:
+            scheduled = {chunk.request.request_id for chunk in chunks}
+            victim = next((r for r in reversed(self.running)
+                           if r.request_id not in scheduled and self.connector.can_preempt(r)), None)
+            if victim is None:
+                return False
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
 
     def _grow(self, request: Request, n: int, preempted: list[str]) -> bool:
         """Make room for ``n`` more tokens of ``request``, preempting the newest requests if needed."""
@@ -354,16 +440,26 @@ class Scheduler:
         prompt tokens whose KV another node provides (a decode node's remote prefill), else 0."""
         return self.connector.get_num_new_matched_tokens(request, 0)
 
-    def _admit(self, request: Request) -> bool:
+    def _admit(self, request: Request, budget: int) -> bool:
         tokens = request.all_token_ids
         first_query = self._first_query(request)
-        held = max(len(self.kv.get_computed_blocks(tokens)[0]), self.kv.blocks_outside_window(first_query))
-        fresh = self.kv.blocks_needed(len(tokens)) - held
+        hits = len(self.kv.get_computed_blocks(tokens)[0])
         # The watermark only holds back new work while others run; alone, a request may use it all.
         reserve = self._watermark_blocks if self.running else 0
+        first_chunk: int | None = None  # None: the whole prompt's blocks now
+        if self._chunked(request):
+            # Its peak, less the hits it takes (those before its first query's window stay where they are), beside
+            # the blocks the windowed requests already in prefill may yet take: growth then needs no preemption.
+            live_hits = hits - min(self.kv.blocks_outside_window(hits * self.kv.block_size), hits)
+            fresh = self._peak(request) - live_hits
+            reserve += self._window_growth()
+            first_chunk = self._chunk_cap(budget, True)
+        else:
+            fresh = self.kv.blocks_needed(len(tokens)) - max(hits, self.kv.blocks_outside_window(first_query))
         if fresh > self.kv.num_free_blocks - reserve:
             return False
-        allocation = self.kv.allocate(request.request_id, tokens, first_query_pos=first_query)
+        allocation = self.kv.allocate(request.request_id, tokens, first_query_pos=first_query,
+                                      max_new_tokens=first_chunk)
         if allocation is None:
             return False
         if request.first_scheduled_time is None:

@@ -1,6 +1,8 @@
 """Per-request block tables on top of a ``BlockPool``: the paged-KV API the prefill and decode engines call.
 
-Lifecycle of a request: ``allocate`` (reuse the cached prefix, reserve blocks for the rest of the prompt) ->
+Lifecycle of a request: ``allocate`` (reuse the cached prefix, reserve blocks for the rest of the prompt, or with
+a sliding window only for its first chunk: ``append_slots`` adds the next chunks' as ``free_outside_window`` drops
+the dead ones) ->
 the engine (or a remote prefill) writes KV -> ``commit`` (enter the now-written full blocks in the prefix
 cache) -> ``append_slots`` / ``commit`` per decode step, ``truncate`` on speculative rollback, ``fork`` for
 parallel sampling -> ``free``.
@@ -38,7 +40,8 @@ BlockCopy = tuple[int, int]
 
 @dataclass(frozen=True)
 class Allocation:
-    """The result of admitting a request: its full block table and how much of the prompt is cached."""
+    """The result of admitting a request: its block table (the whole prompt's, or its first chunk's when allocated
+    with ``max_new_tokens``) and how much of the prompt is cached."""
 
     block_ids: list[int]
     # The first num_cached_tokens prompt tokens already have KV in block_ids (or, allocated with a first_query_pos,
@@ -111,6 +114,10 @@ class KVCacheManager:
         """
         return list(self._requests[request_id].block_ids)
 
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request's table holds (its ``NULL_BLOCK`` slots hold none)."""
+        return sum(block_id != NULL_BLOCK for block_id in self._requests[request_id].block_ids)
+
     def num_tokens(self, request_id: str) -> int:
         """Number of token slots the request's table holds."""
         return self._requests[request_id].num_tokens
@@ -152,28 +159,41 @@ class KVCacheManager:
     # ------------------------------------------------------------------ mutations
 
     def allocate(self, request_id: str, token_ids: Sequence[int], salt: bytes | None = None,
-                 first_query_pos: int = 0) -> Allocation | None:
+                 first_query_pos: int = 0, max_new_tokens: int | None = None) -> Allocation | None:
         """Admit a new request: reuse its cached prefix and reserve fresh blocks for the rest of the prompt.
 
         ``first_query_pos``: the lowest position this node will compute a query for (a decode node receiving the
-        prompt's KV: the prompt's length). With ``window`` set, the leading blocks no such query reads
-        (``blocks_outside_window``) get no block: their slots are ``NULL_BLOCK`` from the start, a cached one is
-        not taken, and nothing is restored into them; they need no hit either (their hashes only carry the chain
-        on to the blocks that do), and they count as cached: their KV is needed neither here nor from elsewhere.
+        prompt's KV: the prompt's length; never below the cached prefix's end, whose tokens are not computed).
+        With ``window`` set, the leading blocks no such query reads (``blocks_outside_window``) get no block: their
+        slots are ``NULL_BLOCK`` from the start, a cached one is not taken, and nothing is restored into them; they
+        need no hit either (their hashes only carry the chain on to the blocks that do), and they count as cached:
+        their KV is needed neither here nor from elsewhere.
+
+        ``max_new_tokens``: slots only for the cached prefix and this many prompt tokens after it (a first chunk;
+        None: the whole prompt). The table then holds fewer tokens than the prompt, and ``append_slots`` grows it
+        chunk by chunk, so a windowed request that frees its dead blocks as it goes never holds the whole prompt.
         """
         assert request_id not in self._requests, f"request {request_id!r} already has blocks"
         assert len(token_ids) > 0, "empty prompt"
+        assert max_new_tokens is None or max_new_tokens > 0, f"max_new_tokens must be > 0, got {max_new_tokens}"
         # At least the prompt's last token keeps a block (as a prefix hit leaves one token to compute).
         num_dead = min(self.blocks_outside_window(first_query_pos), (len(token_ids) - 1) // self.block_size)
         cached_ids: list[int] = []
         cached_hashes: list[BlockHash] = []
         if self.enable_prefix_caching:
             cached_ids, cached_hashes = self._match_prefix(token_ids, salt, num_dead)
+        # The first query computed is at the cached prefix's end at the earliest: hits wholly before its window are
+        # not taken either (they stay cached where they are; a no-op without a window).
+        num_dead = max(num_dead, min(self.blocks_outside_window(len(cached_ids) * self.block_size), len(cached_ids)))
         live_hits = cached_ids[num_dead:]
         # The hash chain goes on in the offload tier: blocks it holds past the pool's hits are restored below
         # (past the dead blocks too: the match above only ends at a miss after them).
         offloaded = self._match_offloaded(token_ids, salt, cached_hashes) if self.offload is not None else []
-        num_new = self.blocks_needed(len(token_ids)) - max(num_dead, len(cached_ids))
+        num_cached_tokens = max(len(cached_hashes) + len(offloaded), num_dead) * self.block_size
+        num_tokens = len(token_ids)
+        if max_new_tokens is not None:
+            num_tokens = min(num_tokens, num_cached_tokens + max_new_tokens)
+        num_new = self.blocks_needed(num_tokens) - max(num_dead, len(cached_ids))
         # A hit on a free cached block takes it out of the free queue, so it no longer counts as free.
         num_revived = sum(self.pool.ref_count(block_id) == 0 for block_id in live_hits)
         if num_new > self.pool.num_free_blocks - num_revived:
@@ -199,9 +219,9 @@ class KVCacheManager:
                                         tuple(token_ids[start * bs : (start + len(restored)) * bs]), bs)
         else:
             new_ids = self.pool.get_new_blocks(num_new)
+        assert len(restored) == len(offloaded)  # the table holds at least one token past them
         block_ids = [NULL_BLOCK] * num_dead + live_hits + new_ids
-        self._requests[request_id] = _RequestBlocks(block_ids, len(token_ids), salt, cached_hashes + restored)
-        num_cached_tokens = max(len(cached_hashes) + len(restored), num_dead) * self.block_size
+        self._requests[request_id] = _RequestBlocks(block_ids, num_tokens, salt, cached_hashes + restored)
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(token_ids)
             # only blocks found here (a dead one too, though it is not taken), not those merely outside the window

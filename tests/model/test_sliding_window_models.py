@@ -188,3 +188,27 @@ def test_windowed_blocks_are_freed_mid_request(tiny_model_factory: Callable[...,
     ]
     assert used == [2, 2, 1, 2, 2]  # never more than ceil(5 / 4) + 1 blocks, against 5 for the whole sequence
     assert tokens == _hf_greedy(model_dir, prompt, 6)
+
+
+def test_windowed_prompt_longer_than_the_pool_is_prefilled_chunk_by_chunk(tiny_model_factory: Callable[..., Path],
+                                                                         ) -> None:
+    """Mistral with window 5 in 4-token blocks: a 60-token prompt (15 blocks) in a 5-block pool, prefilled in
+    3-token chunks; admission takes the first chunk's block, each chunk adds its own and frees those behind the
+    window, so the pool never holds more than blocks_needed(5 + 3 + 2) = 3, and the output stays transformers'."""
+    from common.engine.llm import LLM
+    from common.sampling.params import SamplingParams
+
+    model_dir = _with_tokenizer(_model_dir(tiny_model_factory, "mistral"))
+    prompt = torch.randint(3, 128, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(model_dir, dtype="float32", device="cpu", cache=CacheConfig(block_size=4, num_blocks=5),
+             scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=3)) as llm:
+        kv = llm.engine.kv
+        assert kv.blocks_needed(len(prompt)) > kv.pool.num_blocks
+        tokens = []
+        for delta in llm.stream([prompt], params):
+            tokens += delta.token_ids
+            kv.check_integrity()
+        assert kv.num_used_blocks == 0 and kv.pool.peak_used_blocks <= 3
+        assert llm.engine.scheduler.num_preemptions == 0
+    assert tokens == _hf_greedy(model_dir, prompt, 6)

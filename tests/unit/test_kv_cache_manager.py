@@ -391,6 +391,33 @@ def test_blocks_before_the_window_are_freed_and_stay_cached() -> None:
     kv.check_integrity()
 
 
+def test_window_allocation_of_a_first_chunk_skips_hits_before_the_window() -> None:
+    """``max_new_tokens``: slots for the cached prefix and the first chunk only (append_slots adds the rest); the
+    hits wholly before the first computed query's window are not taken, yet the hash chain goes on through them."""
+    kv = make()
+    kv.window = 5
+    prompt = list(range(100, 122))  # 22 tokens: 5 full blocks, then 2
+    kv.allocate("a", prompt)
+    kv.commit("a", prompt)
+    kv.free("a")  # blocks 0..5 free, 0..4 cached
+    # the first query (20) reads 16..20: blocks 0..3 are dead, block 4 a live hit, then 4 tokens: one more block
+    allocation = kv.allocate("b", prompt, max_new_tokens=4)
+    N = NULL_BLOCK
+    assert allocation == Allocation([N, N, N, N, 4, 6], 20) and kv.num_tokens("b") == 22
+    assert kv.num_held_blocks("b") == 2 and kv.num_used_blocks == 2
+    kv.check_integrity()
+    c = list(range(200, 230))  # uncached: slots for 6 tokens (2 blocks), then grown chunk by chunk
+    assert kv.allocate("c", c, max_new_tokens=6) == Allocation([7, 8], 0) and kv.num_tokens("c") == 6
+    assert kv.append_slots("c", 6) == [9]
+    kv.commit("c", c[:12])
+    assert kv.free_outside_window("c", 12) == [7, 8]  # a query at 12 reads 8..12
+    kv.check_integrity()
+    kv.free("b")
+    kv.free("c")
+    assert kv.num_free_blocks == 10
+    kv.check_integrity()
+
+
 def test_window_bound_is_exact() -> None:
     kv = make()
     kv.window = 5

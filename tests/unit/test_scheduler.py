@@ -358,15 +358,16 @@ def test_sliding_window_frees_blocks_before_the_window_mid_request() -> None:
             tables.append(s.kv.block_table("a"))
     N = NULL_BLOCK
     assert tables == [
-        [0, 1, 2],  # computed 4: the next query (4) reads 0..4
-        [N, 1, 2],  # computed 8: the next query reads 4..8, block 0 (0..3) freed
-        [N, 1, 2],  # computed 10
+        [0],  # computed 4: admitted with its first chunk's block only; the next query (4) reads 0..4
+        [N, 1],  # computed 8: the second chunk's block added, then block 0 (0..3) freed (the next query reads 4..8)
+        [N, 1, 2],  # computed 10 (the prompt's last 2 tokens)
         [N, 1, 2],  # computed 11
         [N, N, 2],  # computed 12: block 1 (4..7) freed
         [N, N, 2, 3],  # computed 13, a new block from the head of the free queue
         [N, N, 2, 3],  # computed 14
     ]
     assert not s.has_work() and s.kv.num_free_blocks == 16
+    assert s.kv.pool.peak_used_blocks == 2  # the window and one chunk, never the whole prompt (3)
     assert s.kv.get_computed_blocks(list(range(10)) + [7])[1] == 8  # the freed blocks stayed cached
 
 
@@ -464,7 +465,9 @@ def test_prefill_role_frees_dead_blocks_the_transfer_never_reads_and_pushes_the_
     # the decode node holds blocks 100, 101 for the prompt's blocks 2 and 3 (first_block 2: outside its window)
     s, target, tables = _windowed_prefill((100, 101), skip_blocks=2, first_block=2)
     N = NULL_BLOCK
-    assert tables == [[0, 1, 2, 3], [N, 1, 2, 3], [N, N, 2, 3], [N, N, 2, 3]]  # chunks of 4, 4, 4, 2
+    # chunks of 4, 4, 4, 2: each chunk's block added as it comes, the dead ones freed behind it
+    assert tables == [[0], [N, 1], [N, N, 2], [N, N, 2, 3]]
+    assert s.kv.pool.peak_used_blocks == 2  # the whole prompt would hold 4
     assert target.pushed == [([2], [100]), ([3], [101])]  # never a block before the decode node's window
     assert "a" in s.held and s.kv.num_used_blocks == 2
     s.free_held("a")
@@ -476,6 +479,104 @@ def test_prefill_role_keeps_every_block_a_full_destination_reads() -> None:
     s, target, _ = _windowed_prefill((100, 101, 102, 103), skip_blocks=1)  # block 0 cached there
     assert s.kv.block_table("a") == [NULL_BLOCK, 1, 2, 3]  # block 0 was never to be sent: freed
     assert target.pushed == [([1], [101]), ([2], [102]), ([3], [103])]
+
+
+def _run_to_end(s: Scheduler, limit: int = 500) -> None:
+    for _ in range(limit):
+        if not s.has_work():
+            return
+        step(s)
+    raise AssertionError("did not finish")
+
+
+def test_window_admits_a_prompt_many_times_the_pool_chunk_by_chunk() -> None:
+    """A 200-token prompt (50 blocks) in a 6-block pool: admitted with its window and one chunk, never more held."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    s = make(num_blocks=6, max_prefill_chunk=8)
+    s.max_model_len = 512
+    s.kv.window = 9  # a chunk at p reads from p - 8: blocks_needed(9 + 8 + 2) = 5 at most
+    assert s.peak_blocks(200) == 5
+    r = req("a", 200, params)
+    s.add_request(r)
+    _run_to_end(s)
+    assert r.output_token_ids == [7] * 5 and r.num_preemptions == 0
+    assert s.kv.pool.peak_used_blocks <= 5 and s.kv.num_free_blocks == 6
+    # the same prompt without a window: the pool could not hold it
+    assert make(num_blocks=6).kv.blocks_needed(200) > 6
+
+
+def test_window_chunked_admission_reserves_the_peak_and_preemption_leaks_nothing() -> None:
+    """Two long windowed prompts in a pool for one peak: the second waits; preempting and aborting mid-prefill
+    frees every block exactly once (the pool's free count comes back)."""
+    s = make(num_blocks=6, max_prefill_chunk=8)
+    s.max_model_len = 512
+    s.kv.window = 9
+    a, b = req("a", 100), req("b", 100, first=300)
+    s.add_request(a)
+    s.add_request(b)
+    assert step(s) == [("a", 0, 8)]  # b's peak (5) does not fit beside a's growth (5 - 2 held)
+    assert step(s) == [("a", 8, 8)] and b.status is RequestStatus.WAITING
+    s.running.remove(a)  # preempt a mid-prefill, as a decode step short of blocks would
+    s._preempt(a)
+    s.kv.check_integrity()
+    assert s.kv.num_used_blocks == 0
+    step(s)
+    assert s.kv.has_request("a") and not s.kv.has_request("b")
+    s.abort("a")
+    assert s.kv.num_used_blocks == 0
+    _run_to_end(s)
+    assert b.output_token_ids == [7] * 4 and s.kv.num_free_blocks == 6
+    s.kv.check_integrity()
+
+
+def test_window_prefill_chunk_growth_preempts_the_newest_unscheduled_request() -> None:
+    """Decodes eat the blocks a windowed prefill reserved: its chunk's growth preempts the newest running request
+    not scheduled in this step (here itself), never one whose chunk is already in the step."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    s = make(num_blocks=6, max_prefill_chunk=8)
+    s.max_model_len = 512
+    s.kv.window = 9
+    d = req("d", 3, params, first=400)
+    s.add_request(d)
+    step(s)  # d prefilled: 1 block
+    long = req("l", 100, first=500)
+    s.add_request(long)
+    step(s)
+    assert s.kv.has_request("l")
+    free0 = 6
+    for _ in range(300):
+        if not s.has_work():
+            break
+        out = s.schedule()
+        ids = [c.request.request_id for c in out.chunks]
+        assert not set(ids) & set(out.preempted)  # a preempted request has no chunk in the step
+        s.update(out, fake_sample(out))
+        s.kv.check_integrity()
+    assert not s.has_work() and s.kv.num_free_blocks == free0
+    assert d.output_token_ids == [7] * 40 and long.output_token_ids == [7] * 4
+    assert s.num_preemptions == 1 and long.num_preemptions == 1
+
+
+def test_window_prefill_node_with_a_small_pool_sends_only_live_blocks() -> None:
+    """A prefill node whose pool cannot hold a 40-token prompt (10 blocks, 4 here) computes it in chunks, frees the
+    blocks behind the window and pushes only the decode node's window (blocks 8, 9), never a freed block."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_chunk=4, watermark=0.0)
+    producer = KVProducer(block_size=4)
+    s = Scheduler(config, KVCacheManager(4, 4), max_model_len=64, connector=producer)
+    s.kv.window = 5
+    target = _Target()
+    producer.attach("a", KVDestination(target, (100, 101), skip_blocks=8, first_block=8), None)
+    assert s.peak_blocks(40, keep_from=8) <= 4
+    s.add_request(req("a", 40, SamplingParams(temperature=0.0, max_tokens=50)))
+    while s.has_work():
+        out = s.schedule()
+        producer.save_kv(out, 0)
+        s.update(out, fake_sample(out))
+        s.kv.check_integrity()
+    assert target.pushed == [([0], [100]), ([1], [101])]  # the prompt's blocks 8 and 9, in recycled block ids
+    assert s.kv.pool.peak_used_blocks == 2 and "a" in s.held
+    s.free_held("a")
+    assert s.kv.num_used_blocks == 0 and s.kv.num_free_blocks == 4
 
 
 class _Target:
