@@ -103,7 +103,7 @@ def test_a_system_that_fails_to_start_is_reported_and_the_json_and_report_carry_
 
     @contextlib.contextmanager
     def broken(system: bench_serve.System, *args: object) -> Iterator[tuple[list[str], str]]:
-        seen.append((system.name, args[-2]))  # type: ignore[arg-type]
+        seen.append((system.name, args[-3]))  # type: ignore[arg-type]
         raise RuntimeError("gateway exited with code 2 during start-up")
         yield [], ""
 
