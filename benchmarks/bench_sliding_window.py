@@ -21,6 +21,7 @@ early freeing (without it, the whole prompt is allocated at admission, as withou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -53,9 +54,10 @@ def run(model_dir: Path, prompt: int, tokens: int, seqs: int, block_size: int, f
 
     model = load_model(model_dir, "float32", "cpu")
     need = -(-(prompt + tokens) // block_size)  # the whole sequence's blocks
-    engine = ColocatedEngine(model, CacheConfig(block_size=block_size, num_blocks=need * seqs + 4),
-                             SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=max(256, prompt),
-                                             **({} if chunk is None else {"max_prefill_chunk": chunk})))
+    scheduler = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=max(256, prompt))
+    if chunk is not None:
+        scheduler = dataclasses.replace(scheduler, max_prefill_chunk=chunk)
+    engine = ColocatedEngine(model, CacheConfig(block_size=block_size, num_blocks=need * seqs + 4), scheduler)
     if not free_early:
         engine.kv.window = None
     gen = torch.Generator().manual_seed(1)
