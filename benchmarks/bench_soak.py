@@ -33,6 +33,7 @@ node's RSS climbs until the load has touched every block (faster with a smaller 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -95,6 +96,7 @@ class SoakLoad:
                          for _ in range(8)]
         self.concurrency = concurrency
         self.cancel_fraction = cancel_fraction
+        self._durations: collections.deque[float] = collections.deque(maxlen=50)  # completed requests' lengths, s
         self.seed = seed
         self.records: list[SoakRequest] = []
         self._lock = threading.Lock()
@@ -146,7 +148,7 @@ class SoakLoad:
             cancel = rng.random() < self.cancel_fraction
             sent = time.monotonic() - self._t0
             call = stub.Generate(req, timeout=120)
-            timer = threading.Timer(rng.uniform(0.0, 2.0), call.cancel) if cancel else None
+            timer = threading.Timer(rng.uniform(0.0, self._cancel_scale()), call.cancel) if cancel else None
             if timer is not None:
                 timer.start()
             code, tokens = "OK", 0
@@ -163,6 +165,16 @@ class SoakLoad:
             with self._lock:
                 self.records.append(SoakRequest(round(sent, 3), round(time.monotonic() - self._t0, 3), code,
                                                 cancel, tokens))
+                if code == "OK":
+                    self._durations.append(time.monotonic() - self._t0 - sent)
+
+    def _cancel_scale(self) -> float:
+        """How late a cancellation may come: 1.5x the median length of the last 50 completed requests (2 s before
+        any), so that it lands while the request is queued, prefilling, transferring or decoding whatever the model's
+        speed, not after it ended (a tiny model's requests take a tenth of a second)."""
+        with self._lock:
+            recent = sorted(self._durations)
+        return 1.5 * recent[len(recent) // 2] if recent else 2.0
 
 
 def node_stats(launcher: Any) -> dict[str, dict[str, int]]:
@@ -369,7 +381,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-nodes", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=8, help="client threads, each with one request in flight [8]")
     p.add_argument("--cancel-fraction", type=float, default=0.25,
-                   help="share of requests the client cancels 0-2 s after sending [0.25]")
+                   help="share of requests the client cancels at a random moment of their expected length "
+                   "(up to 1.5x the recent median) [0.25]")
     p.add_argument("--restart-node", default="decode-0",
                    help="the process killed (SIGKILL) halfway and restarted by the launcher; '' = none [decode-0]")
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks per node; 0: the node's default [0]")

@@ -15,8 +15,8 @@ from common.kv.block_hash import hash_prompt_blocks
 from common.kv.kv_cache import KVCache, KVCacheSpec
 from common.kv.kv_cache_manager import KVCacheManager
 from common.kv.shared_tier import SharedTier, model_fingerprint, namespace
+from tests.unit.test_kv_offload import SPEC, _write  # the same cache layout and forward stand-in
 
-SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype_name="float32")
 BLOCK_GB = SPEC.num_layers * 2 * SPEC.block_size * SPEC.num_kv_heads * SPEC.head_dim * 4 / 2**30
 
 
@@ -27,17 +27,6 @@ def _node(directory: Path, blocks: int = 8, tier_blocks: int = 16, key: str = "m
     tier = SharedTier(cache, directory, tier_blocks * BLOCK_GB * 1.0001, key)
     manager.set_offload(tier)
     return cache, manager, tier
-
-
-def _write(cache: KVCache, manager: KVCacheManager, request_id: str, tokens: list[int]) -> list[int]:
-    """Allocate ``tokens``, fill their blocks with a value per token (as a forward would), commit, return blocks."""
-    alloc = manager.allocate(request_id, tokens)
-    assert alloc is not None
-    for i in range(alloc.num_cached_tokens, len(tokens)):
-        block, slot = alloc.block_ids[i // SPEC.block_size], i % SPEC.block_size
-        cache.data[block, :, :, slot] = float(tokens[i])
-    manager.commit(request_id, tokens)
-    return alloc.block_ids
 
 
 def _drain(tier: object) -> None:
