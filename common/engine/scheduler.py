@@ -119,8 +119,6 @@ class Scheduler:
     def blocks_waiting(self) -> int:
         """Blocks the requests waiting for admission need for their tokens so far (cached prefixes not
         subtracted: an upper bound; a windowed request computed here needs its ``peak_blocks``)."""
-        if self.kv.window is None:
-            return sum(self.kv.blocks_needed(len(r.all_token_ids)) for r in self.waiting)
         return sum(self._peak(r) if self._chunked(r) else self.kv.blocks_needed(len(r.all_token_ids))
                    for r in self.waiting)
 

@@ -98,7 +98,8 @@ class SharedTier:
         self.directory.mkdir()
         self._others: list[Path] = []  # the other writers' directories, as last listed
         self._listed_at = -RESCAN_S
-        self.reaped = reap_dead_writers(self.root)
+        self.reaped = 0  # dead writers' directories this node removed
+        self._writers()  # list them now, removing those of writers that ended without closing
         self.bytes_per_block = kv_cache.data[0].numel() * kv_cache.data.element_size()
         self.capacity = int(size_gb * 2**30) // self.bytes_per_block
         if self.capacity < 1:
