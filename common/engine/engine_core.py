@@ -67,7 +67,7 @@ class EngineCore:
         self.num_steps = self.step_prefill_tokens = self.step_decode_tokens = 0
         self.step_seconds = 0.0
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.kv.window = None if parallel is not None else _kv_window(model, draft_model)
+        self.kv.window = _kv_window(model, draft_model, speculative)
         # A sequence must fit in the cache on its own, or it could only ever preempt itself; with a window on every
         # layer it holds only the window and one chunk (validate checks Scheduler.peak_blocks), however long.
         self.max_model_len = scheduler.max_model_len or model.config.max_position_embeddings
@@ -321,20 +321,28 @@ class ColocatedEngine(EngineCore):
     """Prefill and decode in one process (Sarathi-Serve style mixed batches): the base connector."""
 
 
-def _kv_window(model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None) -> int | None:
+def _kv_window(model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None,
+               speculative: SpeculativeConfig | None = None) -> int | None:
     """The window past which a request's KV blocks are freed early (KVCacheManager.window), or None.
 
-    Only when every layer is windowed (a model with any full-attention layer reads every block), on every role:
-    a decode node reserves no block for the prompt's leading blocks outside the window at its first query and
-    frees the rest as decoding moves on; a prefill node frees a chunked prompt's dead blocks as it goes, but
-    never one its KV transfer still reads (``KVConnector.kv_read_from``: it sends only the blocks the decode
-    node's window reads). Not with a draft model: it catches up from its own position, which may lie before the
-    window, and writes its KV through the same block tables. Not in T x P ranks either (the caller): the worker
-    protocol carries block ids as uint32, with no placeholder.
+    Only when every layer is windowed (a model with any full-attention layer reads every block), on every role
+    and in T x P ranks too (a freed slot travels to them as NULL_BLOCK): a decode node reserves no block for the
+    prompt's leading blocks outside the window at its first query and frees the rest as decoding moves on; a
+    prefill node frees a chunked prompt's dead blocks as it goes, but never one its KV transfer still reads
+    (``KVConnector.kv_read_from``: it sends only the blocks the decode node's window reads).
+
+    With a draft model, every layer of the draft must be windowed too (it writes its KV through the same block
+    tables and reads its own window); the window then also covers the draft's usual lag behind the target (it
+    catches up from the last token it computed, at most the step's drafts behind), so it rarely finds its window
+    freed; when it does (its first step after a chunked prompt, or after speculation paused), it starts again from
+    the first block the table still holds (``DraftModelProposer``).
     """
+    windows = list(model.config.layer_windows or ())
     if draft_model is not None:
-        return None
-    windows = model.config.layer_windows
+        windows += list(draft_model.config.layer_windows or ()) or [None]
     if not windows or any(w is None for w in windows):
         return None
-    return max(w for w in windows if w is not None)
+    window = max(w for w in windows if w is not None)
+    if draft_model is not None:
+        window += (speculative.num_speculative_tokens if speculative is not None else 0) + 1
+    return window

@@ -11,6 +11,16 @@ decode node gets the draft's prompt KV without any transfer) ending at the reque
 give the first draft; then k - 1 single-token steps. After verification ``accept`` keeps what the target
 kept: the last token, the accepted drafts that the draft itself fed (its own KV for them is right), no more.
 
+With a sliding window on every layer of both models the target frees a request's blocks behind the window
+(``KVCacheManager.window``, which then covers the draft's usual lag too); their table slots are NULL_BLOCK. The
+draft never reads one: when its catch-up would (its first step after a chunked prompt, a decode node's request
+whose leading blocks were never held, a lag after speculation paused), it starts again from the first block the
+table holds, in a frame of its own — positions counted from that block (``_base``), so its first queries see no
+keys before it rather than freed ones. Rotary attention depends only on the distance between positions, so the
+frame changes nothing but where the context starts; the draft's KV there is what the truncated context gives,
+which changes only what it proposes, never what is accepted (so does another request's frame over a block both
+share through the prefix cache).
+
 The target's own copy as a draft (the same architecture and name: a quantized self-draft) starts from the
 target's prompt KV instead (``prompt_kv``): its blocks are copied into the draft's cache, block for block,
 and the catch-up forwards only the last token. Its own prefill of the prompt costs as many FLOPs as the
@@ -28,6 +38,7 @@ import torch
 
 from common.attention.metadata import AttentionMetadata
 from common.kv.kv_cache import KVCache, KVCacheSpec
+from common.kv.kv_cache_manager import NULL_BLOCK
 from common.sampling.sampler import DRAFT, RequestSamplingState, sample_from, seeded_uniform, target_probs
 
 if TYPE_CHECKING:
@@ -57,7 +68,11 @@ class DraftModelProposer:
         if prompt_kv is not None and (prompt_kv.spec != spec or prompt_kv.num_blocks < num_blocks):
             raise ValueError("the draft copies the target's prompt K/V only with the same KV layout")
         self.prompt_kv = prompt_kv
+        windows = cfg.layer_windows
+        # the draft's largest window when every layer has one: its queries read no further back
+        self.window = max(w for w in windows if w is not None) if windows and None not in windows else None
         self._computed: dict[str, int] = {}  # request id -> leading tokens with valid draft KV
+        self._base: dict[str, int] = {}  # request id -> the draft's frame origin (a block's first position); 0: none
         self._fed: dict[str, int] = {}  # request id -> drafts this step whose own KV the draft wrote
 
     @torch.inference_mode()
@@ -70,23 +85,31 @@ class DraftModelProposer:
         wanted = {i: min(chunks[i].num_draft_slots, limit or chunks[i].num_draft_slots) for i in slots}
         # Catch up: tokens computed..start (the chunk's own, the request's last) in one ragged forward.
         starts = {i: min(self._computed.get(chunks[i].request.request_id, 0), chunks[i].start) for i in slots}
+        bases = {i: self._base.get(chunks[i].request.request_id, 0) for i in slots}
+        restart = [i for i in slots if self._reads_freed(chunks[i], starts[i], bases[i])]
+        fresh: list[int] = []
         if self.prompt_kv is not None:  # new requests: the target's K/V of every token before the last
-            fresh = [i for i in slots if chunks[i].request.request_id not in self._computed and chunks[i].start > 0]
-            blocks = [b for i in fresh for b in chunks[i].block_ids[: -(-chunks[i].start // bs)]]
+            fresh = [i for i in slots if (chunks[i].request.request_id not in self._computed or i in restart)
+                     and chunks[i].start > 0]
+            blocks = [b for i in fresh for b in chunks[i].block_ids[: -(-chunks[i].start // bs)] if b != NULL_BLOCK]
             if blocks:
                 index = torch.tensor(blocks, device=self.device)
                 self.kv_cache.data[index] = self.prompt_kv.data[index]
-                for i in fresh:
-                    starts[i] = chunks[i].start
+            for i in fresh:
+                starts[i] = chunks[i].start
+        for i in restart:
+            if i not in fresh:  # the draft's own frame from the first block the table holds
+                held = next(j for j, b in enumerate(chunks[i].block_ids) if b != NULL_BLOCK)
+                starts[i] = bases[i] = self._base[chunks[i].request.request_id] = held * bs
         input_ids: list[int] = []
         positions: list[int] = []
         for i in slots:
             c = chunks[i]
             input_ids += c.request.token_slice(starts[i], c.start + 1)
-            positions += range(starts[i], c.start + 1)
+            positions += range(starts[i] - bases[i], c.start + 1 - bases[i])
         query_lens = [chunks[i].start + 1 - starts[i] for i in slots]
-        tables = [chunks[i].block_ids[: chunks[i].start // bs + 1] for i in slots]
-        meta = AttentionMetadata.build(query_lens, [starts[i] for i in slots], tables, bs, self.device)
+        tables = [chunks[i].block_ids[bases[i] // bs: chunks[i].start // bs + 1] for i in slots]
+        meta = AttentionMetadata.build(query_lens, [starts[i] - bases[i] for i in slots], tables, bs, self.device)
         hidden = self.model(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
                             meta, self.kv_cache)
         last_rows = meta.query_start_loc[1:] - 1
@@ -101,8 +124,9 @@ class DraftModelProposer:
             active = [i for i in active if wanted[i] > j]
             if not active:
                 break
-            pos = [chunks[i].start + j for i in active]
-            tables = [chunks[i].block_ids[: p // bs + 1] for i, p in zip(active, pos, strict=True)]
+            pos = [chunks[i].start + j - bases[i] for i in active]  # in the draft's frame
+            tables = [chunks[i].block_ids[bases[i] // bs: bases[i] // bs + p // bs + 1]
+                      for i, p in zip(active, pos, strict=True)]
             meta = AttentionMetadata.build([1] * len(active), pos, tables, bs, self.device)
             hidden = self.model(torch.tensor([last[i] for i in active], device=self.device),
                                 torch.tensor(pos, device=self.device), meta, self.kv_cache)
@@ -112,6 +136,13 @@ class DraftModelProposer:
                 self._fed[chunks[i].request.request_id] = j
         for i in slots:
             probs[i] = torch.stack(step_probs[i])
+
+    def _reads_freed(self, chunk: ScheduledChunk, start: int, base: int) -> bool:
+        """Would catching ``chunk``'s request up from ``start`` (in the frame from ``base``) read a freed block?"""
+        held = next((j for j, b in enumerate(chunk.block_ids) if b != NULL_BLOCK), 0) * self.block_size
+        if held <= base:
+            return False
+        return self.window is None or start - self.window + 1 < held
 
     def accept(self, request_id: str, num_accepted: int) -> None:
         """After verification: the target kept ``num_accepted`` drafts; the draft's KV is valid for those it
@@ -123,6 +154,7 @@ class DraftModelProposer:
         """The request ended or lost its blocks (preempted): its draft KV is gone with them."""
         self._computed.pop(request_id, None)
         self._fed.pop(request_id, None)
+        self._base.pop(request_id, None)
 
 
 def sample_drafts(logits: torch.Tensor, chunks: list[ScheduledChunk], rows: list[int], drafts: list[list[int]],

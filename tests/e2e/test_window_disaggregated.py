@@ -7,6 +7,7 @@ more blocks than the window needs (its ``peak_used_blocks``); and every block is
 from __future__ import annotations
 
 import os
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -102,3 +103,41 @@ def _bad_destinations_are_refused_naming_the_field(target: str, prompt: list[int
                                                         sampling=common_pb2.SamplingParams(max_tokens=1),
                                                         destination=dest), timeout=30)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in (info.value.details() or "")
+
+
+def test_a_windowed_draft_model_on_the_decode_node(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    """The decode node speculates with a windowed draft (the target's weights, loaded as another model, so its
+    KV is its own): the request arrives without its leading blocks, the draft starts its context from the first
+    block the decode node holds, and the tokens stay transformers'; the decode node still holds only the window
+    (now covering the draft's lag: 7 + 3 drafts + 1), never the whole sequence."""
+    model_dir = _with_tokenizer(tiny_model_factory("mistral", seed=21, sliding_window=WINDOW))
+    draft_dir = _with_tokenizer(tiny_model_factory("mistral", seed=21, sliding_window=WINDOW,
+                                                   max_position_embeddings=1000))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (45, 29)]
+    expected = [_hf_greedy(model_dir, p, NEW_TOKENS) for p in prompts]
+    topology = Topology(free_ports=True, model_args=("--model", str(model_dir), "--dtype", "float32"),
+                        node_args=("--num-blocks", "64", "--block-size", str(BLOCK), "--max-prefill-chunk", str(CHUNK),
+                                   "--kv-timeout-s", "20", "--grace-s", "1"),
+                        decode_args=("--speculative", "draft_model", "--draft-model", str(draft_dir),
+                                     "--num-speculative-tokens", "3"),
+                        gateway_args=("--local-prefill-max-tokens", "0", "--shutdown-grace-s", "1"),
+                        metrics_base_port=0)
+    env = {"TANDEM_HOME": os.environ["TANDEM_HOME"]} if os.environ.get("TANDEM_HOME") else None
+    with Launcher(topology, log_dir=tmp_path, env=env) as launcher:
+        for prompt, want in zip(prompts, expected, strict=True):
+            tokens, _ = generate(launcher.gateway.target, request(prompt, NEW_TOKENS))
+            assert tokens == want
+        wait_all_blocks_free(launcher)
+        decode = next(s for s in launcher.specs if s.role == "decode")
+        with grpc.insecure_channel(decode.target) as channel:
+            stats = decode_pb2_grpc.DecodeStub(channel).Stats(common_pb2.StatsRequest(), timeout=10)
+        with urllib.request.urlopen(f"http://127.0.0.1:{decode.metrics_port}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+    drafted = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("tandem:spec_decode_num_draft_tokens_total")]
+    assert drafted and drafted[0] > 0, metrics[-3000:]
+    longest = max(len(p) for p in prompts)
+    window = WINDOW + 3 + 1
+    first_dead = max(0, longest - window + 1) // BLOCK
+    assert stats.peak_used_blocks <= _blocks(longest) - first_dead + 2 < _blocks(longest + NEW_TOKENS)

@@ -212,3 +212,102 @@ def test_windowed_prompt_longer_than_the_pool_is_prefilled_chunk_by_chunk(tiny_m
         assert kv.num_used_blocks == 0 and kv.pool.peak_used_blocks <= 3
         assert llm.engine.scheduler.num_preemptions == 0
     assert tokens == _hf_greedy(model_dir, prompt, 6)
+
+
+def _long_prompt_run(model_dir: Path, num_blocks: int, max_tokens: int = 6, **llm_args: Any
+                     ) -> tuple[list[list[int]], int, int, int]:
+    """Two windowed prompts (60 and 23 tokens, 4-token blocks, 3-token chunks) through a small pool: the tokens,
+    the pool's peak, the drafts proposed and those accepted."""
+    from common.engine.llm import LLM
+    from common.sampling.params import SamplingParams
+
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (60, 23)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(model_dir, dtype="float32", device="cpu", cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+             scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=3),
+             **llm_args) as llm:
+        kv = llm.engine.kv
+        assert kv.blocks_needed(len(prompts[0]) + max_tokens) > num_blocks  # the whole sequence would not fit
+        got = [c.token_ids for c in llm.generate(prompts, params)]
+        kv.check_integrity()
+        assert kv.num_used_blocks == 0
+        s = llm.engine.scheduler
+        return got, kv.pool.peak_used_blocks, s.num_draft_tokens, s.num_accepted_tokens
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_windowed_blocks_are_freed_early_at_two_ranks(tiny_model_factory: Callable[..., Path],
+                                                      layout: dict[str, int]) -> None:
+    """T x P rank processes free blocks behind the window as one process does: a freed slot travels to the ranks
+    as NULL_BLOCK (-1), which no query reads; the output stays transformers'."""
+    model_dir = _with_tokenizer(_model_dir(tiny_model_factory, "mistral"))
+    got, peak, _, _ = _long_prompt_run(model_dir, num_blocks=8, **layout)
+    assert peak <= 2 * 3  # each request: the window (5) and a chunk (3), blocks_needed(5 + 3 + 2) = 3
+    for prompt_len, tokens in zip((60, 23), got, strict=True):
+        gen = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (60, 23)]
+        assert tokens == _hf_greedy(model_dir, prompts[(60, 23).index(prompt_len)], 6), prompt_len
+
+
+# draft -> (the draft's model directory arguments, quantization, acceptance it must reach)
+DRAFTS: dict[str, tuple[dict[str, Any], str, float]] = {
+    # another random model with a shorter window: its drafts are mostly rejected
+    "other": ({"seed": 7, "sliding_window": 3, "num_hidden_layers": 1}, "none", 0.0),
+    # the target's weights under another config (not its own copy: its KV is its own, computed in its frame)
+    "same-weights": ({"seed": 5, "sliding_window": 5, "max_position_embeddings": 1000}, "none", 0.5),
+    # the target's int8 copy: starts from the target's K/V of the blocks the table still holds
+    "self-int8": ({"seed": 5, "sliding_window": 5}, "int8", 0.5),
+}
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+def test_a_windowed_draft_model_frees_blocks_early_and_stays_exact(tiny_model_factory: Callable[..., Path],
+                                                                   draft: str, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """A windowed draft model beside a windowed target: the window the blocks are freed behind covers the
+    draft's lag (its window and the step's drafts); the draft never reads a freed block (it restarts its
+    context from the first block held, or copies the target's K/V of those blocks), the pool holds the window,
+    and the greedy output stays transformers'."""
+    from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
+    from common.spec_decode.draft_model import DraftModelProposer
+
+    reads_freed = DraftModelProposer._reads_freed
+    restarts: list[bool] = []
+
+    def spy(self: DraftModelProposer, *args: Any) -> bool:
+        restarts.append(reads_freed(self, *args))
+        return restarts[-1]
+
+    monkeypatch.setattr(DraftModelProposer, "_reads_freed", spy)
+    model_dir = _with_tokenizer(_model_dir(tiny_model_factory, "mistral"))
+    extra, quantization, acceptance = DRAFTS[draft]
+    draft_dir = _with_tokenizer(tiny_model_factory("mistral", **extra))
+    spec = SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL, draft_model=str(draft_dir),
+                             draft_quantization=quantization, num_speculative_tokens=3, adaptive=False)
+    got, peak, drafted, accepted = _long_prompt_run(model_dir, num_blocks=12, max_tokens=16, speculative=spec)
+    # window 5 + 3 drafts + 1: blocks_needed(9 + 3 + 2) = 4 per request, and the drafts' slots
+    assert peak <= 2 * 5
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (60, 23)]
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == _hf_greedy(model_dir, prompt, 16), draft
+    assert drafted > 0 and accepted >= acceptance * drafted, (drafted, accepted)
+    # the first step after each chunked prompt restarts the draft's context (the blocks before were freed);
+    # later steps catch up within the window
+    assert 2 <= sum(restarts) < len(restarts) / 2, restarts
+
+
+def test_the_freeing_window_with_a_draft_model(tiny_model_factory: Callable[..., Path]) -> None:
+    from common.config.engine_config import SpeculativeConfig, SpeculativeMethod
+    from common.engine.engine_core import _kv_window
+
+    target = load_model(_model_dir(tiny_model_factory, "mistral"), dtype="float32")
+    spec = SpeculativeConfig(method=SpeculativeMethod.DRAFT_MODEL, draft_model="x", num_speculative_tokens=3)
+    windowed = load_model(tiny_model_factory("mistral", seed=7, sliding_window=8, num_hidden_layers=1),
+                          dtype="float32")
+    whole = load_model(tiny_model_factory("mistral", seed=7, sliding_window=None, num_hidden_layers=1),
+                       dtype="float32")
+    assert _kv_window(target, None) == 5
+    assert _kv_window(target, windowed, spec) == 8 + 3 + 1  # the larger window and the draft's lag
+    assert _kv_window(target, whole, spec) is None  # a draft reading every block keeps them all
