@@ -355,9 +355,11 @@ class Coordinator:
                     log.warning("%s: %s; trying another decode node", req.request_id, error)
                     continue
                 raise error from None
-            except BaseException:
+            except BaseException as exc:
                 call.cancel()
                 node.end()
+                if isinstance(exc, asyncio.CancelledError) and not _cancelling():
+                    raise self._node_error("decode", node, _cancelled_under_us()) from None
                 raise
             expected = "local_prefill" if local else "reservation"
             if first is grpc.aio.EOF or not first.HasField(expected):
@@ -409,6 +411,10 @@ class Coordinator:
                     log.warning("%s: %s; trying another prefill node", req.request_id, error)
                     continue
                 raise error from None
+            except asyncio.CancelledError:
+                if _cancelling():
+                    raise
+                raise self._node_error("prefill", node, _cancelled_under_us()) from None
             finally:
                 node.end_prefill(backlog)
                 node.end()
@@ -445,17 +451,39 @@ class Coordinator:
 
 async def _read_decode_stream(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue[_QueueItem],
                               ) -> grpc.aio.AioRpcError | None:
-    """Move the decode stream's messages into ``queue``; return (and queue) the error that ended it, if any."""
+    """Move the decode stream's messages into ``queue``; return (and queue) the error that ended it, if any.
+
+    Our own ``call.cancel()`` ends a read with ``asyncio.CancelledError``, never an ``AioRpcError``: a CANCELLED
+    status read here came from the node (its shutdown grace ran out, say) and is its failure. (grpc's
+    ``call.cancelled()`` cannot tell them apart: it is true for a CANCELLED status from either side.)"""
     try:
         while (msg := await call.read()) is not grpc.aio.EOF:
             queue.put_nowait(msg)
     except grpc.aio.AioRpcError as exc:
-        if exc.code() != grpc.StatusCode.CANCELLED or not call.cancelled():  # not our own cancel
-            queue.put_nowait(exc)
-            return exc
-        return None
+        queue.put_nowait(exc)
+        return exc
+    except asyncio.CancelledError:
+        if _cancelling():
+            raise  # this reader was cancelled (our own cancels cancel the reader before the call)
+        lost = _cancelled_under_us()
+        queue.put_nowait(lost)
+        return lost
     queue.put_nowait(_StreamEnd())
     return None
+
+
+def _cancelling() -> bool:
+    """Whether the running task is being cancelled: a CancelledError it catches is its own (its client went,
+    its deadline passed), not a gRPC call's that was cancelled under it."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _cancelled_under_us() -> grpc.aio.AioRpcError:
+    """What a call ended by a local cancel that is not ours (its channel closed) stands for: the node's failure,
+    never the client's cancel (a request is cancelled only by its client or its deadline)."""
+    return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                "the call was cancelled on the gateway's side (its channel closed)")
 
 
 def _start_reading(decode: _DecodeLeg, request_id: str) -> tuple[asyncio.Queue[_QueueItem], _Reader]:

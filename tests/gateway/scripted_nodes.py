@@ -98,6 +98,9 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
         # After streaming this many token deltas of a request, hang (until the test stops the node: its death).
         self.hang_after: int | None = None
         self.hanging = asyncio.Event()  # set once a stream hangs there
+        # After streaming this many token deltas of a request, end its call CANCELLED from this side (as a node
+        # whose shutdown grace ran out cancels the RPCs still in flight).
+        self.cancel_after: int | None = None
 
     async def Generate(self, request: decode_pb2.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -129,6 +132,8 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
                 if i == self.hang_after:
                     self.hanging.set()
                     await asyncio.Event().wait()  # until the node is stopped
+                if i == self.cancel_after:
+                    await context.abort(grpc.StatusCode.CANCELLED, f"{self.node_id} cancelled the call")
                 last = i == len(tokens) - 1
                 logprobs = [logprob(token, k + i + 1)] if request.sampling.HasField("logprobs") else []
                 yield decode_pb2.DecodeResponse(delta=decode_pb2.TokenDelta(

@@ -107,6 +107,77 @@ def test_decode_death_mid_stream_continues_on_another_node(served_model: ServedM
     run_async(scenario())
 
 
+def test_a_decode_node_cancelling_its_call_is_a_lost_node_not_our_cancel(served_model: ServedModel,
+                                                                         smollm2_dir: Path) -> None:
+    """A decode node that ends a stream CANCELLED itself (its shutdown grace ran out) lost the request: it
+    continues on another node. grpc's ``call.cancelled()`` is true for a CANCELLED status from either side, so
+    the gateway used to take the node's cancel for its own, read nothing more and leave the client waiting until
+    its deadline."""
+    tokens = script(served_model)
+
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, tokens, num_decode=2, stats_interval_s=60) as c:
+            c.decodes[0].cancel_after = 4
+            c.decodes[1].cancel_after = None
+            call = c.stub.Generate(G(text="Hi", request_id="c1", sampling=S(max_tokens=12),
+                                     stream=generate_pb2.StreamOptions(include_token_ids=True)), timeout=30)
+            messages = await asyncio.wait_for(read_rest(call), 15)
+            assert [t for m in messages for t in m.token_ids] == tokens[:12]
+            assert messages[-1].timings.decode_node == "decode-1"
+            assert c.decodes[1].record.completed == ["c1"]
+
+    run_async(scenario())
+
+
+def test_a_call_cancelled_under_the_gateway_is_the_nodes_failure(served_model: ServedModel,
+                                                                  smollm2_dir: Path) -> None:
+    """A decode stream whose channel closes under its reader (not our own cancel, which cancels the reader
+    first) is read as the node's failure, queued for the request (so it migrates or fails with the node's
+    status), never as a bare CancelledError that would reach the client as CANCELLED."""
+    from common.serving.channel import open_channel
+    from gateway.coordinator import _read_decode_stream
+    from tandem.v1 import decode_pb2, decode_pb2_grpc
+
+    tokens = script(served_model)
+
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, tokens, num_decode=1, stats_interval_s=60) as c:
+            c.decodes[0].hang_after = 2
+            channel = open_channel(c.node_servers["decode-0"].address)
+            call = decode_pb2_grpc.DecodeStub(channel).Generate(decode_pb2.DecodeRequest(
+                request_id="r1", prompt_token_ids=[1, 2, 3], kv_timeout_seconds=10,
+                sampling=common_pb2.SamplingParams(max_tokens=8)))
+            queue: asyncio.Queue[object] = asyncio.Queue()
+            reader = asyncio.ensure_future(_read_decode_stream(call, queue))  # type: ignore[arg-type]
+            await eventually(lambda: queue.qsize() == 1)  # the reservation
+            c.board.push("decode-0/r1", tokens[0])  # the KV "arrived": the node streams two tokens, then hangs
+            await asyncio.wait_for(c.decodes[0].hanging.wait(), 10)
+            await channel.close()  # cancels the call on this side
+            failure = await asyncio.wait_for(reader, 10)
+            assert isinstance(failure, grpc.aio.AioRpcError) and failure.code() == grpc.StatusCode.CANCELLED
+            items = [queue.get_nowait() for _ in range(queue.qsize())]
+            assert items[-1] is failure and len(items) == 4  # the reservation, two deltas, the failure
+
+            # the reader's own cancellation is still a cancellation
+            channel = open_channel(c.node_servers["decode-0"].address)
+            c.decodes[0].hanging.clear()
+            call = decode_pb2_grpc.DecodeStub(channel).Generate(decode_pb2.DecodeRequest(
+                request_id="r2", prompt_token_ids=[1, 2, 3], kv_timeout_seconds=10,
+                sampling=common_pb2.SamplingParams(max_tokens=8)))
+            queue = asyncio.Queue()
+            reader = asyncio.ensure_future(_read_decode_stream(call, queue))  # type: ignore[arg-type]
+            await eventually(lambda: queue.qsize() == 1)
+            c.board.push("decode-0/r2", tokens[0])
+            await asyncio.wait_for(c.decodes[0].hanging.wait(), 10)
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            call.cancel()
+            await channel.close()
+
+    run_async(scenario())
+
+
 def test_stop_string_and_min_tokens_across_a_migration(served_model: ServedModel, smollm2_dir: Path) -> None:
     tokens = script(served_model)
     stop_at = served_model.tokenizer.decode(tokens[:9])  # " ... lazy dog": ends in the continuation
