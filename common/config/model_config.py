@@ -17,7 +17,7 @@ from typing import Any
 
 from common.model.families import SUPPORTED_MODEL_TYPES, Activation, MoEOptions, family
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,18 @@ class RopeScaling:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 and yarn
+    original_max_position_embeddings: int = 8192  # llama3, yarn and longrope
     beta_fast: float = 32.0  # yarn: the correction range's bounds, in rotations
     beta_slow: float = 1.0
     truncate: bool = True  # yarn: round the correction range to whole dimensions
-    # yarn: the factor cos and sin are multiplied by (None: 0.1 ln(factor) + 1, transformers' default)
+    # yarn and longrope: the factor cos and sin are multiplied by (None: yarn's 0.1 ln(factor) + 1, transformers'
+    # default; longrope's is always set when read, _scaling)
     attention_factor: float | None = None
+    # longrope (Phi-3's 128k checkpoints): each frequency divided by its short factor, one per pair of head dims.
+    # transformers switches every position to long_factor once a forward's sequence passes
+    # original_max_position_embeddings; Tandem implements the short factors only and serves such a model up to
+    # that length (ModelConfig.from_dict caps max_position_embeddings there; RotaryEmbedding refuses beyond it).
+    short_factor: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -43,11 +49,13 @@ class RopeScaling:
             )
         if self.factor <= 0:
             raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.rope_type == "longrope" and not self.short_factor:
+            raise ValueError("rope_scaling.rope_type 'longrope' needs rope_scaling.short_factor (a list of numbers)")
 
     @property
     def cos_sin_factor(self) -> float:
         """What cos and sin are multiplied by (yarn's attention factor; 1 otherwise)."""
-        if self.rope_type != "yarn":
+        if self.rope_type not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor is not None:
             return self.attention_factor
@@ -61,6 +69,11 @@ class RopeScaling:
             return [f / self.factor for f in inv_freq]
         if self.rope_type == "yarn":
             return self._yarn(inv_freq, theta)
+        if self.rope_type == "longrope":
+            if len(self.short_factor) != len(inv_freq):
+                raise ValueError(f"rope_scaling.short_factor has {len(self.short_factor)} entries; longrope needs one "
+                                 f"per pair of head dims ({len(inv_freq)})")
+            return [f / s for f, s in zip(inv_freq, self.short_factor, strict=True)]
         # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between.
         low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
         high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
@@ -116,6 +129,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
+    # the longest sequence served: config.json's (longrope: at most its original_max_position_embeddings)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -160,6 +174,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for scaling in (self.rope_scaling, self.sliding_rope_scaling):
+            if scaling.rope_type == "longrope" and len(scaling.short_factor) != self.head_dim // 2:
+                raise ValueError(f"rope_scaling.short_factor has {len(scaling.short_factor)} entries; longrope needs "
+                                 f"head_dim / 2 = {self.head_dim // 2}")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
         if self.moe is not None and len(self.moe.layers) != self.num_layers:
@@ -211,8 +229,13 @@ class ModelConfig:
         options = fam.read(raw)
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        rope_theta, rope_scaling = _read_rope(raw) if options.rope is None else _rope_of(options.rope)
-        sliding_rope = None if options.sliding_rope is None else _rope_of(options.sliding_rope)
+        rope_theta, rope_scaling = _read_rope(raw) if options.rope is None else _rope_of(options.rope, raw)
+        sliding_rope = None if options.sliding_rope is None else _rope_of(options.sliding_rope, raw)
+        # longrope: served up to its pretraining length, where transformers' short factors hold (RopeScaling)
+        max_positions = min([int(raw.get("max_position_embeddings", 2048))] + [
+            scaling.original_max_position_embeddings for scaling in
+            (rope_scaling, RopeScaling() if sliding_rope is None else sliding_rope[1])
+            if scaling.rope_type == "longrope"])
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelConfig(
@@ -227,7 +250,7 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", fam.rms_norm_eps)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", fam.tie_word_embeddings)),
             qkv_bias=options.qkv_bias,
             o_bias=options.o_bias,
@@ -262,18 +285,24 @@ def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
     """RoPE theta and scaling from either transformers layout."""
     params = raw.get("rope_parameters") or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    return theta, _scaling(raw.get("rope_scaling") or params)
+    return theta, _scaling(raw.get("rope_scaling") or params, raw)
 
 
-def _rope_of(params: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+def _rope_of(params: Mapping[str, Any], raw: Mapping[str, Any]) -> tuple[float, RopeScaling]:
     """RoPE theta and scaling of one parameter dict a family picked (rope_type, rope_theta, factor ...)."""
-    return float(params["rope_theta"]), _scaling(params)
+    return float(params["rope_theta"]), _scaling(params, raw)
 
 
-def _scaling(scaling_raw: Mapping[str, Any]) -> RopeScaling:
+def _scaling(scaling_raw: Mapping[str, Any], raw: Mapping[str, Any]) -> RopeScaling:
+    """One RoPE parameter dict as transformers' standardize_rope_params and ROPE_INIT_FUNCTIONS read it; ``raw``: the
+    config (its max_position_embeddings is the pretraining length where the dict has none)."""
     rope_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default")) if scaling_raw else "default"
     if rope_type == "default":
         return RopeScaling()
+    max_positions = int(raw.get("max_position_embeddings", 2048))
+    original = int(scaling_raw.get("original_max_position_embeddings") or max_positions)
+    if rope_type == "longrope":
+        return _longrope(scaling_raw, max_positions, original)
     if rope_type == "yarn":
         for name in ("mscale", "mscale_all_dim"):  # DeepSeek's variant of the attention factor
             if scaling_raw.get(name) and scaling_raw.get("attention_factor") is None:
@@ -286,9 +315,24 @@ def _scaling(scaling_raw: Mapping[str, Any]) -> RopeScaling:
         factor=float(scaling_raw.get("factor", 1.0)),
         low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(scaling_raw.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
         beta_fast=float(scaling_raw.get("beta_fast") or 32.0),
         beta_slow=float(scaling_raw.get("beta_slow") or 1.0),
         truncate=bool(scaling_raw.get("truncate", True)),
         attention_factor=None if attention_factor is None else float(attention_factor),
     )
+
+
+def _longrope(scaling_raw: Mapping[str, Any], max_positions: int, original: int) -> RopeScaling:
+    """transformers' ``_compute_longrope_parameters`` below original_max_position_embeddings: the short factors, and
+    cos / sin times attention_factor (default sqrt(1 + ln(factor) / ln(original)), factor defaulting to
+    max_position_embeddings / original)."""
+    short = scaling_raw.get("short_factor")
+    if not isinstance(short, list | tuple) or not short:
+        raise ValueError("rope_scaling.rope_type 'longrope' needs rope_scaling.short_factor (a list of numbers)")
+    factor = float(scaling_raw.get("factor") or max_positions / original)
+    attention_factor = scaling_raw.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention_factor), short_factor=tuple(float(f) for f in short))

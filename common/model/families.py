@@ -210,14 +210,25 @@ def _qwen3_options(raw: Raw) -> ArchOptions:
 
 
 def _phi3_options(raw: Raw) -> ArchOptions:
-    # Phi-3 has no biases; its rotary may cover only part of each head (Phi-3.5 / Phi-4-mini), which Tandem's
-    # rotary does not implement.
+    """Phi-3 has no biases; its rotary may cover only part of each head (Phi-3.5 / Phi-4-mini), which Tandem's rotary
+    does not implement. Phi3Config takes default or longrope RoPE (the old names su and yarn both meaning longrope),
+    the top-level original_max_position_embeddings winning over the rope dict's."""
     params: Raw = raw.get("rope_parameters") or {}
     factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     if factor != 1.0:
         raise ValueError(f"partial_rotary_factor {factor} is not supported (phi3): Tandem's rotary embeds the "
                          f"whole head_dim")
-    return ArchOptions()
+    scaling: Raw = raw.get("rope_scaling") or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return ArchOptions()
+    if rope_type not in ("longrope", "su", "yarn"):
+        raise ValueError(f"rope_scaling.rope_type {rope_type!r} is not supported (phi3): Phi3Config takes default or "
+                         f"longrope")
+    rope = {**scaling, "rope_type": "longrope", "rope_theta": params.get("rope_theta", raw.get("rope_theta", 10000.0))}
+    if raw.get("original_max_position_embeddings"):
+        rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+    return ArchOptions(rope=rope)
 
 
 def _mixtral_options(raw: Raw) -> ArchOptions:
@@ -285,6 +296,14 @@ def _mistral_windows(raw: Raw) -> Windows:
     # MistralModel builds a sliding-window mask for every layer whenever sliding_window is set (layer_types,
     # which transformers only warns about here, is ignored).
     window = raw.get("sliding_window")
+    return () if window is None else (int(window),) * int(raw["num_hidden_layers"])
+
+
+def _qwen3_moe_windows(raw: Raw) -> Windows:
+    """Qwen3-MoE: with ``use_sliding_window``, ``sliding_window`` on every layer. Qwen3MoeConfig has neither
+    ``max_window_layers`` nor ``layer_types`` (the hub's files carry the former; transformers never reads it here):
+    Qwen3MoeAttention takes the config's window in every layer and the model builds one sliding mask for all."""
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
     return () if window is None else (int(window),) * int(raw["num_hidden_layers"])
 
 
@@ -425,8 +444,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # Mixtral: Mistral's attention (a window on every layer when set) with routed experts in every layer.
     Family("mixtral", "MixtralForCausalLM", _mixtral_options, rms_norm_eps=1e-5, layer_windows=_mistral_windows,
            experts=MIXTRAL_EXPERTS),
-    # Qwen3-MoE: Qwen3's attention (q/k norms), routed experts except in mlp_only_layers.
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_options, head_dim=128, layer_windows=_qwen_windows,
+    # Qwen3-MoE: Qwen3's attention (q/k norms; a window on every layer with use_sliding_window), routed experts
+    # except in mlp_only_layers.
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_options, head_dim=128, layer_windows=_qwen3_moe_windows,
            experts=QWEN_EXPERTS),
     # gpt-oss: attention sinks, alternating sliding (128) and full layers, YaRN rope, biased routed experts with
     # a clamped SwiGLU (why gpt-oss rather than DeepSeek-V3: docs/models.md).

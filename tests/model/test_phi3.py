@@ -1,7 +1,7 @@
 """Phi-3 (issue 36): q/k/v and gate/up fused in the checkpoint itself, loaded under the model's own names; a
 window on every layer when ``sliding_window`` is set. Greedy fp32 output identical to transformers on
-random-weight configs saved by transformers, offline and through ``tandem generate``; a partial rotary is
-refused naming the field."""
+random-weight configs saved by transformers, offline and through ``tandem generate``; longrope (the 128k variants)
+read with its short factors; a partial rotary is refused naming the field."""
 
 from __future__ import annotations
 
@@ -61,7 +61,19 @@ def test_phi3_config_reads_and_refusals() -> None:
         ModelConfig.from_dict({**BASE, "model_type": "phi3",
                                "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                    "partial_rotary_factor": 0.75}})
-    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):  # the 128k variants
-        ModelConfig.from_dict({**BASE, "model_type": "phi3",
-                               "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0],
-                                                   "long_factor": [1.0]}})
+    # the 128k variants' longrope: the short factors, served up to original_max_position_embeddings (the top level's
+    # winning, as Phi3Config reads it; tests/model/test_heldout_families.py runs it against transformers)
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]}
+    phi3_128k = ModelConfig.from_dict({**BASE, "model_type": "phi3", "max_position_embeddings": 1024,
+                                       "original_max_position_embeddings": 256, "rope_parameters": longrope})
+    assert phi3_128k.rope_scaling.rope_type == "longrope" and phi3_128k.max_position_embeddings == 256
+    assert phi3_128k.rope_scaling.short_factor == (1.0, 2.0) and phi3_128k.rope_scaling.factor == 4.0
+    su = ModelConfig.from_dict({**BASE, "model_type": "phi3", "rope_scaling": {**longrope, "rope_type": "su"}})
+    assert su.rope_scaling.rope_type == "longrope"
+    with pytest.raises(ValueError, match=r"rope_scaling.short_factor has 1 entries; longrope needs head_dim / 2 = 2"):
+        ModelConfig.from_dict({**BASE, "model_type": "phi3", "rope_parameters": {**longrope, "short_factor": [1.0]}})
+    with pytest.raises(ValueError, match=r"rope_scaling.rope_type 'longrope' needs rope_scaling.short_factor"):
+        ModelConfig.from_dict({**BASE, "model_type": "phi3", "rope_parameters": {"rope_type": "longrope",
+                                                                                 "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match=r"rope_scaling.rope_type 'linear' is not supported \(phi3\)"):
+        ModelConfig.from_dict({**BASE, "model_type": "phi3", "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
