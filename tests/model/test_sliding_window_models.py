@@ -214,15 +214,19 @@ def test_windowed_prompt_longer_than_the_pool_is_prefilled_chunk_by_chunk(tiny_m
     assert tokens == _hf_greedy(model_dir, prompt, 6)
 
 
+def _long_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (60, 23)]
+
+
 def _long_prompt_run(model_dir: Path, num_blocks: int, max_tokens: int = 6, **llm_args: Any
                      ) -> tuple[list[list[int]], int, int, int]:
-    """Two windowed prompts (60 and 23 tokens, 4-token blocks, 3-token chunks) through a small pool: the tokens,
-    the pool's peak, the drafts proposed and those accepted."""
+    """The two ``_long_prompts`` (60 and 23 tokens, 4-token blocks, 3-token chunks) through a small pool: the
+    tokens, the pool's peak, the drafts proposed and those accepted."""
     from common.engine.llm import LLM
     from common.sampling.params import SamplingParams
 
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (60, 23)]
+    prompts = _long_prompts()
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(model_dir, dtype="float32", device="cpu", cache=CacheConfig(block_size=4, num_blocks=num_blocks),
              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_chunk=3),
@@ -244,10 +248,8 @@ def test_windowed_blocks_are_freed_early_at_two_ranks(tiny_model_factory: Callab
     model_dir = _with_tokenizer(_model_dir(tiny_model_factory, "mistral"))
     got, peak, _, _ = _long_prompt_run(model_dir, num_blocks=8, **layout)
     assert peak <= 2 * 3  # each request: the window (5) and a chunk (3), blocks_needed(5 + 3 + 2) = 3
-    for prompt_len, tokens in zip((60, 23), got, strict=True):
-        gen = torch.Generator().manual_seed(4)
-        prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (60, 23)]
-        assert tokens == _hf_greedy(model_dir, prompts[(60, 23).index(prompt_len)], 6), prompt_len
+    for prompt, tokens in zip(_long_prompts(), got, strict=True):
+        assert tokens == _hf_greedy(model_dir, prompt, 6)
 
 
 # draft -> (the draft's model directory arguments, quantization, acceptance it must reach)
@@ -288,9 +290,7 @@ def test_a_windowed_draft_model_frees_blocks_early_and_stays_exact(tiny_model_fa
     got, peak, drafted, accepted = _long_prompt_run(model_dir, num_blocks=12, max_tokens=16, speculative=spec)
     # window 5 + 3 drafts + 1: blocks_needed(9 + 3 + 2) = 4 per request, and the drafts' slots
     assert peak <= 2 * 5
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (60, 23)]
-    for prompt, tokens in zip(prompts, got, strict=True):
+    for prompt, tokens in zip(_long_prompts(), got, strict=True):
         assert tokens == _hf_greedy(model_dir, prompt, 16), draft
     assert drafted > 0 and accepted >= acceptance * drafted, (drafted, accepted)
     # the first step after each chunked prompt restarts the draft's context (the blocks before were freed);
