@@ -229,7 +229,8 @@ class ModelConfig:
         options = fam.read(raw)
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        rope_theta, rope_scaling = _read_rope(raw) if options.rope is None else _rope_of(options.rope, raw)
+        rope_theta, rope_scaling = (_read_rope(raw, fam.rope_theta, fam.rope_scaling) if options.rope is None
+                                    else _rope_of(options.rope, raw))
         sliding_rope = None if options.sliding_rope is None else _rope_of(options.sliding_rope, raw)
         # longrope: served up to its pretraining length, where transformers' short factors hold (RopeScaling)
         max_positions = min([int(raw.get("max_position_embeddings", 2048))] + [
@@ -246,7 +247,8 @@ class ModelConfig:
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or fam.head_dim or hidden // num_heads),
+            # a null head_dim is hidden / heads wherever transformers runs it; absent, the family's default
+            head_dim=int(raw.get("head_dim") or ("head_dim" not in raw and fam.head_dim) or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", fam.rms_norm_eps)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -281,11 +283,12 @@ class ModelConfig:
         return ModelConfig.from_dict(json.loads(path.read_text()), name=Path(model_dir).name)
 
 
-def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
-    """RoPE theta and scaling from either transformers layout."""
+def _read_rope(raw: dict[str, Any], default_theta: float, default_scaling: Mapping[str, Any] | None,
+               ) -> tuple[float, RopeScaling]:
+    """RoPE theta and scaling from either transformers layout; the family's defaults where the file has none."""
     params = raw.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    return theta, _scaling(raw.get("rope_scaling") or params, raw)
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
+    return theta, _scaling(raw.get("rope_scaling") or params or default_scaling or {}, raw)
 
 
 def _rope_of(params: Mapping[str, Any], raw: Mapping[str, Any]) -> tuple[float, RopeScaling]:

@@ -163,6 +163,10 @@ class Family:
     options: Callable[[Raw], ArchOptions]
     rms_norm_eps: float = 1e-6  # where config.json leaves it out (transformers' default for every family here)
     head_dim: int | None = None  # where config.json leaves it out (None: hidden_size / num_attention_heads)
+    # Where config.json has no rope_theta (nor rope_parameters' own) / neither rope_parameters nor rope_scaling: the
+    # family config's default_theta and default rotary (gpt-oss: its YaRN).
+    rope_theta: float = 10000.0
+    rope_scaling: Raw | None = None
     # Each layer's attention window, as transformers' modeling code of this family sets it (() : none has one).
     layer_windows: Callable[[Raw], Windows] = _no_window
     fused_weights: Mapping[str, tuple[str, int]] = field(default_factory=lambda: SPLIT_PROJECTIONS)
@@ -443,15 +447,18 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            fused_weights={}),
     # Mixtral: Mistral's attention (a window on every layer when set) with routed experts in every layer.
     Family("mixtral", "MixtralForCausalLM", _mixtral_options, rms_norm_eps=1e-5, layer_windows=_mistral_windows,
-           experts=MIXTRAL_EXPERTS),
+           experts=MIXTRAL_EXPERTS, rope_theta=1e6),
     # Qwen3-MoE: Qwen3's attention (q/k norms; a window on every layer with use_sliding_window), routed experts
-    # except in mlp_only_layers.
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_options, head_dim=128, layer_windows=_qwen3_moe_windows,
+    # except in mlp_only_layers. Qwen3MoeConfig has no head_dim of its own (Qwen3Config's is 128): where the file
+    # has none, hidden / heads.
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_options, layer_windows=_qwen3_moe_windows,
            experts=QWEN_EXPERTS),
     # gpt-oss: attention sinks, alternating sliding (128) and full layers, YaRN rope, biased routed experts with
     # a clamped SwiGLU (why gpt-oss rather than DeepSeek-V3: docs/models.md).
     Family("gpt_oss", "GptOssForCausalLM", _gpt_oss_options, rms_norm_eps=1e-5, head_dim=64,
-           layer_windows=_layer_type_windows, experts=GPT_OSS_EXPERTS),
+           layer_windows=_layer_type_windows, experts=GPT_OSS_EXPERTS, rope_theta=150000.0,
+           rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096}),
     # Gemma 2 / Gemma 3 text: the Llama checkpoint layout plus the sandwich norms (and Gemma 3's q/k norms) under
     # the model's own names; tied heads and head_dim 256 by default.
     Family("gemma2", "Gemma2ForCausalLM", _gemma2_options, head_dim=256, layer_windows=_gemma_windows(None),

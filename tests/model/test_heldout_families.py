@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -85,6 +86,8 @@ HELDOUT: dict[str, tuple[str, dict[str, Any]]] = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 3,
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": True,
         "use_sliding_window": True, "sliding_window": 4}),
+    "qwen3moe-no-head-dim-top2": ("qwen3_moe", {"num_attention_heads": 8, "num_key_value_heads": 2, "num_experts": 3,
+                                                "num_experts_per_tok": 2, "moe_intermediate_size": 20}),
     "qwen3moe-top4-of-4-unnormed": ("qwen3_moe", {**_MQA, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 4,
                                                    "moe_intermediate_size": 12, "norm_topk_prob": False}),
     # --- Mixtral ---
@@ -188,10 +191,28 @@ def test_heldout_offline_greedy_identical_to_transformers(tiny_model_factory: Ca
 
 
 # --- the hub's older config layout: top-level rope_theta / rope_scaling ("type", not "rope_type"), Gemma 3's
-# rope_local_base_freq, Phi-3's "su"; transformers reads these files itself, as a checkpoint from the hub ---
+# rope_local_base_freq and sliding_window_pattern, Phi-3's "su", no layer_types (Qwen2's max_window_layers, Gemma's
+# and gpt-oss's default patterns decide), Qwen3-MoE's num_experts; transformers reads these files itself, as a
+# checkpoint from the hub ---
 
-def _hub_layout(config: dict[str, Any], drop: tuple[str, ...], type_key: str, type_name: str | None) -> dict[str, Any]:
-    params = config.pop("rope_parameters")
+@dataclass(frozen=True)
+class Hub:
+    source: str  # the held-out config rewritten
+    drop_rope: tuple[str, ...] = ()  # keys left out of rope_scaling
+    type_key: str = "type"  # Gemma 3's files say rope_type (its config reads a "type" as the default rotary, as Tandem)
+    type_name: str | None = None  # the rope type's old name
+    drop: tuple[str, ...] = ("layer_types",)  # top-level keys left out
+    rename: tuple[tuple[str, str], ...] = ()
+
+
+def _hub_layout(config: dict[str, Any], hub: Hub) -> dict[str, Any]:
+    for key in hub.drop:
+        config.pop(key, None)
+    for old, new in hub.rename:
+        config[new] = config.pop(old)
+    params = config.pop("rope_parameters", None)
+    if params is None:  # dropped: the family's default rotary
+        return config
     if "full_attention" in params:  # Gemma 3: keyed by layer type
         full, local = dict(params["full_attention"]), dict(params["sliding_attention"])
         config["rope_theta"], config["rope_local_base_freq"] = full.pop("rope_theta"), local["rope_theta"]
@@ -202,35 +223,41 @@ def _hub_layout(config: dict[str, Any], drop: tuple[str, ...], type_key: str, ty
     params.pop("partial_rotary_factor", None)
     rope_type = params.pop("rope_type")
     if rope_type != "default":
-        params[type_key] = type_name or rope_type
-        config["rope_scaling"] = {k: v for k, v in params.items() if k not in drop}
+        params[hub.type_key] = hub.type_name or rope_type
+        config["rope_scaling"] = {k: v for k, v in params.items() if k not in hub.drop_rope}
     return config
 
 
-# name -> (the held-out config, keys left out of rope_scaling, the rope type's key and old name). Gemma 3's files say
-# rope_type (its config reads a "type" as the default rotary, and so does Tandem).
-HUB: dict[str, tuple[str, tuple[str, ...], str, str | None]] = {
-    "llama3-rope-no-original-length": ("llama-mqa-tied-llama3-rope", ("original_max_position_embeddings",), "type",
-                                       None),
-    "qwen2-yarn": ("qwen2-gqa3-yarn-layer-types", (), "type", None),
-    "qwen3-yarn-no-original-length": ("qwen3-mqa-yarn-3layers", ("original_max_position_embeddings",), "rope_type",
-                                      None),
-    "gemma3-local-base-freq-linear": ("gemma3-pattern3-5layers-mqa", (), "rope_type", None),
-    "phi3-su": ("phi3-longrope-mqa", (), "type", "su"),
-    "mistral-theta": ("mistral-gqa4-no-window-theta1e6", (), "type", None),
+_NO_ORIGINAL = ("original_max_position_embeddings",)
+HUB: dict[str, Hub] = {
+    "llama3-rope-no-original-length": Hub("llama-mqa-tied-llama3-rope", drop_rope=_NO_ORIGINAL),
+    "qwen2-yarn-max-window-layers": Hub("qwen2-mqa-window4-from-layer2-of-5"),
+    "qwen2-yarn": Hub("qwen2-gqa3-yarn-layer-types", drop=()),
+    "qwen3-yarn-no-original-length": Hub("qwen3-mqa-yarn-3layers", drop_rope=_NO_ORIGINAL, type_key="rope_type"),
+    "qwen3-max-window-layers": Hub("qwen3-gqa6-window3-max-window-layers"),
+    "qwen3moe-num-experts": Hub("qwen3moe-top2-normed-window", rename=(("num_local_experts", "num_experts"),)),
+    "gemma2-default-pattern": Hub("gemma2-mqa-5layers-window3-tied"),
+    "gemma3-local-base-freq-linear-pattern": Hub("gemma3-pattern3-5layers-mqa", type_key="rope_type",
+                                                 drop=("layer_types", "_sliding_window_pattern")),
+    "phi3-su": Hub("phi3-longrope-mqa", type_name="su"),
+    "mistral-theta": Hub("mistral-gqa4-no-window-theta1e6"),
+    "gptoss-yarn-default-pattern": Hub("gptoss-top1-mqa-window3", type_key="rope_type"),
+    # no rope fields at all: the family's default theta (Mixtral 1e6) and rotary (gpt-oss: YaRN over theta 150 000)
+    "mixtral-default-theta": Hub("mixtral-top2-of-3-tied-theta1e6", drop=("rope_parameters",)),
+    "gptoss-default-rope": Hub("gptoss-top3-layer-types-swiglu3", drop=("rope_parameters",)),
 }
 
 
 def hub_model(factory: Callable[..., Path], name: str) -> Path:
     import shutil
 
-    source, drop, type_key, type_name = HUB[name]
-    model_dir = heldout_model(factory, source)
+    hub = HUB[name]
+    model_dir = heldout_model(factory, hub.source)
     hub_dir = model_dir.with_name(f"{model_dir.name}-hub-{name}")
     if not hub_dir.exists():
         shutil.copytree(model_dir, hub_dir)
         config = json.loads((hub_dir / "config.json").read_text())
-        (hub_dir / "config.json").write_text(json.dumps(_hub_layout(config, drop, type_key, type_name), indent=2))
+        (hub_dir / "config.json").write_text(json.dumps(_hub_layout(config, hub), indent=2))
     return hub_dir
 
 
@@ -249,22 +276,32 @@ def test_hub_layout_reads_the_same_rotary(tiny_model_factory: Callable[..., Path
     for name in ("llama3-rope-no-original-length", "qwen3-yarn-no-original-length"):
         config = ModelConfig.from_pretrained(hub_model(tiny_model_factory, name))
         assert config.rope_scaling.original_max_position_embeddings == config.max_position_embeddings == 256, name
-    gemma3 = ModelConfig.from_pretrained(hub_model(tiny_model_factory, "gemma3-local-base-freq-linear"))
+    gemma3 = ModelConfig.from_pretrained(hub_model(tiny_model_factory, "gemma3-local-base-freq-linear-pattern"))
     assert (gemma3.rope_theta, gemma3.rope_scaling.rope_type, gemma3.rope_scaling.factor) == (1e6, "linear", 8.0)
     assert gemma3.sliding_rope_theta == 100.0
     phi3 = ModelConfig.from_pretrained(hub_model(tiny_model_factory, "phi3-su"))
     assert phi3.rope_scaling.rope_type == "longrope"
+    # without layer_types: Qwen2's max_window_layers, Gemma's and gpt-oss's default patterns
+    windows = {"qwen2-yarn-max-window-layers": (None, None, 4, 4, 4), "qwen3-max-window-layers": (None, 3, 3),
+               "gemma2-default-pattern": (3, None, 3, None, 3), "gptoss-yarn-default-pattern": (3, None, 3),
+               "gemma3-local-base-freq-linear-pattern": (3, 3, None, 3, 3), "qwen3moe-num-experts": (4, 4, 4)}
+    for name, expected in windows.items():
+        assert ModelConfig.from_pretrained(hub_model(tiny_model_factory, name)).layer_windows == expected, name
+    assert ModelConfig.from_pretrained(hub_model(tiny_model_factory, "mixtral-default-theta")).rope_theta == 1e6
+    gpt_oss = ModelConfig.from_pretrained(hub_model(tiny_model_factory, "gptoss-default-rope"))
+    assert (gpt_oss.rope_theta, gpt_oss.rope_scaling.rope_type) == (150000.0, "yarn")
 
 
-# Configs whose rotary is scaled: the greedy tests above barely turn their low frequencies at 30 positions, so the
-# cos / sin tables are compared with transformers' own over the whole length served (RotaryEmbedding's table).
+# Configs whose rotary is scaled or defaulted: the greedy tests above barely turn their low frequencies at 30
+# positions, so the cos / sin tables are compared with transformers' own over the whole length served.
 SCALED_ROTARY = ("heldout:llama-mqa-tied-llama3-rope", "heldout:llama-gqa3-biases-linear-rope",
                  "heldout:llama-yarn-betas-attention-factor",
                  "heldout:qwen2-gqa3-yarn-layer-types", "heldout:qwen3-mqa-yarn-3layers",
                  "heldout:gemma3-pattern3-5layers-mqa", "heldout:phi3-longrope-mqa",
                  "heldout:phi3-longrope-gqa3-attention-factor", "heldout:gptoss-top1-mqa-window3",
                  "hub:llama3-rope-no-original-length", "hub:qwen2-yarn", "hub:qwen3-yarn-no-original-length",
-                 "hub:gemma3-local-base-freq-linear", "hub:phi3-su")
+                 "hub:gemma3-local-base-freq-linear-pattern", "hub:phi3-su", "hub:gptoss-yarn-default-pattern",
+                 "hub:gptoss-default-rope", "hub:mixtral-default-theta")
 
 
 @pytest.mark.parametrize("name", SCALED_ROTARY)
