@@ -405,3 +405,32 @@ def test_heldout_moe_through_the_served_system(tiny_model_factory: Callable[...,
     with deployment(model_dir, tmp_path, prefill=1, decode=1) as launcher:
         assert [generate(launcher.gateway.target, request(p, TOKENS))[0] for p in prompts] == expected
         wait_all_blocks_free(launcher)
+
+
+@pytest.mark.e2e
+def test_heldout_moe_through_tandem_up(tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    """The `tandem up` command itself, as a user starts it (a process; SIGTERM stops it and its services)."""
+    import signal
+    import subprocess
+    import sys
+
+    from common.serving.port_reservation import reserve_ports
+    from tests.e2e.test_disaggregated import generate, request
+
+    model_dir = heldout_model(tiny_model_factory, "qwen3moe-no-head-dim-top2")
+    prompts = _prompts()
+    expected = hf_greedy(model_dir, prompts, TOKENS)
+    port = reserve_ports(1)[0]
+    up = subprocess.Popen([sys.executable, "-m", "tandem_cli.cli", "up", "--model", str(model_dir), "--dtype",
+                           "float32", "--port", str(port), "--http-port", "0", "--log-dir", str(tmp_path)],
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        assert up.stderr is not None
+        said = [up.stderr.readline()]  # what it says up to "Tandem is up" (or its exit: an empty line)
+        while said[-1] and "Tandem is up" not in said[-1]:
+            said.append(up.stderr.readline())
+        assert "Tandem is up" in said[-1], "".join(said)
+        assert [generate(f"127.0.0.1:{port}", request(p, TOKENS))[0] for p in prompts] == expected
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
