@@ -17,7 +17,7 @@ from typing import Any
 
 from common.model.families import SUPPORTED_MODEL_TYPES, Activation, MoEOptions, family
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class RopeScaling:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3, yarn and longrope
+    # llama3, yarn and longrope; dynamic: the config's max_position_embeddings
+    original_max_position_embeddings: int = 8192
     beta_fast: float = 32.0  # yarn: the correction range's bounds, in rotations
     beta_slow: float = 1.0
     truncate: bool = True  # yarn: round the correction range to whole dimensions
@@ -40,6 +41,14 @@ class RopeScaling:
     # original_max_position_embeddings; Tandem implements the short factors only and serves such a model up to
     # that length (ModelConfig.from_dict caps max_position_embeddings there; RotaryEmbedding refuses beyond it).
     short_factor: tuple[float, ...] = ()
+    # dynamic (NTK): transformers' rotary is the unscaled one up to max_position_embeddings and only past it raises
+    # the base for every position (a sequence-length-dependent rotary no KV cache can follow); Tandem serves such a
+    # model up to max_position_embeddings, where it is the default rotary, and RotaryEmbedding refuses beyond.
+
+    @property
+    def served_positions(self) -> int | None:
+        """The positions this rotary holds as transformers computes it (None: every one)."""
+        return self.original_max_position_embeddings if self.rope_type in ("longrope", "dynamic") else None
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -63,7 +72,7 @@ class RopeScaling:
 
     def scale_inv_freq(self, inv_freq: list[float], theta: float = 10000.0) -> list[float]:
         """Apply the scaling to RoPE inverse frequencies (one per pair of head dims; ``theta``: their base)."""
-        if self.rope_type == "default":
+        if self.rope_type in ("default", "dynamic"):  # dynamic: unscaled within served_positions
             return inv_freq
         if self.rope_type == "linear":
             return [f / self.factor for f in inv_freq]
@@ -306,6 +315,9 @@ def _scaling(scaling_raw: Mapping[str, Any], raw: Mapping[str, Any]) -> RopeScal
     original = int(scaling_raw.get("original_max_position_embeddings") or max_positions)
     if rope_type == "longrope":
         return _longrope(scaling_raw, max_positions, original)
+    if rope_type == "dynamic":
+        return RopeScaling(rope_type="dynamic", factor=float(scaling_raw.get("factor", 1.0)),
+                           original_max_position_embeddings=max_positions)
     if rope_type == "yarn":
         for name in ("mscale", "mscale_all_dim"):  # DeepSeek's variant of the attention factor
             if scaling_raw.get(name) and scaling_raw.get("attention_factor") is None:

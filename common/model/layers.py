@@ -58,12 +58,11 @@ class RotaryEmbedding(nn.Module):
     def _table(self, device: torch.device, dtype: torch.dtype, needed: int) -> torch.Tensor:
         table = self._cos_sin
         if table is None or table.device != device or table.dtype != dtype or table.shape[0] < needed:
-            original = self.scaling.original_max_position_embeddings
-            if self.scaling.rope_type == "longrope" and needed > original:
-                # transformers' long factors take over past the pretraining length: not implemented (RopeScaling)
-                raise ValueError(f"position {needed - 1} is past longrope's rope_scaling."
-                                 f"original_max_position_embeddings {original}: Tandem implements the short "
-                                 f"factors only")
+            served = self.scaling.served_positions
+            if served is not None and needed > served:
+                # longrope's long factors / dynamic NTK's raised base take over past it: not implemented (RopeScaling)
+                raise ValueError(f"position {needed - 1} is past the {served} positions Tandem serves with "
+                                 f"rope_scaling.rope_type {self.scaling.rope_type!r}")
             n = max(self.max_positions, needed)
             inv_freq = [self.theta ** (-2 * i / self.head_dim) for i in range(self.head_dim // 2)]
             inv = torch.tensor(self.scaling.scale_inv_freq(inv_freq, self.theta), dtype=torch.float32, device=device)

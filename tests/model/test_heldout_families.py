@@ -50,6 +50,9 @@ HELDOUT: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 20000.0, "factor": 8.0, "beta_fast": 16.0,
                             "beta_slow": 2.0, "attention_factor": 1.2, "truncate": False,
                             "original_max_position_embeddings": 64}}),
+    # dynamic NTK: the default rotary within max_position_embeddings (64 here, past the longest sequence below)
+    "llama-dynamic-ntk-gqa2": ("llama", {"num_hidden_layers": 3, "max_position_embeddings": 64, "rope_parameters": {
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}}),
     # --- Mistral ---
     "mistral-mqa-window3-5layers-tied": ("mistral", {**_MQA, "head_dim": 24, "num_hidden_layers": 5,
                                                      "sliding_window": 3, "tie_word_embeddings": True}),
@@ -295,7 +298,7 @@ def test_hub_layout_reads_the_same_rotary(tiny_model_factory: Callable[..., Path
 # Configs whose rotary is scaled or defaulted: the greedy tests above barely turn their low frequencies at 30
 # positions, so the cos / sin tables are compared with transformers' own over the whole length served.
 SCALED_ROTARY = ("heldout:llama-mqa-tied-llama3-rope", "heldout:llama-gqa3-biases-linear-rope",
-                 "heldout:llama-yarn-betas-attention-factor",
+                 "heldout:llama-yarn-betas-attention-factor", "heldout:llama-dynamic-ntk-gqa2",
                  "heldout:qwen2-gqa3-yarn-layer-types", "heldout:qwen3-mqa-yarn-3layers",
                  "heldout:gemma3-pattern3-5layers-mqa", "heldout:phi3-longrope-mqa",
                  "heldout:phi3-longrope-gqa3-attention-factor", "heldout:gptoss-top1-mqa-window3",
@@ -360,14 +363,18 @@ def test_longrope_is_served_up_to_its_original_length(tiny_model_factory: Callab
     rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling)
     q = torch.zeros(1, 1, config.head_dim)
     rotary(torch.tensor([63]), q, q)
-    with pytest.raises(ValueError, match=r"position 64 is past longrope's rope_scaling.original_max_position_emb"):
+    with pytest.raises(ValueError, match=r"position 64 is past the 64 positions Tandem serves with rope_scaling."
+                                         r"rope_type 'longrope'"):
         rotary(torch.tensor([64]), q, q)
+    dynamic = ModelConfig.from_pretrained(heldout_model(tiny_model_factory, "llama-dynamic-ntk-gqa2"))
+    assert dynamic.rope_scaling.served_positions == dynamic.max_position_embeddings == 64
 
 
 # model_type, overrides (a real checkpoint saved by transformers), what the refusal names
 REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
-    "llama-dynamic-rope": ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
-                           r"rope_scaling.rope_type 'dynamic' is not supported"),
+    "llama-proportional-rope": ("llama", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4,
+                                                              "factor": 2.0}},
+                                r"rope_scaling.rope_type 'proportional' is not supported"),
     "qwen2-gelu": ("qwen2", {"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(qwen2\)"),
     "mixtral-relu": ("mixtral", {"hidden_act": "relu", "num_local_experts": 3, "num_experts_per_tok": 1,
                                  "intermediate_size": 16}, r"hidden_act 'relu' is not supported \(mixtral\)"),

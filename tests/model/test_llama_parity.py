@@ -76,7 +76,7 @@ def test_config_reads_both_rope_layouts() -> None:
 @pytest.mark.parametrize(("field", "value", "needle"), [
     ("model_type", "gpt2", "model_type"),
     ("num_key_value_heads", 3, "num_key_value_heads"),
-    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_type"),
+    ("rope_scaling", {"rope_type": "proportional", "factor": 2.0}, "rope_type"),
 ])
 def test_config_rejects_unsupported(field: str, value: Any, needle: str) -> None:
     raw = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
