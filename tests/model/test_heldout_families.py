@@ -1,13 +1,17 @@
 """Held-out configs of every family (issue 36's acceptance check, done here first): shapes and options the
-family tests do not use, greedy fp32 tokens from Tandem equal to transformers' (offline ``LLM`` for all, ``tandem
-generate`` for a subset), and what Tandem cannot honour refused at load naming the field.
+family tests do not use, greedy fp32 tokens from Tandem equal to transformers' (offline ``LLM`` for all, twice,
+the second time through the prefix cache; ``tandem generate`` for a subset; mixtures of experts through the served
+system and the ``tandem up`` command), and what Tandem cannot honour refused at load naming the field.
 
-The sweep: MQA (one KV head) and GQA 3:1 / 4:1 / 6:1, ``head_dim`` decoupled from hidden / heads, tied and untied
-heads, odd layer counts, windows shorter than the prompts, the RoPE scalings the families' real checkpoints use
-(Llama 3's ``llama3``, Qwen's ``yarn``, Gemma 3's ``linear`` on the global layers with its local base), Qwen3-MoE
-with dense layers from ``mlp_only_layers`` and ``decoder_sparse_step`` together, top-1 and top-2 routing,
-``norm_topk_prob`` both ways. Some configs are rewritten into the hub's older layout (top-level ``rope_theta`` /
-``rope_scaling`` / ``rope_local_base_freq``), which transformers and Tandem must both read the same way.
+The sweep: MQA (one KV head) and GQA 3:1 / 4:1 / 6:1, ``head_dim`` decoupled from hidden / heads (or absent: the
+family's default), tied and untied heads, odd layer counts, windows shorter than the prompts, the RoPE scalings the
+families' real checkpoints use (Llama 3's ``llama3``, ``linear``, ``dynamic``, Qwen's ``yarn``, Phi-3's
+``longrope``, Gemma 3's ``linear`` on the global layers with its local base, gpt-oss's YaRN), Qwen3-MoE with dense
+layers from ``mlp_only_layers`` and ``decoder_sparse_step`` together, top-1 / 2 / 3 / 4 routing, ``norm_topk_prob``
+both ways. Some configs are rewritten into the hub's older layout (top-level ``rope_theta`` / ``rope_scaling``,
+no ``layer_types``, Gemma 3's ``rope_local_base_freq`` and ``sliding_window_pattern``, no RoPE fields at all), which
+transformers and Tandem must both read the same way; the rotary tables are compared with transformers' where the
+greedy tokens at these lengths would not see a frequency wrong.
 """
 
 from __future__ import annotations
@@ -148,7 +152,7 @@ HELDOUT: dict[str, tuple[str, dict[str, Any]]] = {
     "gptoss-top3-layer-types-swiglu3": ("gpt_oss", {
         "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 3,
         "num_local_experts": 4, "num_experts_per_tok": 3, "intermediate_size": 16, "swiglu_limit": 3.0,
-        "attention_bias": False,
+        "attention_bias": False, "swiglu_alpha": 1.2,
         "sliding_window": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
         "max_position_embeddings": 256}),
 }
