@@ -9,6 +9,7 @@ settings are read: the old top-level ``rope_theta`` / ``rope_scaling`` and trans
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from common.model.families import SUPPORTED_MODEL_TYPES, Activation, MoEOptions, family
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
@@ -246,6 +249,11 @@ class ModelConfig:
             scaling.original_max_position_embeddings for scaling in
             (rope_scaling, RopeScaling() if sliding_rope is None else sliding_rope[1])
             if scaling.rope_type == "longrope"])
+        if max_positions < int(raw.get("max_position_embeddings", 2048)):
+            log.warning("%s: longrope is served up to original_max_position_embeddings = %d positions, not the "
+                        "config's max_position_embeddings %s (past it transformers switches to the long factors, "
+                        "which Tandem does not implement)", name or model_type, max_positions,
+                        raw.get("max_position_embeddings"))
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return ModelConfig(
