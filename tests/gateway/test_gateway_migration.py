@@ -152,6 +152,7 @@ def test_a_call_cancelled_under_the_gateway_is_the_nodes_failure(served_model: S
             await eventually(lambda: queue.qsize() == 1)  # the reservation
             c.board.push("decode-0/r1", tokens[0])  # the KV "arrived": the node streams two tokens, then hangs
             await asyncio.wait_for(c.decodes[0].hanging.wait(), 10)
+            await eventually(lambda: queue.qsize() == 3)  # both deltas read (they may land after the hang)
             await channel.close()  # cancels the call on this side
             failure = await asyncio.wait_for(reader, 10)
             assert isinstance(failure, grpc.aio.AioRpcError) and failure.code() == grpc.StatusCode.CANCELLED
