@@ -245,11 +245,10 @@ class ModelConfig:
                                     else _rope_of(options.rope, raw))
         sliding_rope = None if options.sliding_rope is None else _rope_of(options.sliding_rope, raw)
         # longrope: served up to its pretraining length, where transformers' short factors hold (RopeScaling)
-        max_positions = min([int(raw.get("max_position_embeddings", 2048))] + [
-            scaling.original_max_position_embeddings for scaling in
-            (rope_scaling, RopeScaling() if sliding_rope is None else sliding_rope[1])
-            if scaling.rope_type == "longrope"])
-        if max_positions < int(raw.get("max_position_embeddings", 2048)):
+        config_positions = int(raw.get("max_position_embeddings", 2048))
+        scalings = (rope_scaling,) if sliding_rope is None else (rope_scaling, sliding_rope[1])
+        max_positions = min([config_positions, *(s.served_positions for s in scalings if s.served_positions)])
+        if max_positions < config_positions:
             log.warning("%s: longrope is served up to original_max_position_embeddings = %d positions, not the "
                         "config's max_position_embeddings %s (past it transformers switches to the long factors, "
                         "which Tandem does not implement)", name or model_type, max_positions,

@@ -99,8 +99,7 @@ class DraftModelProposer:
                 starts[i] = chunks[i].start
         for i in restart:
             if i not in fresh:  # the draft's own frame from the first block the table holds
-                held = next(j for j, b in enumerate(chunks[i].block_ids) if b != NULL_BLOCK)
-                starts[i] = bases[i] = self._base[chunks[i].request.request_id] = held * bs
+                starts[i] = bases[i] = self._base[chunks[i].request.request_id] = self._first_held(chunks[i])
         input_ids: list[int] = []
         positions: list[int] = []
         for i in slots:
@@ -139,10 +138,14 @@ class DraftModelProposer:
 
     def _reads_freed(self, chunk: ScheduledChunk, start: int, base: int) -> bool:
         """Would catching ``chunk``'s request up from ``start`` (in the frame from ``base``) read a freed block?"""
-        held = next((j for j, b in enumerate(chunk.block_ids) if b != NULL_BLOCK), 0) * self.block_size
+        held = self._first_held(chunk)
         if held <= base:
             return False
         return self.window is None or start - self.window + 1 < held
+
+    def _first_held(self, chunk: ScheduledChunk) -> int:
+        """The first position of the first block ``chunk``'s table holds (its leading freed slots are NULL_BLOCK)."""
+        return next((j for j, b in enumerate(chunk.block_ids) if b != NULL_BLOCK), 0) * self.block_size
 
     def accept(self, request_id: str, num_accepted: int) -> None:
         """After verification: the target kept ``num_accepted`` drafts; the draft's KV is valid for those it
