@@ -18,7 +18,10 @@ The peers (``COMPARISONS``):
 
 Workloads (``--peer-workloads``): ``random-384-128`` (the issue's shape), ``random-1024-64`` (prefill
 heavy), ``random-128-256`` (decode heavy), ``chat`` (a chat-shaped length distribution shipped in
-benchmarks/data/chat_lengths.jsonl) and ``shared-prefix`` (a 512-token prefix that every prompt shares).
+benchmarks/data/chat_lengths.jsonl), ``mixed`` (``tandem bench serve``'s mixed workload for vLLM's client: short
+chats with long outputs and, about one request in five, a 1-1.5k-token prompt with a short output, shipped in
+benchmarks/data/mixed_lengths.jsonl; its SLOs are the mixed workload's) and ``shared-prefix`` (a 512-token prefix
+that every prompt shares).
 """
 
 from __future__ import annotations
@@ -44,13 +47,18 @@ from benchmarks.machine import cpu_name, vector_flags
 from benchmarks.peers.llamacpp_server import LlamaServerConfig, llama_server
 from benchmarks.peers.registry import PeerPython, bundled_gguf, find_peer, find_peer_program
 from benchmarks.peers.vllm_server import ClientWorkload, VLLMServerConfig, run_vllm_client, vllm_server
+from benchmarks.workloads import MixedWorkload
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT_LENGTHS = Path(__file__).resolve().parent / "data" / "chat_lengths.jsonl"
+MIXED_LENGTHS = Path(__file__).resolve().parent / "data" / "mixed_lengths.jsonl"
 TANDEM_SYSTEMS = ("colocated", "disaggregated", "conditional")
 KV_CACHE_GIB = 1  # each system's KV budget: Tandem's node default (--kv-cache-memory-gb 1)
 # The chat workload's clips (chat_lengths_rows); its prompts open with a note of a few more tokens.
 CHAT_MAX_PROMPT, CHAT_MAX_OUTPUT, CHAT_OPENING = 2000, 600, 24
+# The mixed workload's shapes (its defaults: shorts 32-128 -> 64-128 tokens, longs 1024-1536 -> 8-16), drawn
+# for 200 requests in its order of arrival; vLLM's client shuffles them (seeded) and sends num_prompts.
+MIXED = MixedWorkload(num_requests=200)
 # A prompt's tokens as a server counts them may exceed the client's count: a BOS token, and the client's
 # random text re-tokenized by the server.
 PROMPT_SLACK = 32
@@ -102,6 +110,9 @@ def client_workloads(num_prompts: int) -> dict[str, ClientWorkload]:
         ClientWorkload("chat", ("--dataset-name", "custom", "--dataset-path", str(CHAT_LENGTHS),
                                 "--skip-chat-template"), num_prompts, ttft_slo_ms=4000, tpot_slo_ms=300,
                        max_request_tokens=CHAT_OPENING + CHAT_MAX_PROMPT + CHAT_MAX_OUTPUT),
+        ClientWorkload("mixed", ("--dataset-name", "custom", "--dataset-path", str(MIXED_LENGTHS),
+                                 "--skip-chat-template"), num_prompts, ttft_slo_ms=4000, tpot_slo_ms=200,
+                       max_request_tokens=CHAT_OPENING + MIXED.max_total_len),
         ClientWorkload("shared-prefix", (*random_args, "--random-prefix-len", "512", "--random-input-len", "64",
                                          "--random-output-len", "64"), num_prompts, ttft_slo_ms=3000,
                        tpot_slo_ms=300, max_request_tokens=512 + 64 + 64),
@@ -293,25 +304,47 @@ _PASSAGE = ("The river town woke slowly that spring. Boats came up from the coas
 def chat_lengths_rows(tokenizer_dir: Path, n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` chat-shaped requests for vLLM's custom dataset: prompt and output lengths drawn log-normally
     (medians 250 and 150 tokens, long tails clipped at 2,000 and 600), as chat traces such as ShareGPT
-    spread them. Written once to benchmarks/data/chat_lengths.jsonl (``write_chat_lengths``)."""
+    spread them. Written once to benchmarks/data/chat_lengths.jsonl (``write_peer_datasets``)."""
+    rng = random.Random(seed)
+    shapes = []
+    for _ in range(n):
+        prompt_len = min(CHAT_MAX_PROMPT, max(8, round(rng.lognormvariate(math.log(250), 0.8))))
+        output_len = min(CHAT_MAX_OUTPUT, max(4, round(rng.lognormvariate(math.log(150), 0.7))))
+        shapes.append((_opening(rng), prompt_len, output_len))
+    return _text_rows(tokenizer_dir, shapes)
+
+
+def mixed_lengths_rows(tokenizer_dir: Path, workload: MixedWorkload = MIXED) -> list[dict[str, Any]]:
+    """``workload``'s requests (lengths and kinds, in order of arrival) as rows of vLLM's custom dataset.
+    Written once to benchmarks/data/mixed_lengths.jsonl (``write_peer_datasets``)."""
+    rng = random.Random(workload.seed)
+    return _text_rows(tokenizer_dir, [(_opening(rng), len(r.prompt_token_ids), r.output_len)
+                                      for r in workload.requests(vocab_size=2, rate=1.0)])
+
+
+def _opening(rng: random.Random) -> str:
+    # A distinct opening per prompt: the prompts share no prefix, so no prefix cache serves one from another.
+    return f"Note {rng.randrange(10**9)}, page {rng.randrange(10**4)}. "
+
+
+def _text_rows(tokenizer_dir: Path, shapes: Sequence[tuple[str, int, int]]) -> list[dict[str, Any]]:
+    """A row per (opening, prompt tokens, output tokens): the opening, the passage's first tokens, and the
+    output length."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     ids = tokenizer.encode(_PASSAGE * 40, add_special_tokens=False).ids
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        prompt_len = min(CHAT_MAX_PROMPT, max(8, round(rng.lognormvariate(math.log(250), 0.8))))
-        output_len = min(CHAT_MAX_OUTPUT, max(4, round(rng.lognormvariate(math.log(150), 0.7))))
-        # A distinct opening per prompt: chats share no prefix, so no prefix cache serves one from another.
-        opening = f"Note {rng.randrange(10**9)}, page {rng.randrange(10**4)}. "
-        rows.append({"prompt": opening + tokenizer.decode(ids[:prompt_len]), "output_tokens": output_len})
-    return rows
+    assert len(ids) >= max(n for _, n, _ in shapes), "the passage repeated is shorter than a prompt"
+    return [{"prompt": opening + tokenizer.decode(ids[:prompt_len]), "output_tokens": output_len}
+            for opening, prompt_len, output_len in shapes]
 
 
-def write_chat_lengths(tokenizer_dir: Path, path: Path = CHAT_LENGTHS) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in chat_lengths_rows(tokenizer_dir)))
+def write_peer_datasets(tokenizer_dir: Path) -> None:
+    """(Re)write the shipped datasets of vLLM's client: chat_lengths.jsonl and mixed_lengths.jsonl."""
+    for path, rows in ((CHAT_LENGTHS, chat_lengths_rows(tokenizer_dir)), (MIXED_LENGTHS,
+                                                                           mixed_lengths_rows(tokenizer_dir))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def _rate(rate: float) -> str:

@@ -14,7 +14,15 @@ import pytest
 
 from benchmarks.bench_serve import main as bench_serve_main
 from benchmarks.peers.vllm_server import VLLMServerConfig
-from benchmarks.serve_peer import CHAT_LENGTHS, Row, chat_lengths_rows, client_workloads, report
+from benchmarks.serve_peer import (
+    CHAT_LENGTHS,
+    MIXED_LENGTHS,
+    Row,
+    chat_lengths_rows,
+    client_workloads,
+    mixed_lengths_rows,
+    report,
+)
 
 
 def test_the_server_gets_the_same_cores_precision_and_kv_budget(tmp_path: Path) -> None:
@@ -31,7 +39,7 @@ def test_the_server_gets_the_same_cores_precision_and_kv_budget(tmp_path: Path) 
 
 def test_workloads_and_the_shipped_chat_lengths(smollm2_dir: Path) -> None:
     named = client_workloads(48)
-    assert list(named) == ["random-384-128", "random-1024-64", "random-128-256", "chat", "shared-prefix"]
+    assert list(named) == ["random-384-128", "random-1024-64", "random-128-256", "chat", "mixed", "shared-prefix"]
     assert all(w.num_prompts == 48 for w in named.values())
     assert "--random-prefix-len" in named["shared-prefix"].dataset_args
     rows = [json.loads(line) for line in CHAT_LENGTHS.read_text().splitlines()]
@@ -39,6 +47,25 @@ def test_workloads_and_the_shipped_chat_lengths(smollm2_dir: Path) -> None:
     outputs = [r["output_tokens"] for r in rows]
     assert 100 <= statistics.median(outputs) <= 220 and max(outputs) <= 600
     assert len({r["prompt"][:30] for r in rows}) == len(rows)  # no two prompts share an opening
+
+
+def test_the_shipped_mixed_workload_is_tandems_mixed_workload(smollm2_dir: Path) -> None:
+    from tokenizers import Tokenizer
+
+    mixed = client_workloads(48)["mixed"]
+    assert (mixed.ttft_slo_ms, mixed.tpot_slo_ms) == (4000, 200)  # the mixed workload's SLOs (workloads.py)
+    assert str(MIXED_LENGTHS) in mixed.dataset_args
+    rows = [json.loads(line) for line in MIXED_LENGTHS.read_text().splitlines()]
+    assert rows == mixed_lengths_rows(smollm2_dir)  # the file is what the generator writes
+    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    shapes = [(len(tokenizer.encode(r["prompt"]).ids), r["output_tokens"]) for r in rows]
+    longs = [(p, o) for p, o in shapes if p > 1000]
+    shorts = [(p, o) for p, o in shapes if p <= 1000]
+    # About one request in five is a long prompt with a short output; the others are short chats that decode long.
+    assert 0.15 <= len(longs) / len(rows) <= 0.25
+    assert all(p <= 1536 + 32 and 8 <= o <= 16 for p, o in longs)
+    assert all(p <= 128 + 32 and 64 <= o <= 128 for p, o in shorts)
+    assert len({r["prompt"][:30] for r in rows}) == len(rows)
 
 
 def test_report_puts_each_system_beside_vllm() -> None:
