@@ -100,6 +100,8 @@ PeerServer = Callable[[Path], contextlib.AbstractContextManager[tuple[str, float
 def client_workloads(num_prompts: int) -> dict[str, ClientWorkload]:
     """The named workloads, each with ``num_prompts`` requests and SLOs for its goodput."""
     random_args = ("--dataset-name", "random", "--random-range-ratio", "0")
+    # Each row's output_tokens: vLLM's client replaces them with --custom-output-len (default 256) unless it is -1.
+    custom_args = ("--skip-chat-template", "--custom-output-len", "-1", "--dataset-name", "custom", "--dataset-path")
     return {w.name: w for w in (
         ClientWorkload("random-384-128", (*random_args, "--random-input-len", "384", "--random-output-len", "128"),
                        num_prompts, ttft_slo_ms=5000, tpot_slo_ms=500, max_request_tokens=384 + 128),
@@ -107,11 +109,9 @@ def client_workloads(num_prompts: int) -> dict[str, ClientWorkload]:
                        num_prompts, ttft_slo_ms=10000, tpot_slo_ms=500, max_request_tokens=1024 + 64),
         ClientWorkload("random-128-256", (*random_args, "--random-input-len", "128", "--random-output-len", "256"),
                        num_prompts, ttft_slo_ms=3000, tpot_slo_ms=300, max_request_tokens=128 + 256),
-        ClientWorkload("chat", ("--dataset-name", "custom", "--dataset-path", str(CHAT_LENGTHS),
-                                "--skip-chat-template"), num_prompts, ttft_slo_ms=4000, tpot_slo_ms=300,
+        ClientWorkload("chat", (*custom_args, str(CHAT_LENGTHS)), num_prompts, ttft_slo_ms=4000, tpot_slo_ms=300,
                        max_request_tokens=CHAT_OPENING + CHAT_MAX_PROMPT + CHAT_MAX_OUTPUT),
-        ClientWorkload("mixed", ("--dataset-name", "custom", "--dataset-path", str(MIXED_LENGTHS),
-                                 "--skip-chat-template"), num_prompts, ttft_slo_ms=4000, tpot_slo_ms=200,
+        ClientWorkload("mixed", (*custom_args, str(MIXED_LENGTHS)), num_prompts, ttft_slo_ms=4000, tpot_slo_ms=200,
                        max_request_tokens=CHAT_OPENING + MIXED.max_total_len),
         ClientWorkload("shared-prefix", (*random_args, "--random-prefix-len", "512", "--random-input-len", "64",
                                          "--random-output-len", "64"), num_prompts, ttft_slo_ms=3000,

@@ -55,6 +55,9 @@ def test_the_shipped_mixed_workload_is_tandems_mixed_workload(smollm2_dir: Path)
     mixed = client_workloads(48)["mixed"]
     assert (mixed.ttft_slo_ms, mixed.tpot_slo_ms) == (4000, 200)  # the mixed workload's SLOs (workloads.py)
     assert str(MIXED_LENGTHS) in mixed.dataset_args
+    for custom in (mixed, client_workloads(48)["chat"]):  # each row's output length, not the client's 256
+        args = custom.dataset_args
+        assert args[args.index("--custom-output-len") + 1] == "-1"
     rows = [json.loads(line) for line in MIXED_LENGTHS.read_text().splitlines()]
     assert rows == mixed_lengths_rows(smollm2_dir)  # the file is what the generator writes
     tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
