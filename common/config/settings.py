@@ -336,7 +336,7 @@ class KernelSettings:
     cpu_kernels: bool = True  # the compiled CPU attention and KV-write kernels (off: PyTorch's reference ops)
     cpu_isa: str = ""  # force a kernel build: avx512 | avx2 | generic ("": the widest this CPU runs)
     cpu_amx: str = "auto"  # AMX tiles for bf16 panels where the CPU grants them
-    cpu_panels: str = "auto"  # float weights in 16-row panels (off: row-major)
+    cpu_panels: str = "auto"  # float weights in 16-row panels where they pay here (on: always; off: row-major)
     cpu_gemv: str = "auto"  # Tandem's float GEMV and panel methods (off: F.linear only)
     fused_ops: str = "auto"  # the C++ fused elementwise ops (off: the eager reference)
     decode_step: str = "auto"  # the one-call CPU decode step

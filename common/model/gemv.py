@@ -6,8 +6,10 @@ figures), so Tandem multiplies float weights with its own kernels there (``commo
 
 - ``PanelMethod`` (where out_features is a multiple of 16): the weight held in 16-row panels
   (``pack_panels``), multiplied by ``dense_matmul_panel``: each thread streams whole panels, ``vdpbf16ps``
-  on AVX512-BF16. Without AMX, above ``PANEL_MAX_ROWS`` rows (prefill) oneDNN's GEMM is faster, so tiles are
-  unpacked for it. Where the CPU grants AMX, from ``AMX_MIN_ROWS`` rows the panels go straight into AMX tiles
+  on AVX512-BF16. Above the rows where torch's GEMM measured faster here at start-up (``crossover_rows``, at
+  most ``PANEL_MAX_ROWS``; fp32 always, bf16 without AMX), tiles are unpacked for it; where that crossover is
+  below ``PANEL_MIN_CROSSOVER`` weights stay row-major (``GemvMethod``, ``panels_pay``). Where the CPU grants
+  AMX, from ``AMX_MIN_ROWS`` rows the bf16 panels go straight into AMX tiles
   (``common/kernels/cpu/cpu_amx.cpp``: the bf16 panel layout is the tile unit's B layout) at every row count.
   ``TANDEM_CPU_AMX=auto|on|off``. A tied LM head runs panels too and the token lookup reads its rows
   (``TiedEmbedding``): one copy of the matrix. ``TANDEM_CPU_PANELS=off`` keeps row-major weights.
@@ -106,16 +108,66 @@ def amx_min_rows() -> int:
     return NO_AMX if ops is None else _amx_min_rows(ops)
 
 
-def panel_max_rows() -> int:
-    """Rows up to which ``PanelMethod`` multiplies its panels as they lie in this process (0: no kernels);
-    the one-call decode step (common/model/decode_step.py) follows the same limit."""
+def panel_max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
+    """Rows up to which ``PanelMethod`` multiplies ``dtype`` panels as they lie in this process (0: no
+    kernels); the one-call decode step (common/model/decode_step.py) follows the same limit."""
     ops = gemv_kernels()
-    return 0 if ops is None else _panel_max_rows(ops)
+    return 0 if ops is None else _panel_max_rows(ops, dtype)
 
 
-def _panel_max_rows(ops: ModuleType) -> int:
-    """Rows up to which panels multiply as they lie: any count with AMX, else ``PANEL_MAX_ROWS``."""
-    return NO_AMX if _amx_min_rows(ops) < NO_AMX else PANEL_MAX_ROWS
+def _panel_max_rows(ops: ModuleType, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Rows up to which ``dtype`` panels multiply as they lie: bf16 with AMX at any count (the tiles take the
+    panels as they are); otherwise as far as the panel kernel measured faster than torch's GEMM here."""
+    if dtype == torch.bfloat16 and _amx_min_rows(ops) < NO_AMX:
+        return NO_AMX
+    key = f"measured_{dtype}"
+    if key not in _limits:
+        _limits[key] = crossover_rows(measure_crossover(ops, dtype))
+        log.info("%s panels multiply up to %d rows here; torch's GEMM above", dtype, _limits[key])
+    return _limits[key]
+
+
+# The row counts probed for the crossover, at most PANEL_MAX_ROWS. On a 2-core AVX2 EPYC (Zen 3, MKL) the
+# fp32 panels won up to 256 rows; on a 2-core AVX-512/AMX Xeon (session 25) MKL's fp32 GEMM won from 32 rows,
+# by 1.7x at 256-384 (a 384-token prefill 592 -> 370 ms): so the limit is measured where it runs.
+CROSSOVER_PROBES = (8, 16, 32, 64, 128, PANEL_MAX_ROWS)
+_PROBE_SHAPE = (2048, 1024)  # [N, K]: larger than L2, as the models' projections are
+
+
+def measure_crossover(ops: ModuleType, dtype: torch.dtype) -> dict[int, tuple[float, float]]:
+    """Per probed row count, the best of a few timings of (the panel kernel, torch's GEMM) on one weight."""
+    import time
+
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(*_PROBE_SHAPE, generator=gen).to(dtype)
+    panels = pack_panels(w)
+    timings: dict[int, tuple[float, float]] = {}
+    for rows in CROSSOVER_PROBES:
+        x = torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(dtype)
+        best = [float("inf"), float("inf")]
+        for _ in range(3):  # the two alternate, so a neighbour's load falls on both
+            for i, fn in enumerate((lambda x=x: ops.dense_matmul_panel(x, panels, NO_AMX, False),
+                                    lambda x=x: F.linear(x, w))):
+                start = time.perf_counter()
+                fn()
+                best[i] = min(best[i], time.perf_counter() - start)
+        timings[rows] = (best[0], best[1])
+    return timings
+
+
+def crossover_rows(timings: dict[int, tuple[float, float]]) -> int:
+    """The largest probed row count up to which the panel kernel was never slower than torch's GEMM (its
+    timings: rows -> (panels s, GEMM s)); the smallest probe if it lost there too (a decode row still streams
+    the panels, which is what they are for)."""
+    rows = min(timings)
+    for m in sorted(timings):
+        panel, gemm = timings[m]
+        if panel > gemm:
+            break
+        rows = m
+    return rows
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -137,7 +189,7 @@ def unpack_panels(panels: torch.Tensor, p0: int = 0, p1: int | None = None) -> t
 class PanelMethod(LinearMethod):
     """Float weights held in 16-row panels (``dense_matmul_panel``): one contiguous stream per panel at decode
     sizes, ``vdpbf16ps`` where the CPU has AVX512-BF16, AMX tiles from ``AMX_MIN_ROWS`` rows at every size
-    where it grants them. Without AMX, above ``PANEL_MAX_ROWS`` rows (prefill) cache-sized tiles are unpacked
+    where it grants them. Otherwise, above the measured crossover (prefill) cache-sized tiles are unpacked
     to row-major and multiplied by torch's GEMM. The layer holds only the panels (buffer ``panels``);
     ``float_out`` layers return the fp32 sums."""
 
@@ -146,7 +198,7 @@ class PanelMethod(LinearMethod):
     def __init__(self, ops: ModuleType, bucketed: bool) -> None:
         self._ops = ops
         self.bucketed = bucketed  # tiles see bucketed row counts (common/model/row_buckets.py)
-        self._max_rows = _panel_max_rows(ops)
+        self._max_rows = _panel_max_rows(ops)  # bf16's until the panels' dtype is known (refresh)
         self._amx_rows = _amx_min_rows(ops)
 
     @staticmethod
@@ -165,6 +217,7 @@ class PanelMethod(LinearMethod):
 
     def refresh(self, layer: Linear) -> None:
         self._panels = layer.get_buffer("panels")
+        self._max_rows = _panel_max_rows(self._ops, self._panels.dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         panels = self._panels
@@ -204,9 +257,27 @@ class PanelMethod(LinearMethod):
         return f"panels of {PANEL_ROWS} rows"
 
 
-def panel_mode() -> bool:
-    """``TANDEM_CPU_PANELS=auto|on|off`` (auto = on): float weights in 16-row panels where they fit."""
-    return str(kernel_setting("cpu_panels")) != "off"
+def panel_mode(dtype: torch.dtype | None = None) -> bool:
+    """``TANDEM_CPU_PANELS=auto|on|off``: float weights in 16-row panels where they fit; auto: where they pay
+    for ``dtype`` weights (``panels_pay``), on: always."""
+    mode = str(kernel_setting("cpu_panels"))
+    if mode == "off":
+        return False
+    ops = gemv_kernels()
+    return mode == "on" or dtype is None or ops is None or panels_pay(ops, dtype)
+
+
+# Panels hold the only copy of a weight, so above their crossover every call unpacks tiles for torch's GEMM.
+# Where the panel kernel stops winning below this many rows, row-major weights serve better: on the AVX-512/AMX
+# Xeon (fp32, crossover 16 rows) a batch of 48 decoded 1.33x faster and a 384-token prompt prefilled 1.6x
+# faster with row-major weights (``GemvMethod``), batch 1 ~20% slower (session 25).
+PANEL_MIN_CROSSOVER = 64
+
+
+def panels_pay(ops: ModuleType, dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` weights are worth holding in panels here: the panel kernel beats torch's GEMM up to
+    at least ``PANEL_MIN_CROSSOVER`` rows (bf16 with AMX always)."""
+    return _panel_max_rows(ops, dtype) >= PANEL_MIN_CROSSOVER
 
 
 def wanted(device: torch.device) -> bool:

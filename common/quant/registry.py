@@ -57,7 +57,7 @@ def float_method(layer: Linear, device: torch.device, dtype: torch.dtype, panels
         return TorchMethod(bucketed)
     ops = gemv.gemv_kernels()
     assert ops is not None  # gemv.wanted
-    if panels and gemv.panel_mode() and gemv.PanelMethod.fits(layer):
+    if panels and gemv.PanelMethod.fits(layer) and gemv.panel_mode(layer.weight.dtype):
         return gemv.PanelMethod(ops, bucketed)
     return gemv.GemvMethod(ops, bucketed)
 

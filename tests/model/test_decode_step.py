@@ -16,6 +16,7 @@ from common.engine.engine_core import ColocatedEngine
 from common.engine.model_runner import kv_cache_spec
 from common.kernels.cpu import cpu_kernels
 from common.kv.kv_cache import KVCache
+from common.model import gemv
 from common.model.decode_step import MAX_ROWS, MIN_ROWS, DecodeStep, step_mode
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
@@ -31,6 +32,16 @@ SHAPES = {"head16": {}, "head64": {"hidden_size": 256, "num_attention_heads": 4,
 def built() -> None:
     if cpu_kernels() is None:
         pytest.skip("no C++ compiler / ninja here")
+
+
+@pytest.fixture(autouse=True)
+def _panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The step runs on panels; whether fp32 weights are held in them depends on this CPU's measured crossover
+    # (common/model/gemv.py panels_pay), so these tests hold them there always.
+    monkeypatch.setenv("TANDEM_CPU_PANELS", "on")
+    # ... and multiply up to PANEL_MAX_ROWS rows as they lie, as where they win that far (a 40-row batch here)
+    monkeypatch.setattr(gemv, "_limits", {f"measured_{dtype}": gemv.PANEL_MAX_ROWS
+                                          for dtype in (torch.float32, torch.bfloat16)})
 
 
 def _model(factory: Callable[..., Path], shape: str, quantization: str, dtype: str = "float32") -> LlamaForCausalLM:

@@ -59,6 +59,7 @@ def _float_layer(weight: torch.Tensor, bias: torch.Tensor | None = None, panels:
 def test_the_registry_gives_float_layers_the_gemv_methods_and_they_keep_the_results(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_CPU_GEMV", "auto")
+    monkeypatch.setenv("TANDEM_CPU_PANELS", "on")  # whether they pay here: test_panels_are_held_only_where_they_pay
     assert gemv.wanted(torch.device("cpu"))
     assert not gemv.wanted(torch.device("meta"))
     # 48 rows: panels; 17 rows (no multiple of 16): the row-major GEMV
@@ -155,7 +156,8 @@ def test_the_amx_path_is_reported_and_its_mode_checked(ops: object, monkeypatch:
     monkeypatch.setattr(cpu_kernels, "_amx_state", {})
     monkeypatch.setenv("TANDEM_CPU_AMX", "off")
     assert gemv._amx_min_rows(ops) == NO_AMX  # type: ignore[arg-type]
-    assert gemv._panel_max_rows(ops) == gemv.PANEL_MAX_ROWS  # type: ignore[arg-type]
+    # without AMX, bf16 panels multiply up to the crossover measured here (one of the probes)
+    assert gemv._panel_max_rows(ops) in gemv.CROSSOVER_PROBES  # type: ignore[arg-type]
     monkeypatch.setattr(gemv, "_limits", {})
     monkeypatch.setenv("TANDEM_CPU_AMX", "on")
     if path == "amx":
@@ -167,6 +169,31 @@ def test_the_amx_path_is_reported_and_its_mode_checked(ops: object, monkeypatch:
     monkeypatch.setenv("TANDEM_CPU_AMX", "maybe")
     with pytest.raises(ValueError, match="TANDEM_CPU_AMX='maybe'; choose one of auto, on, off"):
         gemv._amx_min_rows(ops)  # type: ignore[arg-type]
+
+
+def test_the_crossover_is_where_the_panels_first_lose() -> None:
+    # rows -> (panel kernel s, torch's GEMM s)
+    assert gemv.crossover_rows({8: (1, 2), 16: (1, 2), 32: (3, 2), 64: (1, 2)}) == 16  # not past a loss
+    assert gemv.crossover_rows({8: (1, 2), 256: (1, 1)}) == 256  # a tie keeps the panels
+    assert gemv.crossover_rows({8: (3, 2), 16: (3, 2)}) == 8  # the smallest probe when they always lose
+
+
+def test_panels_are_held_only_where_they_pay(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.model.linear import Linear
+    from common.quant.registry import float_method
+
+    layer = Linear(64, 48, bias=False)
+    for crossover, panels in ((16, False), (gemv.PANEL_MIN_CROSSOVER, True)):
+        monkeypatch.setattr(gemv, "_limits", {f"measured_{torch.float32}": crossover})
+        assert gemv.panels_pay(ops, torch.float32) is panels  # type: ignore[arg-type]
+        method = float_method(layer, torch.device("cpu"), torch.float32)
+        assert isinstance(method, gemv.PanelMethod if panels else gemv.GemvMethod)
+    monkeypatch.setenv("TANDEM_CPU_PANELS", "on")  # on: panels whatever the measurement
+    monkeypatch.setattr(gemv, "_limits", {f"measured_{torch.float32}": 16})
+    assert isinstance(float_method(layer, torch.device("cpu"), torch.float32), gemv.PanelMethod)
+    monkeypatch.setattr(gemv, "_limits", {})
+    timings = gemv.measure_crossover(ops, torch.float32)  # type: ignore[arg-type]
+    assert sorted(timings) == list(gemv.CROSSOVER_PROBES) and all(min(t) > 0 for t in timings.values())
 
 
 def test_panel_layouts_are_refused_when_wrong(ops: object) -> None:
@@ -189,6 +216,8 @@ def test_the_loaded_model_uses_them_for_the_tied_head_too(tiny_model_dir: object
     from common.attention.metadata import AttentionMetadata
     from common.model.loader import load_model
 
+    monkeypatch.setenv("TANDEM_CPU_PANELS", "on")  # whether fp32 panels pay here: a measurement
+
     model = load_model(tiny_model_dir, dtype="float32")
     monkeypatch.setenv("TANDEM_CPU_GEMV", "off")
     reference = load_model(tiny_model_dir, dtype="float32")  # F.linear everywhere
@@ -205,8 +234,11 @@ def test_the_loaded_model_uses_them_for_the_tied_head_too(tiny_model_dir: object
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_a_tied_head_as_panels_is_read_by_the_lookup_too(tiny_model_factory: Callable[..., Path]) -> None:
+def test_a_tied_head_as_panels_is_read_by_the_lookup_too(tiny_model_factory: Callable[..., Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from common.model.loader import load_model
+
+    monkeypatch.setenv("TANDEM_CPU_PANELS", "on")  # whether fp32 panels pay here: a measurement
 
     model_dir = tiny_model_factory(tie_word_embeddings=True)
     loaded = load_model(model_dir, dtype="float32", prepare=False)  # one Parameter at both ends
