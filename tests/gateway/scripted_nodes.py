@@ -150,7 +150,7 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
                     token_ids=[token], logprobs=logprobs,
                     finish_reason=finish if last else common_pb2.FINISH_REASON_UNSPECIFIED))
             self.record.completed.append(rid)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled while at a yield (the reservation)
             self.record.cancelled.append(rid)
             raise
         finally:
