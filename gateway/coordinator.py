@@ -1,9 +1,14 @@
-"""One request across two nodes: reserve on a decode node, prefill into the reservation, relay the tokens.
+"""One request across two nodes: reserve on a decode node and prefill at once, the prefill's KV destination
+following the reservation; relay the tokens.
 
     client ── Generate ──> gateway
                              ├─ Decode.Generate ──> decode node: Reservation, then TokenDeltas
-                             └─ Prefill.Prefill ──> prefill node: pushes KV into the reservation,
-                                                    answers with the first token
+                             └─ Prefill.PrefillStream ──> prefill node: the request (computes at once), then the
+                                                          reservation as its destination (pushes KV into it);
+                                                          answers with the first token
+As vLLM's and Dynamo's routers do, the prefill does not wait for the decode node's reservation (which waits
+for its engine's step, or for free blocks): the prompt computes meanwhile and its KV is held on the prefill
+node until the destination comes.
 With conditional disaggregation (``gateway.prefill_policy``) a short prompt skips the prefill node: the decode
 node computes it itself (``prefill_locally``) and its first TokenDelta carries the first token.
 The first token goes to the client as soon as the prefill answers; the decode stream is read by its own
@@ -22,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -42,8 +47,6 @@ from gateway.settings import DEFAULT_MIGRATION_LIMIT
 from tandem.v1 import decode_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)
-
-_REMOTE = ""  # the prefill nodes' side in Coordinator._queued (decode targets are host:port)
 
 T = TypeVar("T")
 
@@ -94,6 +97,12 @@ class _DecodeLeg:
     @property
     def node_id(self) -> str:
         return (self.reservation.node_id if self.reservation is not None else "") or self.node.node_id
+
+
+# A reserved decode leg, the queue its stream is read into and the reader.
+_Reserved: TypeAlias = tuple[_DecodeLeg, asyncio.Queue[_QueueItem], _Reader]
+# The prefill node that answered, its answer, and when it was called.
+_Prefilled: TypeAlias = tuple[NodeState, prefill_pb2.PrefillResponse, float]
 
 
 @dataclass
@@ -156,9 +165,9 @@ class Coordinator:
         self._kv_timeout_s = kv_timeout_s
         self._local_prefill = local_prefill or LocalPrefillPolicy()
         self._recompute_on_kv_failure = recompute_on_kv_failure
-        # Tokens of prompts routed but not answered by their decode node yet, the backlog to come of one side
-        # (gateway.prefill_policy counts it): under _REMOTE those bound for a prefill node (waiting for their
-        # reservation), under a decode node's target those it prefills itself.
+        # Tokens of prompts a decode node prefills itself, routed but not answered by it yet: its backlog to come
+        # (gateway.prefill_policy counts it). A remote prompt needs no such count: it is on its prefill node's
+        # backlog (node.begin_prefill) at once, before the decode node has reserved.
         self._queued: Counter[str] = Counter()
 
     @property
@@ -210,49 +219,29 @@ class Coordinator:
         block_hashes = hash_prompt_blocks(attempt.prompt_token_ids, self.block_size)
         num_prompt_blocks = len(attempt.prompt_token_ids) // self.block_size
         local_target = self._prefill_locally(attempt, block_hashes, num_prompt_blocks)
-        # Until the decode node answers, neither side's backlog holds the prompt: count it meanwhile (a remote
-        # one waits for its reservation before any prefill node sees it; a local one for the node's answer).
-        side = _REMOTE if local_target is None else local_target
-        num_tokens = len(attempt.prompt_token_ids)
-        self._queued[side] += num_tokens
-        try:
-            decode = await self._reserve(attempt, deadline, num_prompt_blocks, local_target is not None,
-                                         avoid=run.lost, block_hashes=block_hashes)
-        finally:
-            self._queued[side] -= num_tokens
         span = trace.get_current_span()
-        if span.is_recording() and decode.reservation is not None:
-            r = decode.reservation
-            span.add_event("reserved", {spans.DECODE_NODE: decode.node_id,
-                                        spans.TRANSFER_ID: r.transfer_id, spans.RESERVED_BLOCKS: len(r.block_ids),
-                                        spans.CACHED_TOKENS: r.num_cached_tokens})
-        elif span.is_recording():
-            span.add_event("local_prefill", {spans.DECODE_NODE: decode.node_id})
-        queue, reader = _start_reading(decode, attempt.request_id)
+        prefilled: _Prefilled | None = None  # None: the decode node prefills the prompt (or recomputes it)
+        if local_target is None:
+            # The prefill starts at once, its destination follows the reservation (_remote_prefill).
+            decode, queue, reader, prefilled = await self._remote_prefill(req, attempt, run, deadline,
+                                                                          num_prompt_blocks, block_hashes)
+        else:
+            # Until the decode node answers, its backlog does not hold the prompt: count it meanwhile.
+            num_tokens = len(attempt.prompt_token_ids)
+            self._queued[local_target] += num_tokens
+            try:
+                decode = await self._reserve(attempt, deadline, num_prompt_blocks, True, avoid=run.lost,
+                                             block_hashes=block_hashes)
+            finally:
+                self._queued[local_target] -= num_tokens
+            if span.is_recording():
+                span.add_event("local_prefill", {spans.DECODE_NODE: decode.node_id})
+            queue, reader = _start_reading(decode, attempt.request_id)
         # out.source_finished: the decode node sent its finish reason, so its call ends by itself.
         try:
             first: OutputChunk | None = None
-            reply: prefill_pb2.PrefillResponse | None = None
-            if decode.reservation is not None:
-                try:
-                    prefill_node, reply, prefill_started = await self._prefill(attempt, decode, reader, block_hashes,
-                                                                               deadline, avoid=run.lost)
-                except ServiceError as exc:
-                    if not (self._recompute_on_kv_failure and exc.code in _RECOMPUTED):
-                        raise
-                    # The KV never arrived and the client has seen nothing more yet: the decode node prefills
-                    # the prompt itself (--kv-load-failure-policy recompute), on a fresh call.
-                    log.warning("%s: %s; the decode node recomputes the prompt", req.request_id, exc)
-                    if span.is_recording():
-                        span.add_event("kv_load_failed", {"exception.message": str(exc)})
-                    reader.cancel()
-                    decode.call.cancel()
-                    decode.settle_backlog()
-                    decode.node.end()
-                    decode = await self._reserve(attempt, deadline, num_prompt_blocks, local=True, avoid=run.lost,
-                                                 block_hashes=block_hashes)
-                    queue, reader = _start_reading(decode, attempt.request_id)
-            if decode.reservation is not None and reply is not None:
+            if prefilled is not None:
+                prefill_node, reply, prefill_started = prefilled
                 first = OutputChunk()
                 out.add(first, [reply.first_token], [reply.first_logprob] if reply.HasField("first_logprob") else [])
                 decode.first_token_time = time.monotonic()
@@ -291,6 +280,52 @@ class Coordinator:
             decode.settle_backlog()
             decode.node.end()
 
+    async def _remote_prefill(self, req: GatewayRequest, attempt: GatewayRequest, run: _Run, deadline: float,
+                              num_prompt_blocks: int, block_hashes: list[bytes],
+                              ) -> tuple[_DecodeLeg, asyncio.Queue[_QueueItem], _Reader, _Prefilled | None]:
+        """Reserve on a decode node and prefill on a prefill node at the same time: the prefill node computes
+        while the decode node reserves, and gets the destination once the reservation is there. Returns the
+        decode leg (reading) and the prefill's answer; None when the prefill failed and the decode node
+        recomputes the prompt (--kv-load-failure-policy recompute). A failed reservation cancels the prefill
+        call, a failed prefill the reservation; nothing is left running when this raises."""
+        span = trace.get_current_span()
+        reserving = asyncio.ensure_future(self._reserve_remote(attempt, deadline, num_prompt_blocks, run.lost,
+                                                               block_hashes))
+        try:
+            prefilled = await self._prefill(attempt, reserving, block_hashes, deadline, avoid=run.lost)
+        except ServiceError as exc:
+            if _failed(reserving) or not (self._recompute_on_kv_failure and exc.code in _RECOMPUTED):
+                await _discard(reserving)
+                raise
+            # The KV never arrived and the client has seen nothing more yet: the decode node prefills the prompt
+            # itself (--kv-load-failure-policy recompute), on a fresh call.
+            log.warning("%s: %s; the decode node recomputes the prompt", req.request_id, exc)
+            if span.is_recording():
+                span.add_event("kv_load_failed", {"exception.message": str(exc)})
+            await _discard(reserving)
+            decode = await self._reserve(attempt, deadline, num_prompt_blocks, local=True, avoid=run.lost,
+                                         block_hashes=block_hashes)
+            queue, reader = _start_reading(decode, attempt.request_id)
+            return decode, queue, reader, None
+        except BaseException:
+            await _discard(reserving)
+            raise
+        decode, queue, reader = reserving.result()  # the prefill had its destination: the reservation is there
+        return decode, queue, reader, prefilled
+
+    async def _reserve_remote(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int,
+                              avoid: Sequence[str], block_hashes: Sequence[bytes]) -> _Reserved:
+        """A decode node's reservation for a remote prefill, its stream read from then on."""
+        decode = await self._reserve(req, deadline, num_prompt_blocks, avoid=avoid, block_hashes=block_hashes)
+        span = trace.get_current_span()
+        r = decode.reservation
+        if span.is_recording() and r is not None:
+            span.add_event("reserved", {spans.DECODE_NODE: decode.node_id,
+                                        spans.TRANSFER_ID: r.transfer_id, spans.RESERVED_BLOCKS: len(r.block_ids),
+                                        spans.CACHED_TOKENS: r.num_cached_tokens})
+        queue, reader = _start_reading(decode, req.request_id)
+        return decode, queue, reader
+
     def _delta(self, item: _QueueItem, decode: _DecodeLeg, run: _Run) -> Delta:
         if isinstance(item, grpc.aio.AioRpcError):
             raise self._node_error("decode", decode.node, item)
@@ -318,7 +353,8 @@ class Coordinator:
                   self._router.cached_blocks(block_hashes).items()}
         local = prefill_locally(self._local_prefill, len(req.prompt_token_ids), node,
                                 list(self._router.prefill.values()), self.block_size, cached,
-                                self._queued[_REMOTE], self._queued[node.target], cached.get(node.target, 0))
+                                queued_local_tokens=self._queued[node.target],
+                                decode_cached_tokens=cached.get(node.target, 0))
         return node.target if local else None
 
     async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int,
@@ -371,23 +407,19 @@ class Coordinator:
             node.begin_prefill(len(req.prompt_token_ids))
             return _DecodeLeg(node, call, None, backlog_tokens=len(req.prompt_token_ids))
 
-    async def _prefill(self, req: GatewayRequest, decode: _DecodeLeg, reader: _Reader,
-                       block_hashes: list[bytes], deadline: float, avoid: Sequence[str] = (),
-                       ) -> tuple[NodeState, prefill_pb2.PrefillResponse, float]:
-        """Prefill into the reservation; a node that cannot be reached is replaced once (the reservation
-        stays valid: nothing was written into it). Returns the node, its answer and when it was called.
+    async def _prefill(self, req: GatewayRequest, reserving: asyncio.Future[_Reserved], block_hashes: list[bytes],
+                       deadline: float, avoid: Sequence[str] = ()) -> _Prefilled:
+        """Prefill on a prefill node at once and send it the destination once ``reserving`` has it; a node that
+        cannot be reached is replaced once (the reservation stays valid: nothing was written into it). Returns
+        the node, its answer and when it was called. Raises the reservation's failure as it is.
         ``avoid``: nodes this request lost, taken only when no other is."""
-        r = decode.reservation
-        assert r is not None, "a local prefill has no prefill leg"
         request = prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_proto(req.sampling), eos_token_ids=self._model.eos_token_ids,
-            destination=prefill_pb2.KVDestination(kv_endpoint=r.kv_endpoint, node_id=r.node_id,
-                                                  transfer_id=r.transfer_id, block_ids=r.block_ids,
-                                                  num_cached_tokens=r.num_cached_tokens, first_block=r.first_block),
             resumed_output_tokens=req.sampling.resumed_output_tokens,
         )
         tried: list[str] = []
+        waited = False  # whether a prefill already timed out waiting for the reservation
         matched = self._router.cached_blocks(block_hashes)  # before pick_prefill records this prompt
         while True:
             node = (self._router.pick_prefill(block_hashes, exclude=[*tried, *avoid])
@@ -398,14 +430,24 @@ class Coordinator:
             if node is None:
                 raise UnavailableError(f"no reachable prefill node (targets: {_members(self._router.prefill)})")
             tried.append(node.target)
+            # The prompt is on the prefill node from now on, before the decode node has reserved.
             backlog = max(1, len(req.prompt_token_ids) - matched.get(node.target, 0) * self.block_size)
             node.begin()
             node.begin_prefill(backlog)
             started = time.monotonic()
+            call = self._pool.prefill(node.target).PrefillStream(timeout=_remaining(deadline))
             try:
-                call = self._pool.prefill(node.target).Prefill(request, timeout=_remaining(deadline))
-                return node, await self._unless_decode_fails(call, reader, decode), started
+                return node, await self._stream_prefill(call, request, reserving), started
             except grpc.aio.AioRpcError as exc:
+                if (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not reserving.done() and not waited
+                        and time.monotonic() < deadline):
+                    # The prefill node gave up waiting for the destination (its KV timeout) while the decode node
+                    # still waits for blocks: prefill again once the reservation is there, as a sequential
+                    # reserve-then-prefill would have (the prompt's KV is likely in its prefix cache by now).
+                    waited = True
+                    tried.pop()
+                    await asyncio.wait({reserving})
+                    continue
                 error = self._node_error("prefill", node, exc)
                 if len(tried) == 1 and self._never_reached(node, exc):
                     log.warning("%s: %s; trying another prefill node", req.request_id, error)
@@ -416,8 +458,33 @@ class Coordinator:
                     raise
                 raise self._node_error("prefill", node, _cancelled_under_us()) from None
             finally:
+                call.cancel()  # a no-op once it answered; else the prefill node aborts and frees its blocks
                 node.end_prefill(backlog)
                 node.end()
+
+    async def _stream_prefill(self, call: grpc.aio.StreamUnaryCall, request: prefill_pb2.PrefillRequest,
+                              reserving: asyncio.Future[_Reserved]) -> prefill_pb2.PrefillResponse:
+        """Write the request, then (once reserved) its destination, and await the answer; give up as soon as the
+        decode stream fails."""
+        answer: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.ensure_future(_response(call))
+        try:
+            await _write(call, answer, prefill_pb2.PrefillMessage(request=request))
+            # The call may fail (its node unreachable) before the reservation comes: that is seen at once.
+            legs: set[asyncio.Future[Any]] = {reserving, answer}
+            await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
+            if answer.done() or not reserving.done():
+                await answer  # raises the call's failure
+                raise ServiceError("the prefill node answered before its KV destination was sent")
+            decode, _, reader = reserving.result()  # raises the reservation's failure
+            r = decode.reservation
+            assert r is not None, "a local prefill has no prefill leg"
+            await _write(call, answer, prefill_pb2.PrefillMessage(destination=prefill_pb2.KVDestination(
+                kv_endpoint=r.kv_endpoint, node_id=r.node_id, transfer_id=r.transfer_id, block_ids=r.block_ids,
+                num_cached_tokens=r.num_cached_tokens, first_block=r.first_block)))
+            await call.done_writing()
+            return await self._unless_decode_fails(answer, reader, decode)
+        finally:
+            answer.cancel()
 
     async def _unless_decode_fails(self, awaitable: Awaitable[T], reader: _Reader,
                                    decode: _DecodeLeg) -> T:
@@ -470,6 +537,39 @@ async def _read_decode_stream(call: grpc.aio.UnaryStreamCall, queue: asyncio.Que
         return lost
     queue.put_nowait(_StreamEnd())
     return None
+
+
+async def _write(call: grpc.aio.StreamUnaryCall, answer: asyncio.Future[prefill_pb2.PrefillResponse],
+                 message: prefill_pb2.PrefillMessage) -> None:
+    """Write ``message`` to the prefill call; a call that ended meanwhile raises its own failure."""
+    try:
+        await call.write(message)
+    except asyncio.InvalidStateError:  # grpc's "RPC already finished": its status says why
+        await answer
+        raise ServiceError("the prefill node answered before its KV destination was sent") from None
+
+
+async def _response(call: grpc.aio.StreamUnaryCall) -> prefill_pb2.PrefillResponse:
+    response: prefill_pb2.PrefillResponse = await call
+    return response
+
+
+def _failed(reserving: asyncio.Future[_Reserved]) -> bool:
+    """Whether the reservation failed (then its failure, not the prefill's, ends the attempt)."""
+    return reserving.done() and (reserving.cancelled() or reserving.exception() is not None)
+
+
+async def _discard(reserving: asyncio.Future[_Reserved]) -> None:
+    """Cancel a reservation still under way, or release the one made: its decode call ends, its blocks go."""
+    if not reserving.done():
+        reserving.cancel()  # _reserve cancels its decode call and ends the node's count
+        await asyncio.wait({reserving})
+    if reserving.cancelled() or reserving.exception() is not None:
+        return
+    decode, _, reader = reserving.result()
+    reader.cancel()
+    decode.call.cancel()
+    decode.node.end()
 
 
 def _cancelling() -> bool:

@@ -8,19 +8,22 @@ node's TTFT, queue, prefill-time and transfer metrics.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
 
-from common.engine.commands import AbortRequest, AddRequest, ChunkTiming, KVDestination
+from common.engine.commands import AbortRequest, AddRequest, AttachDestination, ChunkTiming, KVDestination
 from common.engine.kv_event_publisher import KVEventPublisher
 from common.errors import InvalidRequestError
 from common.protocol import logprob_to_proto, sampling_from_proto, stats_to_proto
+from common.serving.errors import DeadlineExceededError, ServiceError
 from common.serving.status import StatusInterceptor
 from common.telemetry import spans
 from common.telemetry.logs import request_scope
@@ -33,8 +36,7 @@ from tandem.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 if TYPE_CHECKING:
     from common.engine.async_engine import AsyncEngine
-    from common.engine.request import RequestCounters
-    from common.sampling.params import SamplingParams
+    from common.engine.request import RequestCounters, RequestOutput
     from kv_transfer.sender import KVSender, TransferHandle, TransferStats
 
 log = logging.getLogger(__name__)
@@ -58,80 +60,150 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
+        return await self._serve(request, context, None)
+
+    async def PrefillStream(
+        self, request_iterator: AsyncIterator[prefill_pb2.PrefillMessage], context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        """``Prefill`` started before its destination is known: the first message is the request, the second
+        its destination (none when the request carries one). Compute starts at once; see ``_prefill``."""
+        first = await _next_message(request_iterator)
+        if first is None or first.WhichOneof("message") != "request":
+            raise InvalidRequestError("request", "the stream's first message must be the PrefillRequest")
+        request = first.request
+        later = None if request.HasField("destination") else _destination_from(request_iterator, context)
+        return await self._serve(request, context, later)
+
+    async def _serve(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
+                     later: Coroutine[object, object, prefill_pb2.KVDestination] | None,
+                     ) -> prefill_pb2.PrefillResponse:
         with (_tracer.start_as_current_span(spans.PREFILL, kind=spans.SERVER, record_exception=False,
                                             set_status_on_exception=False) as span,
               request_scope(request.request_id)):
             try:
-                reply = await self._prefill(request, context, span)
+                reply = await self._prefill(request, context, span, later)
             except BaseException as exc:
                 spans.record_failure(span, exc, self._status_for, log, "prefill failed")
                 raise
+            finally:
+                if later is not None and inspect.getcoroutinestate(later) == inspect.CORO_CREATED:
+                    later.close()  # never awaited (the request failed first): no warning about it
             spans.set_ok(span)
             return reply
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
-                       span: trace.Span) -> prefill_pb2.PrefillResponse:
+                       span: trace.Span, later: Coroutine[object, object, prefill_pb2.KVDestination] | None,
+                       ) -> prefill_pb2.PrefillResponse:
+        """Prefill the prompt and push its KV into the destination: ``request.destination``, or, with ``later``,
+        the one it reads (the prompt computes meanwhile, its KV held here; it is aborted when none comes within
+        the KV timeout). Then sample the first token, tell the decode node and wait for the transfer's end."""
         arrival = time.monotonic()
         arrival_ns = time.time_ns()
         params = sampling_from_proto(request.sampling, resumed_output_tokens=request.resumed_output_tokens)
         prompt = list(request.prompt_token_ids)
-        dest = request.destination
-        bs = self.block_size
         traced = span.is_recording()
         if traced:
             span.set_attributes({spans.REQUEST_ID: request.request_id, spans.NODE: self.node_id,
-                                 spans.PROMPT_TOKENS: len(prompt), spans.TRANSFER_ID: dest.transfer_id,
-                                 spans.KV_PEER: dest.node_id, spans.DEST_CACHED_TOKENS: dest.num_cached_tokens})
-        if dest.first_block * bs >= len(prompt):
-            raise InvalidRequestError("destination.first_block", f"{dest.first_block} blocks of {bs} must be before "
-                                      f"the prompt's last token ({len(prompt)} tokens)")
-        if (dest.first_block + len(dest.block_ids)) * bs < len(prompt):
-            raise InvalidRequestError("destination.block_ids", f"{len(dest.block_ids)} blocks of {bs} from block "
-                                      f"{dest.first_block} cannot hold {len(prompt)} prompt tokens")
-        if dest.num_cached_tokens >= len(prompt):
-            raise InvalidRequestError("destination.num_cached_tokens", f"must be < the prompt's {len(prompt)} tokens")
+                                 spans.PROMPT_TOKENS: len(prompt)})
+        if later is None:
+            self._check_destination(request.destination, len(prompt), span)
         # The engine's id for this call: a resend of the same request may arrive while the last is still aborting.
         rid = f"{request.request_id}@{uuid.uuid4().hex[:8]}"
-        # The send span's context rides in the KV control messages: the decode node's receive span hangs off it.
-        send_span = _tracer.start_span(spans.KV_SEND, kind=spans.PRODUCER,
-                                       attributes={spans.TRANSFER_ID: dest.transfer_id, spans.KV_PEER: dest.node_id})
-        trace_context = context_headers(send_span) if send_span.is_recording() else _trace_context(context)
         chunk_timings: list[ChunkTiming] | None = [] if traced else None
+        eos = tuple(request.eos_token_ids)
+        stream = self.engine.open_stream(rid)
+        send_span: trace.Span | None = None
+        handle: TransferHandle | None = None
+        computing: asyncio.Task[tuple[list[RequestOutput], float]] | None = None
         try:
-            handle = await self.sender.open(dest.transfer_id, dest, trace_context)
-            reply, counters = await self._run(rid, prompt, params, request, handle, arrival, chunk_timings)
+            try:
+                if later is None:
+                    dest = request.destination
+                    send_span, handle = await self._open_transfer(dest, context)
+                    await self.engine.call(AddRequest(rid, tuple(prompt), params, eos, self._destination(dest, handle),
+                                                      chunk_timings))
+                else:
+                    await self.engine.call(AddRequest(rid, tuple(prompt), params, eos, chunk_timings=chunk_timings,
+                                                      awaits_destination=True))
+                    # The prompt computes (its first token may come) while the destination is on its way.
+                    computing = asyncio.ensure_future(self._first_output(rid, stream))
+                    try:
+                        dest = await asyncio.wait_for(later, self.transfer_timeout_s)
+                    except TimeoutError:
+                        raise DeadlineExceededError(f"no KV destination within the KV timeout "
+                                                    f"({self.transfer_timeout_s:g} s)") from None
+                    self._check_destination(dest, len(prompt), span)
+                    send_span, handle = await self._open_transfer(dest, context)
+                    if not await self.engine.call(AttachDestination(rid, self._destination(dest, handle))):
+                        raise ServiceError("the request left the prefill engine before its destination came")
+                outputs, first_token_time = await (computing or self._first_output(rid, stream))
+            except BaseException as exc:
+                if computing is not None:
+                    computing.cancel()
+                if handle is not None:
+                    await _drain(handle, f"prefill failed: {exc!r}", self.transfer_timeout_s)
+                self.engine.close_stream(rid)
+                self.engine.submit(AbortRequest(rid))
+                raise
+            assert handle is not None and send_span is not None
+            reply, counters = self._reply(outputs, first_token_time, arrival)
             # The first token is out, so every block of the prompt has been pushed but those cached there or
             # outside the decode node's window.
-            num_blocks = max(-(-len(prompt) // bs) - _unsent_blocks(dest, bs), 0)
+            num_blocks = max(-(-len(prompt) // self.block_size) - _unsent_blocks(dest, self.block_size), 0)
             stats = await self._transfer(handle, rid, reply, num_blocks, send_span)
         except BaseException as exc:
-            spans.set_error(send_span, exc, spans.failure_code(exc, self._status_for))
+            if send_span is not None:
+                spans.set_error(send_span, exc, spans.failure_code(exc, self._status_for))
             raise
         finally:
-            send_span.end()
+            if send_span is not None:
+                send_span.end()
         reply.transfer_bytes, reply.transfer_seconds = stats.bytes, stats.seconds
         if traced:
             self._record_spans(span, reply, counters, arrival_ns, chunk_timings or [])
         return reply
 
-    async def _run(self, rid: str, prompt: list[int], params: SamplingParams, request: prefill_pb2.PrefillRequest,
-                   handle: TransferHandle, arrival: float, chunk_timings: list[ChunkTiming] | None,
-                   ) -> tuple[prefill_pb2.PrefillResponse, RequestCounters | None]:
-        """Prefill the prompt (the engine pushes KV as chunks finish) and sample the first token."""
-        dest = request.destination
-        destination = KVDestination(handle, tuple(dest.block_ids), _unsent_blocks(dest, self.block_size),
-                                    dest.first_block)
-        stream = self.engine.open_stream(rid)
+    def _check_destination(self, dest: prefill_pb2.KVDestination, num_prompt_tokens: int, span: trace.Span) -> None:
+        """Caller mistakes in the destination, named by field; the span gets its attributes."""
+        bs = self.block_size
+        if span.is_recording():
+            span.set_attributes({spans.TRANSFER_ID: dest.transfer_id, spans.KV_PEER: dest.node_id,
+                                 spans.DEST_CACHED_TOKENS: dest.num_cached_tokens})
+        if dest.first_block * bs >= num_prompt_tokens:
+            raise InvalidRequestError("destination.first_block", f"{dest.first_block} blocks of {bs} must be before "
+                                      f"the prompt's last token ({num_prompt_tokens} tokens)")
+        if (dest.first_block + len(dest.block_ids)) * bs < num_prompt_tokens:
+            raise InvalidRequestError("destination.block_ids", f"{len(dest.block_ids)} blocks of {bs} from block "
+                                      f"{dest.first_block} cannot hold {num_prompt_tokens} prompt tokens")
+        if dest.num_cached_tokens >= num_prompt_tokens:
+            raise InvalidRequestError("destination.num_cached_tokens",
+                                      f"must be < the prompt's {num_prompt_tokens} tokens")
+
+    async def _open_transfer(self, dest: prefill_pb2.KVDestination, context: grpc.aio.ServicerContext,
+                             ) -> tuple[trace.Span, TransferHandle]:
+        # The send span's context rides in the KV control messages: the decode node's receive span hangs off it.
+        send_span = _tracer.start_span(spans.KV_SEND, kind=spans.PRODUCER,
+                                       attributes={spans.TRANSFER_ID: dest.transfer_id, spans.KV_PEER: dest.node_id})
+        trace_context = context_headers(send_span) if send_span.is_recording() else _trace_context(context)
         try:
-            await self.engine.call(AddRequest(rid, tuple(prompt), params, tuple(request.eos_token_ids),
-                                              destination, chunk_timings))
-            outputs = [out async for out in self.engine.stream(rid, stream)]
+            return send_span, await self.sender.open(dest.transfer_id, dest, trace_context)
         except BaseException as exc:
-            await _drain(handle, f"prefill failed: {exc!r}", self.transfer_timeout_s)
-            self.engine.close_stream(rid)
-            self.engine.submit(AbortRequest(rid))
+            spans.set_error(send_span, exc, spans.failure_code(exc, self._status_for))
+            send_span.end()
             raise
-        first_token_time = time.monotonic()
+
+    def _destination(self, dest: prefill_pb2.KVDestination, handle: TransferHandle) -> KVDestination:
+        return KVDestination(handle, tuple(dest.block_ids), _unsent_blocks(dest, self.block_size), dest.first_block)
+
+    async def _first_output(self, rid: str, stream: asyncio.Queue[RequestOutput | Exception],
+                            ) -> tuple[list[RequestOutput], float]:
+        """The request's outputs up to its first token (the prompt computed), and when that came."""
+        outputs = [out async for out in self.engine.stream(rid, stream)]
+        return outputs, time.monotonic()
+
+    def _reply(self, outputs: list[RequestOutput], first_token_time: float, arrival: float,
+               ) -> tuple[prefill_pb2.PrefillResponse, RequestCounters | None]:
+        """The answer (first token, cached tokens, queue and compute time) and the node's metrics."""
         first = outputs[-1]
         counters = first.counters
         token = first.new_token_ids[0]
@@ -202,6 +274,27 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
         async for batch in self.kv_events.subscribe(request):
             yield batch
+
+
+async def _next_message(messages: AsyncIterator[prefill_pb2.PrefillMessage]) -> prefill_pb2.PrefillMessage | None:
+    """The stream's next message; None once it ended."""
+    msg = await anext(messages, None)
+    if msg is not None and not isinstance(msg, prefill_pb2.PrefillMessage):
+        raise InvalidRequestError("request", "a message of the stream cannot be parsed")
+    return msg
+
+
+async def _destination_from(messages: AsyncIterator[prefill_pb2.PrefillMessage],
+                            context: grpc.aio.ServicerContext) -> prefill_pb2.KVDestination:
+    """The stream's second message: the destination of the request it began with."""
+    msg = await _next_message(messages)
+    if msg is None and context.cancelled():
+        raise asyncio.CancelledError("the caller cancelled the call")  # its stream ends with it: not its mistake
+    if msg is None:
+        raise InvalidRequestError("destination", "the stream ended before the KV destination came")
+    if msg.WhichOneof("message") != "destination":
+        raise InvalidRequestError("destination", "the stream's second message must be the KVDestination")
+    return msg.destination
 
 
 async def _drain(handle: TransferHandle, reason: str, timeout_s: float) -> None:

@@ -75,7 +75,10 @@ class AddRequest(EngineCommand[None]):
     """Queue a request whose KV is computed on this node. Raises ``InvalidRequestError`` on bad input.
 
     On a prefill node ``destination`` says where its KV goes (pushed chunk by chunk as it is computed), and
-    ``chunk_timings``, when given, receives one ``ChunkTiming`` per computed chunk (for tracing).
+    ``chunk_timings``, when given, receives one ``ChunkTiming`` per computed chunk (for tracing). With
+    ``awaits_destination`` (and no ``destination``) the prompt is computed at once and its KV held until an
+    ``AttachDestination`` says where it goes (the gateway's reservation comes later); the servicer aborts the
+    request if none comes.
     """
 
     request_id: str
@@ -84,6 +87,20 @@ class AddRequest(EngineCommand[None]):
     eos_token_ids: tuple[int, ...] = ()
     destination: KVDestination | None = None
     chunk_timings: list[ChunkTiming] | None = None
+    awaits_destination: bool = False
+
+    def __post_init__(self) -> None:
+        assert not (self.awaits_destination and self.destination is not None), "a destination is given or awaited"
+
+
+@dataclass(frozen=True)
+class AttachDestination(EngineCommand[bool]):
+    """Prefill node: where the KV of a request added with ``awaits_destination`` goes. Every block already
+    computed is pushed at once, later ones as they are. Answers False when the request is no longer on the node
+    (aborted); raises ``InvalidRequestError`` naming the field when the destination cannot be served."""
+
+    request_id: str
+    destination: KVDestination
 
 
 @dataclass(frozen=True)

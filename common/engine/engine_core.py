@@ -17,6 +17,7 @@ from common.config.engine_config import CacheConfig, SchedulerConfig, Speculativ
 from common.engine.commands import (
     AbortRequest,
     AddRequest,
+    AttachDestination,
     EngineCommand,
     PrepareKernels,
     ReserveKV,
@@ -86,6 +87,10 @@ class EngineCore:
             self.runner = ModelRunner(model, cache.block_size, num_blocks, speculative, draft_model,
                                       decode_graphs=graphs)
         self._kv_event_sink: KVEventSink | None = None  # set by SetKVEventSink while someone subscribes
+        # Requests added before their KV destination (AddRequest.awaits_destination), until AttachDestination:
+        # computing, by id -> prompt tokens; parked (not added yet: see _add_awaiting), by id -> the command.
+        self._awaiting: dict[str, int] = {}
+        self._parked: dict[str, AddRequest] = {}
         self.offload: OffloadTier | SharedTier | None = None
         if cache.kv_offload != "none":
             self.offload = self._offload_tier(cache, model, draft_model is not None)
@@ -106,11 +111,16 @@ class EngineCore:
                 self._check_queue()
                 if command.destination is not None:  # blocks a transfer reads are held beyond the window
                     self._check_sent_blocks(len(command.prompt_token_ids), command.destination.skip_blocks)
+                if command.awaits_destination:
+                    self._add_awaiting(command)
+                    return None
                 self.add_request(command.request_id, list(command.prompt_token_ids), command.params,
                                  command.eos_token_ids)
                 if command.destination is not None:
                     self.connector.attach(command.request_id, command.destination, command.chunk_timings)
                 return None
+            case AttachDestination():
+                return self._attach_destination(command)
             case AbortRequest():
                 return self.abort(command.request_id)
             case ReserveKV():
@@ -152,6 +162,38 @@ class EngineCore:
                                       f"{skip_blocks} on needs {need} KV blocks here at once; this node has "
                                       f"{self.kv.pool.num_blocks}")
 
+    def _add_awaiting(self, command: AddRequest) -> None:
+        """A request whose destination comes later (``AttachDestination``). Until then every block it computes is
+        kept (any may be sent): with a window on every layer a prompt whose blocks the pool cannot hold all at once
+        is parked instead, and added once its destination says which blocks need not be kept."""
+        prompt = list(command.prompt_token_ids)
+        if self.scheduler.peak_blocks(len(prompt), keep_from=0) > self.kv.pool.num_blocks:
+            self.validate(prompt, command.params)
+            self._check_new_id(command.request_id)
+            self._parked[command.request_id] = command
+            return
+        self.add_request(command.request_id, prompt, command.params, command.eos_token_ids)
+        self.connector.await_destination(command.request_id, command.chunk_timings)
+        self._awaiting[command.request_id] = len(prompt)
+
+    def _attach_destination(self, command: AttachDestination) -> bool:
+        """Where an awaiting (or parked) request's KV goes; False if the request is gone (aborted). A destination
+        this node cannot serve raises, and the request stays awaiting (its servicer aborts it)."""
+        rid, dest = command.request_id, command.destination
+        parked = self._parked.get(rid)
+        num_tokens = len(parked.prompt_token_ids) if parked is not None else self._awaiting.get(rid)
+        if num_tokens is None:
+            return False
+        self._check_sent_blocks(num_tokens, dest.skip_blocks)
+        if parked is not None:
+            del self._parked[rid]
+            self.add_request(rid, list(parked.prompt_token_ids), parked.params, parked.eos_token_ids)
+            self.connector.attach(rid, dest, parked.chunk_timings)
+            return True
+        del self._awaiting[rid]
+        self.connector.attach_destination(rid, dest)
+        return True
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: tuple[int, ...] = ()) -> None:
         self.validate(prompt_token_ids, params)
@@ -177,7 +219,8 @@ class EngineCore:
         return self.scheduler.take_announced()
 
     def _check_new_id(self, request_id: str) -> None:
-        if self.kv.has_request(request_id) or any(r.request_id == request_id for r in self.scheduler.waiting):
+        if (self.kv.has_request(request_id) or request_id in self._parked
+                or any(r.request_id == request_id for r in self.scheduler.waiting)):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use on this node")
 
     def _check_queue(self) -> None:
@@ -189,7 +232,9 @@ class EngineCore:
     def abort(self, request_id: str) -> bool:
         self.runner.forget(request_id)
         self.connector.forget(request_id)
-        return self.scheduler.abort(request_id) is not None
+        self._awaiting.pop(request_id, None)
+        parked = self._parked.pop(request_id, None) is not None
+        return self.scheduler.abort(request_id) is not None or parked
 
     # ---- the loop --------------------------------------------------------------------------------
 

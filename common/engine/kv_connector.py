@@ -121,6 +121,14 @@ class KVConnector:
         """Send the request's KV to ``destination`` as it is computed (prefill nodes only)."""
         raise ValueError(f"a {self.role} node does not send KV; the request's destination must be empty")
 
+    def await_destination(self, request_id: str, chunk_timings: list[ChunkTiming] | None) -> None:
+        """The request's KV is computed now and sent once ``attach_destination`` says where (prefill nodes only)."""
+        raise ValueError(f"a {self.role} node does not send KV; the request's destination must be empty")
+
+    def attach_destination(self, request_id: str, destination: KVDestination) -> None:
+        """The destination of a request added with ``await_destination``: push what is computed, then the rest."""
+        raise ValueError(f"a {self.role} node does not send KV")
+
     def track_load(self, request_id: str, transfer_id: str) -> None:
         """The request's prompt KV comes by ``transfer_id`` (decode nodes only): its end is reported here."""
         raise ValueError(f"a {self.role} node does not receive KV")

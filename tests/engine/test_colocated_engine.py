@@ -258,3 +258,85 @@ def test_a_request_id_in_use_is_refused_not_fatal(tiny: LlamaForCausalLM) -> Non
     while engine.has_unfinished():
         engine.step()
     engine.handle(AddRequest("a", (3, 4, 5), params))  # finished: the id is free again
+
+
+class _PushTarget:
+    """A KVPushTarget that records a prefill node's pushes; ``finish`` ends its transfer."""
+
+    def __init__(self) -> None:
+        self.pushed: list[tuple[list[int], list[int]]] = []
+        self._callbacks: list[Callable[[], None]] = []
+
+    def push(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        self.pushed.append((list(src_block_ids), list(dst_block_ids)))
+
+    def when_finished(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def finish(self) -> None:
+        for callback in self._callbacks:
+            callback()
+
+
+def test_a_prefill_request_computes_before_its_destination_and_pushes_when_it_comes(tiny: LlamaForCausalLM) -> None:
+    """AddRequest(awaits_destination): the prompt computes and its first token comes with nowhere to push; the KV
+    is held until AttachDestination, which pushes what the destination reads at once. One never attached is
+    aborted with every block freed; an attach for a request no longer there answers False."""
+    from common.engine.commands import AbortRequest, AddRequest, AttachDestination, KVDestination
+
+    engine = EngineCore(tiny, CacheConfig(num_blocks=8, block_size=16),
+                        SchedulerConfig(max_num_batched_tokens=16, max_prefill_chunk=16),
+                        connector=KVProducer(block_size=16))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    prompt = tuple(range(3, 40))  # 37 tokens: 3 blocks, in 3 chunks
+    engine.handle(AddRequest("a", prompt, params, awaits_destination=True))
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    assert [o.new_token_ids for o in outs] == [contiguous_greedy(tiny, list(prompt), 1)]
+    table = engine.kv.block_table("a")
+    assert len(table) == 3 and engine.kv.num_used_blocks == 3  # held, nothing pushed anywhere
+    target = _PushTarget()
+    assert not engine.handle(AttachDestination("gone", KVDestination(target, (10, 11, 12), skip_blocks=0)))
+    assert engine.handle(AttachDestination("a", KVDestination(target, (10, 11, 12), skip_blocks=1)))
+    assert target.pushed == [(table[1:], [11, 12])]  # block 0 cached on the decode node
+    target.finish()
+    engine.step()
+    assert engine.kv.num_used_blocks == 0
+    engine.handle(AddRequest("b", prompt, params, awaits_destination=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.num_used_blocks == 3
+    assert engine.handle(AbortRequest("b"))
+    assert engine.kv.num_used_blocks == 0 and engine.kv.num_free_blocks == 8
+    engine.kv.check_integrity()
+
+
+def test_a_windowed_prompt_too_long_to_hold_whole_waits_for_its_destination(
+        tiny_model_factory: Callable[..., Path]) -> None:
+    """Until its destination comes every block of a prompt is kept (any may be sent): a windowed prompt the pool
+    cannot hold whole is parked, and computes once the destination says which blocks it needs (the window's)."""
+    from common.engine.commands import AbortRequest, AddRequest, AttachDestination, KVDestination
+
+    model = load_model(tiny_model_factory("mistral", seed=21, sliding_window=5), dtype="float32")
+    engine = EngineCore(model, CacheConfig(num_blocks=4, block_size=4),
+                        SchedulerConfig(max_num_batched_tokens=16, max_prefill_chunk=4),
+                        connector=KVProducer(block_size=4))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    prompt = tuple(range(3, 43))  # 40 tokens: 10 blocks, the pool 4
+    engine.handle(AddRequest("a", prompt, params, awaits_destination=True))
+    assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0  # parked
+    target = _PushTarget()
+    # the decode node's first query (at 40) reads from block 8 on
+    assert engine.handle(AttachDestination("a", KVDestination(target, (100, 101), skip_blocks=8, first_block=8)))
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    assert [dst for _, dst in target.pushed] == [[100], [101]] and len(outs) == 1
+    target.finish()
+    engine.step()
+    assert engine.kv.num_used_blocks == 0
+    engine.handle(AddRequest("b", prompt, params, awaits_destination=True))
+    assert engine.handle(AbortRequest("b"))  # parked, then given up
+    assert not engine.handle(AttachDestination("b", KVDestination(target, (100, 101), skip_blocks=8, first_block=8)))
+    engine.kv.check_integrity()

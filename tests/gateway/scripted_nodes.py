@@ -101,6 +101,11 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
         # After streaming this many token deltas of a request, end its call CANCELLED from this side (as a node
         # whose shutdown grace ran out cancels the RPCs still in flight).
         self.cancel_after: int | None = None
+        # When set, the reservation waits for it (a busy engine, or a full pool); then, with reserve_fails_with,
+        # the call fails with that status instead of reserving.
+        self.reserve_gate: asyncio.Event | None = None
+        self.reserve_fails_with: grpc.StatusCode | None = None
+        self.reserved_at: dict[str, float] = {}  # request id -> when its reservation was sent (monotonic)
 
     async def Generate(self, request: decode_pb2.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -109,7 +114,12 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
         self.last_request = request
         kv = self.board.open(transfer_id)
         try:
+            if self.reserve_gate is not None:
+                await self.reserve_gate.wait()
+            if self.reserve_fails_with is not None:
+                await context.abort(self.reserve_fails_with, f"scripted reservation failure on {self.node_id}")
             num_blocks = (len(request.prompt_token_ids) + 16) // 16
+            self.reserved_at[rid] = time.monotonic()
             yield decode_pb2.DecodeResponse(reservation=decode_pb2.Reservation(
                 transfer_id=transfer_id, block_ids=list(range(num_blocks)), num_cached_tokens=self.num_cached_tokens,
                 kv_endpoint=self.kv_endpoint, node_id=self.node_id))
@@ -140,7 +150,7 @@ class ScriptedDecode(decode_pb2_grpc.DecodeServicer):
                     token_ids=[token], logprobs=logprobs,
                     finish_reason=finish if last else common_pb2.FINISH_REASON_UNSPECIFIED))
             self.record.completed.append(rid)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: cancelled while at a yield (the reservation)
             self.record.cancelled.append(rid)
             raise
         finally:
@@ -163,15 +173,39 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):
         self.fail_with: grpc.StatusCode | None = None
         self.num_cached_tokens = 0
         self.last_request: prefill_pb2.PrefillRequest | None = None
+        self.destinations: dict[str, float] = {}  # request id -> when its destination came (monotonic)
+        self.destination_timeout_s: float | None = None  # the node's KV timeout for the destination (None: none)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
-        rid = request.request_id
-        self.record.requests.append(rid)
+        self.record.requests.append(request.request_id)
         self.last_request = request
+        return await self._serve(request, context, None)
+
+    async def PrefillStream(self, request_iterator: AsyncIterator[prefill_pb2.PrefillMessage],
+                            context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        """As the real node's: the request first (recorded at once), its destination once the gateway has it."""
+        first = await anext(request_iterator)
+        request = first.request
+        self.record.requests.append(request.request_id)
+        self.last_request = request
+        return await self._serve(request, context, request_iterator)
+
+    async def _serve(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
+                     later: AsyncIterator[prefill_pb2.PrefillMessage] | None) -> prefill_pb2.PrefillResponse:
+        rid = request.request_id
         try:
             if self.fail_with is not None:
                 await context.abort(self.fail_with, f"scripted failure on {self.node_id}")
+            if later is not None:
+                try:
+                    second = await asyncio.wait_for(anext(later), self.destination_timeout_s)
+                except TimeoutError:  # as the real node's KV timeout
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no KV destination within the KV timeout")
+                except StopAsyncIteration:  # the gateway cancelled the call (the stream ends with it)
+                    raise asyncio.CancelledError from None
+                request.destination.CopyFrom(second.destination)  # last_request shows it, as a unary call's
+                self.destinations[rid] = time.monotonic()
             await asyncio.sleep(self.delay_before_push_s)
             k = request.resumed_output_tokens  # a migrated request goes on at tokens[k]
             self.board.push(request.destination.transfer_id, self.script.tokens[k])

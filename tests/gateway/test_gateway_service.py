@@ -264,7 +264,9 @@ def test_prefill_node_down_is_skipped_or_retried_on_another(served_model: Served
             await c.node_servers["prefill-1"].stop(0)
             err = await failure(c, G(text="Hi", request_id="p2"))
             assert err.code() == grpc.StatusCode.UNAVAILABLE and "prefill node" in err.details()
-            await eventually(lambda: c.decodes[0].record.cancelled == ["p2"])  # its reservation is freed
+            # Its reservation, started beside the prefill, is cancelled (if the decode node saw it before then).
+            await eventually(lambda: c.board.open_transfers == 0
+                             and c.decodes[0].record.cancelled == c.decodes[0].record.requests[1:])
 
     run_async(scenario())
 
@@ -282,7 +284,10 @@ def test_prefill_errors_map_to_statuses_without_retry(served_model: ServedModel,
                 err = await failure(c, G(text="Hi"))
                 assert err.code() == expected and "scripted failure on prefill-0" in err.details()
             assert c.prefills[1].record.requests == []
-            await eventually(lambda: len(c.decodes[0].record.cancelled) == 3)
+            # Every reservation, started beside the prefill, is cancelled (those the decode node saw before then).
+            await eventually(lambda: c.board.open_transfers == 0
+                             and c.decodes[0].record.cancelled == c.decodes[0].record.requests)
+            assert c.decodes[0].record.completed == []
 
     run_async(scenario())
 
@@ -297,7 +302,10 @@ def test_decode_node_down(served_model: ServedModel, smollm2_dir: Path) -> None:
             await c.node_servers["decode-1"].stop(0)
             err = await failure(c, G(text="Hi"))
             assert err.code() == grpc.StatusCode.UNAVAILABLE and "decode node" in err.details()
-            assert c.prefills[0].record.requests == [messages[0].request_id]  # no prefill without a reservation
+            # The prefill started with the failed request too (before its reservation) and was cancelled (if the
+            # call reached the node before the reservation failed).
+            await eventually(lambda: c.prefills[0].record.cancelled == c.prefills[0].record.requests[1:])
+            assert c.prefills[0].record.completed == [messages[0].request_id]
 
     run_async(scenario())
 
@@ -379,5 +387,83 @@ def test_tokenize_model_info_health_and_reflection(served_model: ServedModel, sm
             listed = {s.name for s in (await call.read()).list_services_response.service}
             await call.done_writing()
             assert {"tandem.v1.Tandem", "grpc.health.v1.Health"} <= listed
+
+    run_async(scenario())
+
+
+def test_prefill_starts_before_the_reservation_answers(served_model: ServedModel, smollm2_dir: Path) -> None:
+    """The prefill node gets the request at once (it computes while the decode node reserves) and its destination
+    once the reservation is there; the request then runs as before."""
+    tokens = script(served_model)
+
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, tokens) as c:
+            decode, prefill = c.decodes[0], c.prefills[0]
+            decode.reserve_gate = asyncio.Event()  # a busy decode node: its reservation waits
+            call = c.stub.Generate(G(text="Hi", request_id="o1", sampling=S(max_tokens=4),
+                                     stream=generate_pb2.StreamOptions(include_token_ids=True)))
+            await eventually(lambda: prefill.record.requests == ["o1"])
+            assert "o1" not in decode.reserved_at and "o1" not in prefill.destinations
+            decode.reserve_gate.set()
+            messages = [m async for m in call]
+            assert [t for m in messages for t in m.token_ids] == tokens[:4]
+            assert prefill.destinations["o1"] >= decode.reserved_at["o1"]
+            assert prefill.last_request is not None and prefill.last_request.destination.transfer_id == "decode-0/o1"
+            assert prefill.record.completed == ["o1"] and decode.record.completed == ["o1"]
+
+    run_async(scenario())
+
+
+def test_a_failed_reservation_cancels_the_prefill(served_model: ServedModel, smollm2_dir: Path) -> None:
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, script(served_model)) as c:
+            decode, prefill = c.decodes[0], c.prefills[0]
+            decode.reserve_gate = asyncio.Event()
+            decode.reserve_fails_with = grpc.StatusCode.RESOURCE_EXHAUSTED
+            call = c.stub.Generate(G(text="Hi", request_id="f1"))
+            await eventually(lambda: prefill.record.requests == ["f1"])
+            decode.reserve_gate.set()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "decode node" in err.value.details()
+            await eventually(lambda: prefill.record.cancelled == ["f1"])  # the prefill node frees its blocks
+            assert prefill.record.completed == [] and "f1" not in prefill.destinations
+
+    run_async(scenario())
+
+
+def test_a_failed_prefill_cancels_the_pending_reservation(served_model: ServedModel, smollm2_dir: Path) -> None:
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, script(served_model)) as c:
+            decode, prefill = c.decodes[0], c.prefills[0]
+            decode.reserve_gate = asyncio.Event()  # never opened: the reservation is still pending
+            prefill.fail_with = grpc.StatusCode.INVALID_ARGUMENT
+            err = await failure(c, G(text="Hi", request_id="f2"))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "scripted failure on prefill-0" in err.details()
+            await eventually(lambda: decode.record.cancelled == ["f2"])
+            assert "f2" not in decode.reserved_at and c.board.open_transfers == 0
+
+    run_async(scenario())
+
+
+def test_a_prefill_that_timed_out_waiting_for_the_reservation_is_sent_again_once_it_comes(
+        served_model: ServedModel, smollm2_dir: Path) -> None:
+    """A decode node short of blocks for longer than the prefill node's KV timeout: the prefill gives up on its
+    destination (DEADLINE_EXCEEDED), and the gateway prefills again once the reservation is there."""
+    tokens = script(served_model)
+
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, tokens) as c:
+            decode, prefill = c.decodes[0], c.prefills[0]
+            decode.reserve_gate = asyncio.Event()
+            prefill.destination_timeout_s = 0.2
+            call = c.stub.Generate(G(text="Hi", request_id="t1", sampling=S(max_tokens=3),
+                                     stream=generate_pb2.StreamOptions(include_token_ids=True)))
+            await eventually(lambda: prefill.record.requests == ["t1"])
+            await asyncio.sleep(0.5)  # past the prefill node's timeout
+            decode.reserve_gate.set()
+            messages = [m async for m in call]
+            assert [t for m in messages for t in m.token_ids] == tokens[:3]
+            assert prefill.record.requests == ["t1", "t1"] and prefill.record.completed == ["t1"]
 
     run_async(scenario())

@@ -481,6 +481,60 @@ def test_prefill_role_keeps_every_block_a_full_destination_reads() -> None:
     assert target.pushed == [([1], [101]), ([2], [102]), ([3], [103])]
 
 
+def _awaiting_prefill(steps: int | None) -> tuple[Scheduler, KVProducer]:
+    """As ``_windowed_prefill``, but the destination is to come: ``steps`` steps run (None: to the prompt's end)."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_chunk=4, watermark=0.0)
+    producer = KVProducer(block_size=4)
+    s = Scheduler(config, KVCacheManager(8, 4), max_model_len=64, connector=producer)
+    s.kv.window = 5
+    producer.await_destination("a", None)
+    s.add_request(req("a", 14, SamplingParams(temperature=0.0, max_tokens=50)))
+    ran = 0
+    while s.has_work() and (steps is None or ran < steps):
+        out = s.schedule()
+        producer.save_kv(out, 0)
+        s.update(out, fake_sample(out))
+        s.kv.check_integrity()
+        ran += 1
+    return s, producer
+
+
+def test_prefill_role_awaiting_its_destination_keeps_every_block_and_pushes_them_when_it_comes() -> None:
+    """The first token is sampled before the destination comes: no block was freed behind the window (any may be
+    sent), none pushed; the destination then gets those it reads (from skip_blocks on) at once, in one push."""
+    s, producer = _awaiting_prefill(None)
+    assert "a" in s.held and s.kv.block_table("a") == [0, 1, 2, 3] and s.kv.pool.peak_used_blocks == 4
+    target = _Target()
+    producer.attach_destination("a", KVDestination(target, (100, 101), skip_blocks=2, first_block=2))
+    assert target.pushed == [([2, 3], [100, 101])]
+    s.free_held("a")
+    assert s.kv.num_used_blocks == 0
+
+
+def test_prefill_role_destination_arriving_mid_prompt_pushes_what_is_done_then_each_chunk() -> None:
+    s, producer = _awaiting_prefill(2)  # 8 of 14 tokens computed: blocks 0 and 1 done
+    request = s.running[0]
+    assert s.kv.block_table("a") == [0, 1] and not producer.can_preempt(request)
+    assert producer.kv_read_from(request) == 0
+    target = _Target()
+    producer.attach_destination("a", KVDestination(target, (100, 101, 102, 103), skip_blocks=0))
+    assert target.pushed == [([0, 1], [100, 101])]
+    while s.has_work():
+        out = s.schedule()
+        producer.save_kv(out, 0)
+        s.update(out, fake_sample(out))
+    assert target.pushed == [([0, 1], [100, 101]), ([2], [102]), ([3], [103])]
+    assert "a" in s.held
+
+
+def test_prefill_role_awaiting_request_is_preemptible_until_a_block_is_done() -> None:
+    producer = KVProducer(block_size=4)
+    producer.await_destination("a", None)
+    assert producer.can_preempt(req("a", 14)) and producer.kv_read_from(req("a", 14)) == 0
+    producer.forget("a")
+    assert producer.kv_read_from(req("a", 14)) is None
+
+
 def _run_to_end(s: Scheduler, limit: int = 500) -> None:
     for _ in range(limit):
         if not s.has_work():
