@@ -198,7 +198,7 @@ class PanelMethod(LinearMethod):
     def __init__(self, ops: ModuleType, bucketed: bool) -> None:
         self._ops = ops
         self.bucketed = bucketed  # tiles see bucketed row counts (common/model/row_buckets.py)
-        self._max_rows = _panel_max_rows(ops)  # bf16's until the panels' dtype is known (refresh)
+        self._max_rows = 0  # set by refresh, once the panels' dtype is known (measured for it alone)
         self._amx_rows = _amx_min_rows(ops)
 
     @staticmethod
@@ -257,14 +257,14 @@ class PanelMethod(LinearMethod):
         return f"panels of {PANEL_ROWS} rows"
 
 
-def panel_mode(dtype: torch.dtype | None = None) -> bool:
-    """``TANDEM_CPU_PANELS=auto|on|off``: float weights in 16-row panels where they fit; auto: where they pay
-    for ``dtype`` weights (``panels_pay``), on: always."""
+def panel_mode(dtype: torch.dtype) -> bool:
+    """``TANDEM_CPU_PANELS=auto|on|off``: ``dtype`` weights in 16-row panels where they fit; auto: where they
+    pay (``panels_pay``), on: always."""
     mode = str(kernel_setting("cpu_panels"))
     if mode == "off":
         return False
     ops = gemv_kernels()
-    return mode == "on" or dtype is None or ops is None or panels_pay(ops, dtype)
+    return mode == "on" or ops is None or panels_pay(ops, dtype)
 
 
 # Panels hold the only copy of a weight, so above their crossover every call unpacks tiles for torch's GEMM.
