@@ -481,7 +481,7 @@ class Coordinator:
             await _write(call, answer, prefill_pb2.PrefillMessage(destination=prefill_pb2.KVDestination(
                 kv_endpoint=r.kv_endpoint, node_id=r.node_id, transfer_id=r.transfer_id, block_ids=r.block_ids,
                 num_cached_tokens=r.num_cached_tokens, first_block=r.first_block)))
-            await call.done_writing()
+            await _write(call, answer, None)
             return await self._unless_decode_fails(answer, reader, decode)
         finally:
             answer.cancel()
@@ -540,11 +540,13 @@ async def _read_decode_stream(call: grpc.aio.UnaryStreamCall, queue: asyncio.Que
 
 
 async def _write(call: grpc.aio.StreamUnaryCall, answer: asyncio.Future[prefill_pb2.PrefillResponse],
-                 message: prefill_pb2.PrefillMessage) -> None:
-    """Write ``message`` to the prefill call; a call that ended meanwhile raises its own failure."""
+                 message: prefill_pb2.PrefillMessage | None) -> None:
+    """Write ``message`` to the prefill call (None: close its sending side); a call that ended meanwhile raises
+    its own failure. A write racing the node's own failure may raise grpc's "RPC already finished", or an
+    INTERNAL "Internal error from Core", in place of the status the node sent: the call's status says why."""
     try:
-        await call.write(message)
-    except asyncio.InvalidStateError:  # grpc's "RPC already finished": its status says why
+        await (call.write(message) if message is not None else call.done_writing())
+    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
         await answer
         raise ServiceError("the prefill node answered before its KV destination was sent") from None
 
