@@ -13,8 +13,9 @@ figures), so Tandem multiplies float weights with its own kernels there (``commo
   (``common/kernels/cpu/cpu_amx.cpp``: the bf16 panel layout is the tile unit's B layout) at every row count.
   ``TANDEM_CPU_AMX=auto|on|off``. A tied LM head runs panels too and the token lookup reads its rows
   (``TiedEmbedding``): one copy of the matrix. ``TANDEM_CPU_PANELS=off`` keeps row-major weights.
-- ``GemvMethod`` (other shapes): ``dense_matmul``, row-major tiles with software prefetch, up to
-  ``GEMV_MAX_ROWS``, ``F.linear`` above it (row-bucketed for 16-bit activations, common/model/row_buckets.py).
+- ``GemvMethod`` (other shapes, and float weights where panels do not pay): ``dense_matmul``, row-major tiles
+  with software prefetch, up to the rows where it measured faster than torch's GEMM here (``gemv_max_rows``),
+  ``F.linear`` above it (row-bucketed for 16-bit activations, common/model/row_buckets.py).
 
 The registry (common/quant/registry.py) picks them for float layers on CPU: ``TANDEM_CPU_GEMV=auto|on|off``
 (auto: where the kernels build; on: or a start-up error; off: the library's matmuls only). Within a path
@@ -26,6 +27,7 @@ verification row can differ from the plain decode row in the last bit (fp32 pane
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -67,24 +69,57 @@ def gemv_kernels() -> ModuleType | None:
 
 
 class GemvMethod(TorchMethod):
-    """Float weights, row-major: ``dense_matmul`` up to ``GEMV_MAX_ROWS`` rows of fp32/bf16, ``TorchMethod``'s
-    ``F.linear`` above it (row-bucketed for 16-bit activations: common/model/row_buckets.py)."""
+    """Float weights, row-major: ``dense_matmul`` up to the rows where it measured faster than torch's GEMM
+    here (``gemv_max_rows``), ``TorchMethod``'s ``F.linear`` above it (row-bucketed for 16-bit activations:
+    common/model/row_buckets.py)."""
 
     name = "gemv"
 
     def __init__(self, ops: ModuleType, bucketed: bool) -> None:
         super().__init__(bucketed)
         self._ops = ops
+        self._max_rows = GEMV_MAX_ROWS  # set for the weight's dtype once it is loaded
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         weight, bias = layer.weight, layer.bias
-        if x.shape[0] <= GEMV_MAX_ROWS and x.dtype in _FLOATS and weight.dtype in _FLOATS and x.device.type == "cpu":
+        if (x.shape[0] <= self._max_rows and x.dtype in _FLOATS and weight.dtype in _FLOATS
+                and x.device.type == "cpu"):
             y = self._ops.dense_matmul(x if x.is_contiguous() else x.contiguous(), weight)
             return y if bias is None else y + bias
         return super().apply(layer, x)
 
     def process_weights_after_loading(self, layer: Linear, packed: QuantizedWeight | None) -> None:
         layer.weight.data = layer.weight.data.contiguous()  # the GEMV streams rows as they lie
+        if layer.weight.dtype in _FLOATS:
+            self._max_rows = _gemv_max_rows(self._ops, layer.weight.dtype)
+
+
+# The row counts probed for the row-major GEMV's limit. GEMV_MAX_ROWS (8) was the quantized kernels' measured
+# limit and float weights took it too; on the 2-core AVX-512/AMX Xeon (session 26, fp32, SmolLM2's weights
+# streamed from DRAM) dense_matmul beat MKL's GEMM up to 12 rows and tied at 16 (30 layers: 12 rows 29.9 vs
+# 38.2 ms), and a served decode step of 9-12 rows took 66-75 ms against 42 ms at 8.
+GEMV_PROBES = (GEMV_MAX_ROWS, 12, 16, 24, 32)
+
+
+def gemv_max_rows(dtype: torch.dtype = torch.float32) -> int:
+    """Rows up to which ``GemvMethod`` multiplies row-major ``dtype`` weights with ``dense_matmul`` in this
+    process (0: no kernels)."""
+    ops = gemv_kernels()
+    return 0 if ops is None else _gemv_max_rows(ops, dtype)
+
+
+def _gemv_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:
+    key = f"gemv_{dtype}"
+    if key not in _limits:
+        _limits[key] = crossover_rows(measure_gemv(ops, dtype))
+        log.info("row-major %s weights: Tandem's GEMV up to %d rows here; torch's GEMM above", dtype, _limits[key])
+    return _limits[key]
+
+
+def measure_gemv(ops: ModuleType, dtype: torch.dtype) -> dict[int, tuple[float, float]]:
+    """Per probed row count, the best of a few timings of (``dense_matmul``, torch's GEMM) on one row-major
+    weight (the panels' probe shape)."""
+    return _race(dtype, GEMV_PROBES, lambda w: w, lambda x, w: ops.dense_matmul(x, w))
 
 
 PANEL_MAX_ROWS = 256  # up to here the panel kernel; above, oneDNN / MKL on unpacked tiles (measured faster)
@@ -136,20 +171,26 @@ _PROBE_SHAPE = (2048, 1024)  # [N, K]: larger than L2, as the models' projection
 
 def measure_crossover(ops: ModuleType, dtype: torch.dtype) -> dict[int, tuple[float, float]]:
     """Per probed row count, the best of a few timings of (the panel kernel, torch's GEMM) on one weight."""
+    return _race(dtype, CROSSOVER_PROBES, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False))
+
+
+def _race(dtype: torch.dtype, probes: tuple[int, ...], layout: Callable[[torch.Tensor], torch.Tensor],
+          kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> dict[int, tuple[float, float]]:
+    """Per row count in ``probes``: the best of five timings of (``kernel`` on the weight in ``layout``,
+    ``F.linear`` on the row-major weight), alternating so that a neighbour's load falls on both."""
     import time
 
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(*_PROBE_SHAPE, generator=gen).to(dtype)
-    panels = pack_panels(w)
+    laid = layout(w)
     timings: dict[int, tuple[float, float]] = {}
-    for rows in CROSSOVER_PROBES:
+    for rows in probes:
         x = torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(dtype)
         best = [float("inf"), float("inf")]
-        for _ in range(3):  # the two alternate, so a neighbour's load falls on both
-            for i, fn in enumerate((lambda x=x: ops.dense_matmul_panel(x, panels, NO_AMX, False),
-                                    lambda x=x: F.linear(x, w))):
+        for _ in range(5):
+            for i, fn in enumerate((lambda x=x: kernel(x, laid), lambda x=x: F.linear(x, w))):
                 start = time.perf_counter()
                 fn()
                 best[i] = min(best[i], time.perf_counter() - start)
@@ -158,9 +199,9 @@ def measure_crossover(ops: ModuleType, dtype: torch.dtype) -> dict[int, tuple[fl
 
 
 def crossover_rows(timings: dict[int, tuple[float, float]]) -> int:
-    """The largest probed row count up to which the panel kernel was never slower than torch's GEMM (its
-    timings: rows -> (panels s, GEMM s)); the smallest probe if it lost there too (a decode row still streams
-    the panels, which is what they are for)."""
+    """The largest probed row count up to which Tandem's kernel was never slower than torch's GEMM (its
+    timings: rows -> (kernel s, GEMM s)); the smallest probe if it lost there too (a decode row still streams
+    the weights, which is what the kernels are for)."""
     rows = min(timings)
     for m in sorted(timings):
         panel, gemm = timings[m]

@@ -27,7 +27,7 @@ def ops(request: pytest.FixtureRequest) -> object:
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 12, 17, 32])  # up to the largest measured limit (GEMV_PROBES)
 @pytest.mark.parametrize(("k", "n"), [(64, 40), (96, 33), (100, 7), (576, 17)])  # K tails, odd N: row tails
 def test_dense_matmul_matches_linear(ops: object, m: int, k: int, n: int, w_dtype: torch.dtype,
                                      x_dtype: torch.dtype) -> None:
@@ -194,6 +194,28 @@ def test_panels_are_held_only_where_they_pay(ops: object, monkeypatch: pytest.Mo
     monkeypatch.setattr(gemv, "_limits", {})
     timings = gemv.measure_crossover(ops, torch.float32)  # type: ignore[arg-type]
     assert sorted(timings) == list(gemv.CROSSOVER_PROBES) and all(min(t) > 0 for t in timings.values())
+
+
+def test_the_row_major_gemv_runs_up_to_its_measured_limit(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    class Spy:  # the kernels, counting the rows dense_matmul is given
+        def dense_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return ops.dense_matmul(x, w)  # type: ignore[attr-defined, no-any-return]
+
+    monkeypatch.setattr(gemv, "_limits", {f"gemv_{torch.float32}": 12})
+    w, b = torch.randn(40, 64), torch.randn(40)
+    layer = Linear.of(w.clone(), b.clone())
+    layer.set_method(gemv.GemvMethod(Spy(), bucketed=False))  # type: ignore[arg-type]
+    x = torch.randn(13, 64)
+    for m in (1, 12, 13):  # 13: past the limit, torch's GEMM
+        torch.testing.assert_close(layer(x[:m]), nn.functional.linear(x[:m], w, b), rtol=1e-5, atol=1e-4)
+    assert calls == [1, 12]
+    assert gemv.gemv_max_rows(torch.float32) == 12  # what the process measured (here: as set)
+    timings = gemv.measure_gemv(ops, torch.float32)  # type: ignore[arg-type]
+    assert sorted(timings) == list(gemv.GEMV_PROBES) and all(min(t) > 0 for t in timings.values())
+    assert gemv.crossover_rows(timings) in gemv.GEMV_PROBES
 
 
 def test_panel_layouts_are_refused_when_wrong(ops: object) -> None:
