@@ -8,15 +8,15 @@ the op-by-op path calls (``common/quant``'s panels, ``cpu_decode.cpp``'s attenti
 norms, rotary and SiLU), each wrapped in its own namespace, so its hidden states and K/V are bit-identical
 to that path's (tests/model/test_decode_step.py).
 
-It runs when every projection's method gives it a plan (``LinearMethod.step_weights``: ``tandem_a8`` int8 /
-int4 panels, or float panels of the activations' dtype: fp32 or bf16), each multiplied as its op-by-op kernel
-does on this CPU (bf16: AMX tiles from the kernel's row threshold, ``vdpbf16ps`` or the int8-rounded rows below
-it), the KV cache has the activations' dtype, attention is the compiled CPU decode kernel, and the batch
-is up to ``max_rows`` tokens (the fewest rows up to which every projection's op-by-op kernel is the panel
-loop the step runs; at most ``MAX_ROWS``) that attention reads as decode rows: a decode step, or short
-chunks over a cached prefix (speculative verification, a draft model's catch-up); anything else
-(prefill, long chunks, other kernels, parallel ranks, a model with q/k norms or a sliding window, Gemma's layer)
-takes the op-by-op path.
+It runs when every projection's method gives it a plan (``LinearMethod.step_weights``: ``tandem_a8`` int8 / int4
+panels, float panels of the activations' dtype: fp32 or bf16, or row-major fp32 weights where panels do not pay:
+``GemvMethod``), each multiplied as its op-by-op kernel does on this CPU (bf16: AMX tiles from the kernel's row
+threshold, ``vdpbf16ps`` or the int8-rounded rows below it), the KV cache has the activations' dtype, attention is
+the compiled CPU decode kernel, and the batch is up to ``max_rows`` tokens (the fewest rows up to which every
+projection's op-by-op kernel is the loop the step runs; at most ``MAX_ROWS``) that attention reads as decode rows:
+a decode step, or short chunks over a cached prefix (speculative verification, a draft model's catch-up); anything
+else (prefill, long chunks, other kernels, parallel ranks, a model with q/k norms or a sliding window, Gemma's
+layer) takes the op-by-op path.
 ``TANDEM_DECODE_STEP=auto|on|off`` (auto: where it builds and applies; on: a start-up error if it cannot
 build; off: never).
 """

@@ -93,6 +93,15 @@ class GemvMethod(TorchMethod):
         if layer.weight.dtype in _FLOATS:
             self._max_rows = _gemv_max_rows(self._ops, layer.weight.dtype)
 
+    def step_weights(self, layer: Linear, dtype: torch.dtype) -> StepWeights | None:
+        """fp32 weights with fp32 activations: the one-call step runs ``dense_matmul``'s tiles on them (kind 33)
+        up to the same row limit; bf16 row-major weights keep the op-by-op path."""
+        weight = layer.weight
+        if dtype != torch.float32 or weight.dtype != torch.float32:
+            return None
+        empty = torch.empty(0)
+        return StepWeights((weight.detach(), empty, empty), 33, layer.in_features, self._max_rows, NO_AMX)
+
 
 # The row counts probed for the row-major GEMV's limit. GEMV_MAX_ROWS (8) was the quantized kernels' measured
 # limit and float weights took it too; on the 2-core AVX-512/AMX Xeon (session 26, fp32, SmolLM2's weights

@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class StepWeights:
     """What the one-call CPU decode step (``cpu_step.cpp``) reads of a projection: three tensors (weights,
-    scales, zeros; empty where unused), the kernel kind (32: fp32 panels, 16: bf16 panels, 8: int8 panels,
-    4: int4 panels) and its group (the input width for float panels), the most rows for which the layer's
-    own ``forward`` runs the same panel loop (beyond it, other sums), and the rows from which it multiplies
+    scales, zeros; empty where unused), the kernel kind (32: fp32 panels, 33: row-major fp32, 16: bf16 panels,
+    8: int8 panels, 4: int4 panels) and its group (the input width for float weights), the most rows for which
+    the layer's own ``forward`` runs the same loop (beyond it, other sums), and the rows from which it multiplies
     bf16 rows in AMX tiles (``NO_AMX``: never)."""
 
     tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -1,6 +1,7 @@
 """The one-call decode step (common/model/decode_step.py, cpu_step.cpp) against the op-by-op forward: the
-same hidden states and the same K/V, bit for bit, for fp32, int8 and int4 panels with fp32 activations and
-bf16 panels with bf16 activations (AMX tiles on and off where the CPU has them), and the same greedy text."""
+same hidden states and the same K/V, bit for bit, for fp32, int8 and int4 panels and row-major fp32 weights with
+fp32 activations and bf16 panels with bf16 activations (AMX tiles on and off where the CPU has them), and the same
+greedy text."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def _panels(monkeypatch: pytest.MonkeyPatch) -> None:
     # (common/model/gemv.py panels_pay), so these tests hold them there always.
     monkeypatch.setenv("TANDEM_CPU_PANELS", "on")
     # ... and multiply up to PANEL_MAX_ROWS rows as they lie, as where they win that far (a 40-row batch here)
+    # (row-major fp32 weights, "rows" below: their GEMV up to 64 rows, past the 40-row batch)
     monkeypatch.setattr(gemv, "_limits", {f"measured_{dtype}": gemv.PANEL_MAX_ROWS
-                                          for dtype in (torch.float32, torch.bfloat16)})
+                                          for dtype in (torch.float32, torch.bfloat16)} | {f"gemv_{torch.float32}": 64})
 
 
 def _model(factory: Callable[..., Path], shape: str, quantization: str, dtype: str = "float32") -> LlamaForCausalLM:
@@ -94,6 +96,9 @@ def _set_amx(amx: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from common.kernels.cpu import NO_AMX
     from common.model import gemv
 
+    if amx == "rows":  # fp32 weights row-major (where panels do not pay): dense_matmul's tiles in the step
+        monkeypatch.setenv("TANDEM_CPU_PANELS", "off")
+        return
     if amx == "amx" and gemv.amx_min_rows() == NO_AMX:
         pytest.skip("no AMX tiles on this CPU")
     if amx == "no-amx":  # both paths read the same thresholds
@@ -101,7 +106,7 @@ def _set_amx(amx: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr("common.quant.cpu_linear.AMX_QUANT_MIN_ROWS", NO_AMX)
 
 
-MODES = [("float32", "none", ""), ("float32", "int8", ""), ("float32", "int4", ""),
+MODES = [("float32", "none", ""), ("float32", "none", "rows"), ("float32", "int8", ""), ("float32", "int4", ""),
          *(("bfloat16", q, amx) for q in ("none", "int8", "int4") for amx in ("amx", "no-amx"))]
 
 
@@ -112,6 +117,8 @@ def test_the_step_equals_the_op_by_op_forward_bit_for_bit(tiny_model_factory: Ca
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     _set_amx(amx, monkeypatch)
     model = _model(tiny_model_factory, shape, quantization, dtype)
+    if amx == "rows":
+        assert all(type(lin.method) is gemv.GemvMethod for lin in model.layers[0].modules() if hasattr(lin, "method"))
     for lengths in ([9], [5, 17, 1]):
         cache, tables = _prefilled(model, lengths)
         (got, got_cache), (want, want_cache) = _both_ways(model, cache, tables, lengths)
@@ -148,8 +155,11 @@ def _greedy(model: LlamaForCausalLM, prompts: list[list[int]], n: int) -> dict[s
     return out
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), [("float32", "none"), ("float32", "int4"), ("bfloat16", "none")])
-def test_greedy_text_is_unchanged(tiny_model_factory: Callable[..., Path], dtype: str, quantization: str) -> None:
+@pytest.mark.parametrize(("dtype", "quantization", "panels"), [("float32", "none", "on"), ("float32", "none", "off"),
+                                                               ("float32", "int4", "on"), ("bfloat16", "none", "on")])
+def test_greedy_text_is_unchanged(tiny_model_factory: Callable[..., Path], dtype: str, quantization: str, panels: str,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CPU_PANELS", panels)  # off: fp32 row-major
     model = _model(tiny_model_factory, "head64", quantization, dtype)
     calls = 0
     step = model.decode_step

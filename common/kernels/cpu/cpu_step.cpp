@@ -18,7 +18,8 @@
 // by one thread whatever the split: the results do not depend on it), attention splits (row, KV head)
 // pairs; the small elementwise parts run on one thread (a few hundred floats a row).
 //
-// Weights and activations: fp32 activations with fp32 panels (common/model/gemv.py's PanelLinear) or int8 /
+// Weights and activations: fp32 activations with fp32 panels (common/model/gemv.py's PanelMethod), row-major
+// fp32 weights (its GemvMethod, where panels do not pay: dense_matmul's tiles, split by rows), or int8 /
 // int4 panels with int8-rounded activations (common/quant/cpu_linear.py's tandem_a8 layers), the dtype
 // `--dtype auto` chooses where bf16 is slow (AVX2); or bf16 activations with bf16 panels, multiplied as
 // dense_matmul_panel does on this CPU (AMX tiles from its row threshold, ``vdpbf16ps`` below it, fp32
@@ -31,11 +32,12 @@ namespace tstep {
 
 constexpr int64_t MAX_ROWS = 256;  // a bound on the buffers; Python sets each model's own (decode_step.py)
 constexpr int64_t kSplitRows = 8;  // from this many rows the elementwise parts split over the threads
-enum Kind : int64_t { kInt4 = 4, kInt8 = 8, kBFloat16 = 16, kFloat32 = 32 };
+enum Kind : int64_t { kInt4 = 4, kInt8 = 8, kBFloat16 = 16, kFloat32 = 32, kRowFloat32 = 33 };
 
 struct Linear {
   int64_t kind = 0, N = 0, K = 0, G = 0;
-  torch::Tensor w, s, z;  // fp32 panels [N/16, K, 16] | bf16 panels [N/16, K/2, 16, 2] | int q panels, scales, zeros
+  // fp32 panels [N/16, K, 16] | row-major fp32 [N, K] | bf16 panels [N/16, K/2, 16, 2] | int q panels, scales, zeros
+  torch::Tensor w, s, z;
   int64_t panels() const { return N / 16; }
 };
 
@@ -75,6 +77,11 @@ std::vector<std::unique_ptr<Plan>> plans;  // handle = index; freed slots are nu
 Linear make_linear(const torch::Tensor& w, const torch::Tensor& s, const torch::Tensor& z, int64_t kind, int64_t G,
                    int64_t N, int64_t K, const char* name) {
   Linear l{kind, N, K, G, w, s, z};
+  if (kind == kRowFloat32) {
+    TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(0) == N &&
+                    w.size(1) == K, name, ": row-major fp32 weights [N, K], contiguous");
+    return l;
+  }
   TORCH_CHECK(N % 16 == 0, name, ": out_features must be a multiple of 16");
   TORCH_CHECK(w.is_contiguous() && w.dim() == (kind == kFloat32 ? 3 : 4) && w.size(0) == N / 16, name,
               ": weights must be contiguous 16-row panels");
@@ -132,7 +139,7 @@ struct Input {
 
 // Whether a projection's input needs work per layer (else ``bind`` alone prepares it, once a run).
 bool needs_prepare(const Plan& p, const Linear& l, const Input& in, int64_t M) {
-  if (!p.bf16) return l.kind != kFloat32;
+  if (!p.bf16) return l.kind != kFloat32 && l.kind != kRowFloat32;
   return in.path == Bf16Path::kFma || in.path == Bf16Path::kA8 || (in.path == Bf16Path::kAmx && M % 16 != 0);
 }
 
@@ -153,7 +160,7 @@ void bind(const Plan& p, const Linear& l, const uint16_t* x, int64_t M, Input& i
 // (bf16 panels without AVX512-BF16), the zero-padded last rows (AMX).
 void prepare(const Plan& p, const Linear& l, int64_t M, Input& in) {
   if (!p.bf16) {
-    if (l.kind != kFloat32) tq::quantize_x(in.x, M, l.K, l.G, in.xq);
+    if (l.kind != kFloat32 && l.kind != kRowFloat32) tq::quantize_x(in.x, M, l.K, l.G, in.xq);
     return;
   }
   if (in.path == Bf16Path::kFma || in.path == Bf16Path::kA8) {
@@ -227,8 +234,28 @@ void packed_span(const Linear& l, const Input& in, int64_t M, float* y, int64_t 
   else tq::panel_span<false>(args, M, p0, p1);
 }
 
+// This thread's rows of a row-major fp32 projection: dense_matmul's tiles (``dense_all``: a tile of weight rows,
+// then every group of 4, 2, 1 activation rows over it while it is in L1), over a share of the tiles.
+void rows_part(const Linear& l, const Input& in, int64_t M, float* y, int tid, int nt) {
+  constexpr int64_t R = tq::rows_for<1>();
+  int64_t t0, t1;
+  share((l.N + R - 1) / R, tid, nt, t0, t1);
+  const float* w = l.w.data_ptr<float>();
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n0 = t * R, rows = std::min(R, l.N - n0);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tq::dense_rows<4>(in.x, in.x, w, l.K, l.N, y, m, n0, rows);
+    for (; m + 2 <= M; m += 2) tq::dense_rows<2>(in.x, in.x, w, l.K, l.N, y, m, n0, rows);
+    for (; m < M; ++m) tq::dense_rows<1>(in.x, in.x, w, l.K, l.N, y, m, n0, rows);
+  }
+}
+
 void matmul_part(const Linear& l, const Input& in, int64_t M, float* y, float* scratch, int tid, int nt) {
   (void)scratch;
+  if (l.kind == kRowFloat32) {
+    rows_part(l, in, M, y, tid, nt);
+    return;
+  }
   int64_t p0, p1;
   share(l.panels(), tid, nt, p0, p1);
   if (p0 >= p1) return;
@@ -336,9 +363,9 @@ Plan& plan_at(int64_t handle) {
 
 // Registers a model's layers for decode_step_run; returns the plan's handle. Per layer, ``tensors`` holds
 // 14 entries (input norm, post-attention norm, then weights, scales, zeros of qkv, o, gate_up, down; unused
-// ones empty), ``kinds`` 8 (weight kind 4 / 8 / 16 / 32 and group size of each projection), ``caches`` 2 (the
+// ones empty), ``kinds`` 8 (weight kind 4 / 8 / 16 / 32 / 33 and group size of each projection), ``caches`` 2 (the
 // layer's K and V cache, [blocks, block_size, H_kv, D] in the activation dtype, unit stride over D).
-// ``dtype``: the activations', "float32" (kinds 4, 8, 32) or "bfloat16" (kinds 4, 8, 16); ``amx_min_rows``,
+// ``dtype``: the activations', "float32" (kinds 4, 8, 32, 33) or "bfloat16" (kinds 4, 8, 16); ``amx_min_rows``,
 // ``amx_quant_min_rows``: from how many rows bf16 panels, and int8 / int4 panels with bf16 activations, go
 // through AMX tiles (the op-by-op kernels' thresholds, from Python).
 // ``attention``: the address of the attention module's decode_rows for the dtype (``decode_rows_address``),
@@ -384,7 +411,8 @@ int64_t decode_step_plan(std::vector<torch::Tensor> tensors, std::vector<int64_t
                     t[1].is_contiguous() && t[0].numel() == H && t[1].numel() == H, "layer norms: contiguous ", dtype);
     Linear* lin[4] = {&ly.qkv, &ly.o, &ly.gate_up, &ly.down};
     for (int j = 0; j < 4; ++j) {
-      TORCH_CHECK(k[2 * j] != (plan->bf16 ? kFloat32 : kBFloat16), names[j], ": float panels of the activations' dtype");
+      TORCH_CHECK(k[2 * j] != (plan->bf16 ? kFloat32 : kBFloat16) && !(plan->bf16 && k[2 * j] == kRowFloat32), names[j],
+                  ": float weights of the activations' dtype");
       *lin[j] = make_linear(t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], k[2 * j], k[2 * j + 1], shapes[j][0],
                             shapes[j][1], names[j]);
     }
