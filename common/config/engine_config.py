@@ -73,6 +73,10 @@ class SchedulerConfig:
     # steps drain it faster (bigger matmuls); a light load keeps the small steps its streams' TPOT needs.
     # None: the budget above, always.
     backlog_budget: tuple[int, int] | None = None
+    # A prompt with at most this many tokens still to prefill gets them in one chunk where the step's budget
+    # holds them, whatever max_prefill_chunk says (vLLM schedules a prompt that fits its step whole): splitting it
+    # adds a step and re-reads the first part's KV, and its decodes wait as long either way. None: never.
+    whole_prefill: int | None = None
     # Which prefill gets the step's budget first (common/engine/scheduler.py): "shortest" (fewest uncomputed
     # tokens; a prompt passed over max_prefill_skips steps in a row by later arrivals goes first) or "fcfs".
     prefill_order: str = knob("shortest", "which prompt's prefill goes first: shortest (fewest tokens left; one "
@@ -97,6 +101,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.backlog_budget is not None and min(self.backlog_budget) < 1:
             raise ValueError(f"backlog_budget must be two numbers >= 1, got {self.backlog_budget}")
+        if self.whole_prefill is not None and self.whole_prefill < 1:
+            raise ValueError(f"whole_prefill must be >= 1, got {self.whole_prefill}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
         if self.prefill_order not in PREFILL_ORDERS:
@@ -122,6 +128,11 @@ DEVICE_STEP_BUDGETS: dict[str, tuple[int, int]] = {"cpu": (512, 256)}
 # output tokens a second than 512 / 256 (2026-12-03: benchmarks/results/2026-12-03-serve-vllm/RESULTS.md,
 # benchmarks/results/figures-from-code.md). A budget that is set is used as it is, whatever the load.
 DEVICE_BACKLOG_BUDGETS: dict[str, tuple[int, int]] = {"cpu": (2048, 512)}
+# ... and a prompt that fits the light step (512 tokens) is not split by its 256-token chunk limit
+# (SchedulerConfig.whole_prefill): with 384 -> 128 tokens at 0.6 req/s under vLLM's client (SmolLM2 fp32, 2-core
+# Xeon, alternating runs) a prompt took 1.96-2.04 steps and its prefill 522-546 ms in the engine, against 1.12-1.17
+# steps and 427-445 ms whole.
+DEVICE_WHOLE_PREFILL: dict[str, int] = {"cpu": 512}
 
 
 def scheduler_config(device: str, max_num_batched_tokens: int | None = None, max_prefill_chunk: int | None = None,
@@ -131,13 +142,15 @@ def scheduler_config(device: str, max_num_batched_tokens: int | None = None, max
 
     A budget field that is given is used as given; one that is not (None) is the device's
     (``DEVICE_STEP_BUDGETS``, else SchedulerConfig's default); and when neither is given, the device's load-aware
-    backlog budget applies too (``DEVICE_BACKLOG_BUDGETS``). ``fields``: SchedulerConfig's other fields.
+    backlog budget and whole-prompt size apply too (``DEVICE_BACKLOG_BUDGETS``, ``DEVICE_WHOLE_PREFILL``).
+    ``fields``: SchedulerConfig's other fields.
     """
     kind = device.split(":")[0]
     tokens, chunk = DEVICE_STEP_BUDGETS.get(kind, (SchedulerConfig.max_num_batched_tokens,
                                                    SchedulerConfig.max_prefill_chunk))
     if max_num_batched_tokens is None and max_prefill_chunk is None:
         fields.setdefault("backlog_budget", DEVICE_BACKLOG_BUDGETS.get(kind))
+        fields.setdefault("whole_prefill", DEVICE_WHOLE_PREFILL.get(kind))
     return SchedulerConfig(max_num_batched_tokens=tokens if max_num_batched_tokens is None else max_num_batched_tokens,
                            max_prefill_chunk=chunk if max_prefill_chunk is None else max_prefill_chunk, **fields)
 

@@ -339,7 +339,12 @@ class Scheduler:
     # ---- internals -------------------------------------------------------------------------------
 
     def _chunk_size(self, request: Request, budget: int) -> int:
-        n = min(request.num_tokens - request.num_computed_tokens, self._chunk_cap(budget, self._chunked(request)))
+        left = request.num_tokens - request.num_computed_tokens
+        chunked = self._chunked(request)
+        whole = self.config.whole_prefill
+        if whole is not None and left <= min(whole, budget) and not chunked:
+            return left  # a prompt that fits the step goes whole (SchedulerConfig.whole_prefill)
+        n = min(left, self._chunk_cap(budget, chunked))
         assert n >= 1
         return n
 

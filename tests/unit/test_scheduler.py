@@ -77,6 +77,24 @@ def test_a_prefill_backlog_or_an_idle_decode_gets_the_backlog_budget_and_a_light
     assert step(s) == [("c", 12, 1), ("d", 0, 4)]
 
 
+def test_a_prompt_that_fits_the_step_goes_whole_whatever_the_chunk_limit() -> None:
+    s = make(max_num_batched_tokens=8, max_prefill_chunk=3, whole_prefill=6, num_blocks=32)
+    s.add_request(req("a", 6))
+    assert step(s) == [("a", 0, 6)]  # fits: one chunk of 6, not 3 + 3
+    s.add_request(req("b", 7, first=50))  # longer than whole_prefill: the chunk limit
+    s.add_request(req("c", 6, first=20))
+    assert step(s) == [("a", 6, 1), ("c", 0, 6), ("b", 0, 1)]  # c whole (7 left of the step); b the last token
+    assert step(s) == [("a", 7, 1), ("c", 6, 1), ("b", 1, 6)]  # b's 6 left now fit the 6 tokens left: whole
+    s = make(max_num_batched_tokens=8, max_prefill_chunk=3, whole_prefill=6, num_blocks=32)
+    s.add_request(req("d", 3, first=30))
+    s.add_request(req("e", 8, first=40))
+    assert step(s) == [("d", 0, 3), ("e", 0, 3)]  # e: more than whole_prefill, the chunk limit
+    assert step(s) == [("d", 3, 1), ("e", 3, 5)]  # the rest of e (5) fits: whole, not 3 + 2
+    s = make(max_num_batched_tokens=4, max_prefill_chunk=3, whole_prefill=6, num_blocks=32)
+    s.add_request(req("f", 5))
+    assert step(s) == [("f", 0, 3)]  # more than the step's budget: the chunk limit again
+
+
 def test_fcfs_max_num_seqs_and_finishing_frees_blocks() -> None:
     s = make(max_num_seqs=2)
     for rid in "abc":

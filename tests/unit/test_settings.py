@@ -44,6 +44,10 @@ def test_a_serving_node_s_step_budget_defaults_by_device() -> None:
     assert cache.num_blocks is None
     # every entry point resolves the budget in one function: the offline LLM and the planner call it too
     assert engine_configs(NodeSettings(), "cpu")[1] == scheduler_config("cpu")
+    # on CPU a prompt that fits the light step is not split by its chunk limit, unless a budget is set
+    assert engine_configs(NodeSettings(), "cpu")[1].whole_prefill == 512
+    assert engine_configs(NodeSettings(max_prefill_chunk=16), "cpu")[1].whole_prefill is None
+    assert engine_configs(NodeSettings(), "cuda:0")[1].whole_prefill is None
     with pytest.raises(ValueError, match="max_prefill_chunk must be >= 1, got -1"):
         NodeSettings(max_prefill_chunk=-1)
     with pytest.raises(ValueError, match=r"--prefill-order \(TANDEM_PREFILL_ORDER\) must be one of shortest, fcfs"):
