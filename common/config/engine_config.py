@@ -73,9 +73,10 @@ class SchedulerConfig:
     # steps drain it faster (bigger matmuls); a light load keeps the small steps its streams' TPOT needs.
     # None: the budget above, always.
     backlog_budget: tuple[int, int] | None = None
-    # A prompt with at most this many tokens still to prefill gets them in one chunk where the step's budget
-    # holds them, whatever max_prefill_chunk says (vLLM schedules a prompt that fits its step whole): splitting it
-    # adds a step and re-reads the first part's KV, and its decodes wait as long either way. None: never.
+    # A request of at most this many tokens gets those it has left to prefill in one chunk where the step's
+    # budget holds them, whatever max_prefill_chunk says (vLLM schedules a prompt that fits its step whole):
+    # splitting it adds a step and re-reads the first part's KV, and its decodes wait as long either way. A longer
+    # prompt keeps the chunk limit to its last token (its tail too). None: never.
     whole_prefill: int | None = None
     # Which prefill gets the step's budget first (common/engine/scheduler.py): "shortest" (fewest uncomputed
     # tokens; a prompt passed over max_prefill_skips steps in a row by later arrivals goes first) or "fcfs".
@@ -128,7 +129,7 @@ DEVICE_STEP_BUDGETS: dict[str, tuple[int, int]] = {"cpu": (512, 256)}
 # output tokens a second than 512 / 256 (2026-12-03: benchmarks/results/2026-12-03-serve-vllm/RESULTS.md,
 # benchmarks/results/figures-from-code.md). A budget that is set is used as it is, whatever the load.
 DEVICE_BACKLOG_BUDGETS: dict[str, tuple[int, int]] = {"cpu": (2048, 512)}
-# ... and a prompt that fits the light step (512 tokens) is not split by its 256-token chunk limit
+# ... and a prompt of up to 512 tokens (the light step) is not split by its 256-token chunk limit
 # (SchedulerConfig.whole_prefill): with 384 -> 128 tokens at 0.6 req/s under vLLM's client (SmolLM2 fp32, 2-core
 # Xeon, alternating runs) a prompt took 1.96-2.04 steps and its prefill 522-546 ms in the engine, against 1.12-1.17
 # steps and 427-445 ms whole.

@@ -342,8 +342,8 @@ class Scheduler:
         left = request.num_tokens - request.num_computed_tokens
         chunked = self._chunked(request)
         whole = self.config.whole_prefill
-        if whole is not None and left <= min(whole, budget) and not chunked:
-            return left  # a prompt that fits the step goes whole (SchedulerConfig.whole_prefill)
+        if whole is not None and request.num_tokens <= whole and left <= budget and not chunked:
+            return left  # a short prompt that fits the step goes whole (SchedulerConfig.whole_prefill)
         n = min(left, self._chunk_cap(budget, chunked))
         assert n >= 1
         return n

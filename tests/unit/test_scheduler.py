@@ -84,15 +84,19 @@ def test_a_prompt_that_fits_the_step_goes_whole_whatever_the_chunk_limit() -> No
     s.add_request(req("b", 7, first=50))  # longer than whole_prefill: the chunk limit
     s.add_request(req("c", 6, first=20))
     assert step(s) == [("a", 6, 1), ("c", 0, 6), ("b", 0, 1)]  # c whole (7 left of the step); b the last token
-    assert step(s) == [("a", 7, 1), ("c", 6, 1), ("b", 1, 6)]  # b's 6 left now fit the 6 tokens left: whole
+    assert step(s) == [("a", 7, 1), ("c", 6, 1), ("b", 1, 3)]  # b is longer than 6: chunks to its end
     s = make(max_num_batched_tokens=8, max_prefill_chunk=3, whole_prefill=6, num_blocks=32)
     s.add_request(req("d", 3, first=30))
     s.add_request(req("e", 8, first=40))
     assert step(s) == [("d", 0, 3), ("e", 0, 3)]  # e: more than whole_prefill, the chunk limit
-    assert step(s) == [("d", 3, 1), ("e", 3, 5)]  # the rest of e (5) fits: whole, not 3 + 2
+    assert step(s) == [("d", 3, 1), ("e", 3, 3)]  # a long prompt's tail keeps the limit too
     s = make(max_num_batched_tokens=4, max_prefill_chunk=3, whole_prefill=6, num_blocks=32)
     s.add_request(req("f", 5))
     assert step(s) == [("f", 0, 3)]  # more than the step's budget: the chunk limit again
+    s = make(max_num_batched_tokens=8, max_prefill_chunk=3, whole_prefill=6, num_blocks=32)
+    s.add_request(req("g", 2, first=60))
+    s.add_request(req("h", 6, first=70))
+    assert step(s) == [("g", 0, 2), ("h", 0, 6)]  # shortest first; h whole in the 6 tokens left
 
 
 def test_fcfs_max_num_seqs_and_finishing_frees_blocks() -> None:
