@@ -320,7 +320,8 @@ def panel_mode(dtype: torch.dtype) -> bool:
 # Panels hold the only copy of a weight, so above their crossover every call unpacks tiles for torch's GEMM.
 # Where the panel kernel stops winning below this many rows, row-major weights serve better: on the AVX-512/AMX
 # Xeon (fp32, crossover 16 rows) a batch of 48 decoded 1.33x faster and a 384-token prompt prefilled 1.6x
-# faster with row-major weights (``GemvMethod``), batch 1 ~20% slower (session 25).
+# faster with row-major weights (``GemvMethod``), batch 1 ~20% slower (session 25) until the one-call decode step took
+# row-major fp32 weights too (session 26: batch 1 18-20 ms, faster than panels' 25).
 PANEL_MIN_CROSSOVER = 64
 
 
