@@ -37,6 +37,7 @@ from common.protocol import sampling_to_proto
 from common.serving.errors import DeadlineExceededError, ServiceError, UnavailableError
 from common.telemetry import spans
 from common.telemetry.metrics import GatewayMetrics
+from gateway.decode_leg import DecodeLeg, QueueItem, Reader, StreamEnd, cancelled_under_us, cancelling, start_reading
 from gateway.model import ServedModel
 from gateway.node_pool import NodePool
 from gateway.output import Delta, OutputChunk, OutputProcessor, Timings, Usage, coalesced_chunks, visible
@@ -70,37 +71,9 @@ class NodeLostError(UnavailableError):
         self.role, self.target = role, target
 
 
-class _StreamEnd:
-    """Queued after the decode stream's last message."""
-
-
-_QueueItem: TypeAlias = decode_pb2.DecodeResponse | _StreamEnd | grpc.aio.AioRpcError
-_Reader: TypeAlias = asyncio.Task[grpc.aio.AioRpcError | None]  # the decode stream's reader: the error that ended it
-
-
-@dataclass
-class _DecodeLeg:
-    node: NodeState
-    call: grpc.aio.UnaryStreamCall
-    reservation: decode_pb2.Reservation | None  # None: the decode node prefills the prompt itself
-    # A local prefill's first delta: prompt tokens cached on the decode node, time queued there.
-    cached_tokens: int = 0
-    queue_seconds: float = 0.0
-    first_token_time: float | None = None
-    backlog_tokens: int = 0  # a local prefill's tokens in the node's prefill backlog until its first token
-
-    def settle_backlog(self) -> None:
-        """The local prefill produced its first token (or ended): its tokens leave the node's backlog."""
-        self.node.end_prefill(self.backlog_tokens)
-        self.backlog_tokens = 0
-
-    @property
-    def node_id(self) -> str:
-        return (self.reservation.node_id if self.reservation is not None else "") or self.node.node_id
-
 
 # A reserved decode leg, the queue its stream is read into and the reader.
-_Reserved: TypeAlias = tuple[_DecodeLeg, asyncio.Queue[_QueueItem], _Reader]
+_Reserved: TypeAlias = tuple[DecodeLeg, asyncio.Queue[QueueItem], Reader]
 # The prefill node that answered, its answer, and when it was called.
 _Prefilled: TypeAlias = tuple[NodeState, prefill_pb2.PrefillResponse, float]
 
@@ -128,7 +101,7 @@ class _Run:
             self.queue_seconds = waited_s + reply.queue_seconds
             self.cached_tokens = reply.num_cached_tokens
 
-    def prefilled_locally(self, decode: _DecodeLeg, now: float) -> None:
+    def prefilled_locally(self, decode: DecodeLeg, now: float) -> None:
         """A decode node prefilled the prompt itself and sent its first token."""
         if self.first_token_time is None:
             self.first_token_time, self.prefill_node = now, decode.node_id
@@ -236,7 +209,7 @@ class Coordinator:
                 self._queued[local_target] -= num_tokens
             if span.is_recording():
                 span.add_event("local_prefill", {spans.DECODE_NODE: decode.node_id})
-            queue, reader = _start_reading(decode, attempt.request_id)
+            queue, reader = start_reading(decode, attempt.request_id)
         # out.source_finished: the decode node sent its finish reason, so its call ends by itself.
         try:
             first: OutputChunk | None = None
@@ -274,15 +247,11 @@ class Coordinator:
                 yield chunk
         finally:
             # Runs on success, failure, client cancel and deadline alike: nothing is left running.
-            if not out.source_finished:
-                reader.cancel()
-                decode.call.cancel()
-            decode.settle_backlog()
-            decode.node.end()
+            decode.release(reader, running=not out.source_finished)
 
     async def _remote_prefill(self, req: GatewayRequest, attempt: GatewayRequest, run: _Run, deadline: float,
                               num_prompt_blocks: int, block_hashes: list[bytes],
-                              ) -> tuple[_DecodeLeg, asyncio.Queue[_QueueItem], _Reader, _Prefilled | None]:
+                              ) -> tuple[DecodeLeg, asyncio.Queue[QueueItem], Reader, _Prefilled | None]:
         """Reserve on a decode node and prefill on a prefill node at the same time: the prefill node computes
         while the decode node reserves, and gets the destination once the reservation is there. Returns the
         decode leg (reading) and the prefill's answer; None when the prefill failed and the decode node
@@ -305,7 +274,7 @@ class Coordinator:
             await _discard(reserving)
             decode = await self._reserve(attempt, deadline, num_prompt_blocks, local=True, avoid=run.lost,
                                          block_hashes=block_hashes)
-            queue, reader = _start_reading(decode, attempt.request_id)
+            queue, reader = start_reading(decode, attempt.request_id)
             return decode, queue, reader, None
         except BaseException:
             await _discard(reserving)
@@ -323,14 +292,14 @@ class Coordinator:
             span.add_event("reserved", {spans.DECODE_NODE: decode.node_id,
                                         spans.TRANSFER_ID: r.transfer_id, spans.RESERVED_BLOCKS: len(r.block_ids),
                                         spans.CACHED_TOKENS: r.num_cached_tokens})
-        queue, reader = _start_reading(decode, req.request_id)
+        queue, reader = start_reading(decode, req.request_id)
         return decode, queue, reader
 
-    def _delta(self, item: _QueueItem, decode: _DecodeLeg, run: _Run) -> Delta:
+    def _delta(self, item: QueueItem, decode: DecodeLeg, run: _Run) -> Delta:
         if isinstance(item, grpc.aio.AioRpcError):
             raise self._node_error("decode", decode.node, item)
-        if isinstance(item, _StreamEnd) or not item.HasField("delta"):
-            what = "ended its stream" if isinstance(item, _StreamEnd) else "sent a second reservation or answer"
+        if isinstance(item, StreamEnd) or not item.HasField("delta"):
+            what = "ended its stream" if isinstance(item, StreamEnd) else "sent a second reservation or answer"
             raise ServiceError(f"decode node {decode.node.target} {what} before a finish reason")
         d = item.delta
         if decode.first_token_time is None:  # a local prefill's first token
@@ -359,7 +328,7 @@ class Coordinator:
 
     async def _reserve(self, req: GatewayRequest, deadline: float, num_prompt_blocks: int,
                        local: bool = False, avoid: Sequence[str] = (), block_hashes: Sequence[bytes] = ()
-                       ) -> _DecodeLeg:
+                       ) -> DecodeLeg:
         """Open a decode stream and read its reservation (``local``: its local-prefill answer); a node that
         cannot be reached is replaced once. ``avoid``: nodes this request lost, taken only when no other is;
         ``block_hashes``: the prompt's, for the node holding its history (``Router.pick_decode``)."""
@@ -394,8 +363,8 @@ class Coordinator:
             except BaseException as exc:
                 call.cancel()
                 node.end()
-                if isinstance(exc, asyncio.CancelledError) and not _cancelling():
-                    raise self._node_error("decode", node, _cancelled_under_us()) from None
+                if isinstance(exc, asyncio.CancelledError) and not cancelling():
+                    raise self._node_error("decode", node, cancelled_under_us()) from None
                 raise
             expected = "local_prefill" if local else "reservation"
             if first is grpc.aio.EOF or not first.HasField(expected):
@@ -403,9 +372,9 @@ class Coordinator:
                 node.end()
                 raise ServiceError(f"decode node {node.target} answered without a {expected.replace('_', ' ')}")
             if not local:
-                return _DecodeLeg(node, call, first.reservation)
+                return DecodeLeg(node, call, first.reservation)
             node.begin_prefill(len(req.prompt_token_ids))
-            return _DecodeLeg(node, call, None, backlog_tokens=len(req.prompt_token_ids))
+            return DecodeLeg(node, call, None, backlog_tokens=len(req.prompt_token_ids))
 
     async def _prefill(self, req: GatewayRequest, reserving: asyncio.Future[_Reserved], block_hashes: list[bytes],
                        deadline: float, avoid: Sequence[str] = ()) -> _Prefilled:
@@ -454,9 +423,9 @@ class Coordinator:
                     continue
                 raise error from None
             except asyncio.CancelledError:
-                if _cancelling():
+                if cancelling():
                     raise
-                raise self._node_error("prefill", node, _cancelled_under_us()) from None
+                raise self._node_error("prefill", node, cancelled_under_us()) from None
             finally:
                 call.cancel()  # a no-op once it answered; else the prefill node aborts and frees its blocks
                 node.end_prefill(backlog)
@@ -486,8 +455,8 @@ class Coordinator:
         finally:
             answer.cancel()
 
-    async def _unless_decode_fails(self, awaitable: Awaitable[T], reader: _Reader,
-                                   decode: _DecodeLeg) -> T:
+    async def _unless_decode_fails(self, awaitable: Awaitable[T], reader: Reader,
+                                   decode: DecodeLeg) -> T:
         """Await ``awaitable``, but give up (cancelling it) as soon as the decode stream fails."""
         task = asyncio.ensure_future(awaitable)
         try:
@@ -514,29 +483,6 @@ class Coordinator:
         if code in _PASSED_ON:
             return ServiceError(f"{what}: {exc.details()}", code)
         return ServiceError(f"{what} failed: {code.name}: {exc.details()}")
-
-
-async def _read_decode_stream(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue[_QueueItem],
-                              ) -> grpc.aio.AioRpcError | None:
-    """Move the decode stream's messages into ``queue``; return (and queue) the error that ended it, if any.
-
-    Our own ``call.cancel()`` ends a read with ``asyncio.CancelledError``, never an ``AioRpcError``: a CANCELLED
-    status read here came from the node (its shutdown grace ran out, say) and is its failure. (grpc's
-    ``call.cancelled()`` cannot tell them apart: it is true for a CANCELLED status from either side.)"""
-    try:
-        while (msg := await call.read()) is not grpc.aio.EOF:
-            queue.put_nowait(msg)
-    except grpc.aio.AioRpcError as exc:
-        queue.put_nowait(exc)
-        return exc
-    except asyncio.CancelledError:
-        if _cancelling():
-            raise  # this reader was cancelled (our own cancels cancel the reader before the call)
-        lost = _cancelled_under_us()
-        queue.put_nowait(lost)
-        return lost
-    queue.put_nowait(_StreamEnd())
-    return None
 
 
 async def _write(call: grpc.aio.StreamUnaryCall, answer: asyncio.Future[prefill_pb2.PrefillResponse],
@@ -569,28 +515,7 @@ async def _discard(reserving: asyncio.Future[_Reserved]) -> None:
     if reserving.cancelled() or reserving.exception() is not None:
         return
     decode, _, reader = reserving.result()
-    reader.cancel()
-    decode.call.cancel()
-    decode.node.end()
-
-
-def _cancelling() -> bool:
-    """Whether the running task is being cancelled: a CancelledError it catches is its own (its client went,
-    its deadline passed), not a gRPC call's that was cancelled under it."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
-def _cancelled_under_us() -> grpc.aio.AioRpcError:
-    """What a call ended by a local cancel that is not ours (its channel closed) stands for: the node's failure,
-    never the client's cancel (a request is cancelled only by its client or its deadline)."""
-    return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                "the call was cancelled on the gateway's side (its channel closed)")
-
-
-def _start_reading(decode: _DecodeLeg, request_id: str) -> tuple[asyncio.Queue[_QueueItem], _Reader]:
-    queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
-    return queue, asyncio.create_task(_read_decode_stream(decode.call, queue), name=f"decode-{request_id}")
+    decode.release(reader)
 
 
 def _members(nodes: dict[str, NodeState]) -> str:

@@ -135,7 +135,7 @@ def test_a_call_cancelled_under_the_gateway_is_the_nodes_failure(served_model: S
     first) is read as the node's failure, queued for the request (so it migrates or fails with the node's
     status), never as a bare CancelledError that would reach the client as CANCELLED."""
     from common.serving.channel import open_channel
-    from gateway.coordinator import _read_decode_stream
+    from gateway.decode_leg import read_decode_stream as _read_decode_stream
     from tandem.v1 import decode_pb2, decode_pb2_grpc
 
     tokens = script(served_model)
