@@ -14,7 +14,7 @@ figures), so Tandem multiplies float weights with its own kernels there (``commo
   ``TANDEM_CPU_AMX=auto|on|off``. A tied LM head runs panels too and the token lookup reads its rows
   (``TiedEmbedding``): one copy of the matrix. ``TANDEM_CPU_PANELS=off`` keeps row-major weights.
 - ``GemvMethod`` (other shapes, and float weights where panels do not pay): ``dense_matmul``, row-major tiles
-  with software prefetch, up to the rows where it measured faster than torch's GEMM here (``gemv_max_rows``),
+  with software prefetch, up to the rows where it measured faster than torch's GEMM here (``_gemv_max_rows``),
   ``F.linear`` above it (row-bucketed for 16-bit activations, common/model/row_buckets.py).
 
 The registry (common/quant/registry.py) picks them for float layers on CPU: ``TANDEM_CPU_GEMV=auto|on|off``
@@ -70,7 +70,7 @@ def gemv_kernels() -> ModuleType | None:
 
 class GemvMethod(TorchMethod):
     """Float weights, row-major: ``dense_matmul`` up to the rows where it measured faster than torch's GEMM
-    here (``gemv_max_rows``), ``TorchMethod``'s ``F.linear`` above it (row-bucketed for 16-bit activations:
+    here (``_gemv_max_rows``), ``TorchMethod``'s ``F.linear`` above it (row-bucketed for 16-bit activations:
     common/model/row_buckets.py)."""
 
     name = "gemv"
@@ -110,14 +110,9 @@ class GemvMethod(TorchMethod):
 GEMV_PROBES = (GEMV_MAX_ROWS, 12, 16, 24, 32)
 
 
-def gemv_max_rows(dtype: torch.dtype = torch.float32) -> int:
-    """Rows up to which ``GemvMethod`` multiplies row-major ``dtype`` weights with ``dense_matmul`` in this
-    process (0: no kernels)."""
-    ops = gemv_kernels()
-    return 0 if ops is None else _gemv_max_rows(ops, dtype)
-
-
 def _gemv_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:
+    """Rows up to which ``GemvMethod`` multiplies row-major ``dtype`` weights with ``dense_matmul`` in this
+    process (measured once)."""
     key = f"gemv_{dtype}"
     if key not in _limits:
         _limits[key] = crossover_rows(measure_gemv(ops, dtype))
@@ -213,8 +208,8 @@ def crossover_rows(timings: dict[int, tuple[float, float]]) -> int:
     the weights, which is what the kernels are for)."""
     rows = min(timings)
     for m in sorted(timings):
-        panel, gemm = timings[m]
-        if panel > gemm:
+        kernel, gemm = timings[m]
+        if kernel > gemm:
             break
         rows = m
     return rows

@@ -87,18 +87,24 @@ void dense_rows(const float* x, const float* x_tail, const w_t* w, int64_t K, in
   for (; n < n0 + rows; ++n) dense_tile<1, MT>(x + m0 * K, x_tail + m0 * K, K, w, n, y + m0 * N, N);
 }
 
+// Weight rows n0 .. n0 + rows times all M activation rows, in groups of 4, 2, 1 over the tile while it is in L1
+// (``dense_all``'s tile; the one-call decode step, cpu_step.cpp, runs the same tiles on its share of the rows).
+template <typename w_t>
+void dense_span(const float* x, const float* x_tail, const w_t* w, int64_t M, int64_t K, int64_t N, float* y,
+                int64_t n0, int64_t rows) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dense_rows<4>(x, x_tail, w, K, N, y, m, n0, rows);
+  for (; m + 2 <= M; m += 2) dense_rows<2>(x, x_tail, w, K, N, y, m, n0, rows);
+  for (; m < M; ++m) dense_rows<1>(x, x_tail, w, K, N, y, m, n0, rows);
+}
+
 // One pass over the weights whatever M is: each tile of rows is read from DRAM once and every group of
 // activation rows (4, 2, 1) multiplies it while it is in L1 (a pass per group streamed it again: a
 // speculative verification of 5 rows cost two passes). A row's result does not depend on its group.
 template <typename w_t>
 void dense_all(const float* x, const float* x_tail, const w_t* w, int64_t M, int64_t K, int64_t N, float* y) {
   constexpr int R = rows_for<1>();
-  const auto tile = [&](int64_t n0, int64_t rows) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) dense_rows<4>(x, x_tail, w, K, N, y, m, n0, rows);
-    for (; m + 2 <= M; m += 2) dense_rows<2>(x, x_tail, w, K, N, y, m, n0, rows);
-    for (; m < M; ++m) dense_rows<1>(x, x_tail, w, K, N, y, m, n0, rows);
-  };
+  const auto tile = [&](int64_t n0, int64_t rows) { dense_span(x, x_tail, w, M, K, N, y, n0, rows); };
   run_tiles(M, N, R, [&](int64_t n0) { tile(n0, R); }, [&](int64_t n) { tile(n, 1); });
 }
 

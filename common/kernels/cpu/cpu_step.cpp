@@ -234,19 +234,15 @@ void packed_span(const Linear& l, const Input& in, int64_t M, float* y, int64_t 
   else tq::panel_span<false>(args, M, p0, p1);
 }
 
-// This thread's rows of a row-major fp32 projection: dense_matmul's tiles (``dense_all``: a tile of weight rows,
-// then every group of 4, 2, 1 activation rows over it while it is in L1), over a share of the tiles.
+// This thread's rows of a row-major fp32 projection: dense_matmul's tiles (``dense_span``), over a share of them.
 void rows_part(const Linear& l, const Input& in, int64_t M, float* y, int tid, int nt) {
   constexpr int64_t R = tq::rows_for<1>();
   int64_t t0, t1;
   share((l.N + R - 1) / R, tid, nt, t0, t1);
   const float* w = l.w.data_ptr<float>();
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t n0 = t * R, rows = std::min(R, l.N - n0);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tq::dense_rows<4>(in.x, in.x, w, l.K, l.N, y, m, n0, rows);
-    for (; m + 2 <= M; m += 2) tq::dense_rows<2>(in.x, in.x, w, l.K, l.N, y, m, n0, rows);
-    for (; m < M; ++m) tq::dense_rows<1>(in.x, in.x, w, l.K, l.N, y, m, n0, rows);
+    const int64_t n0 = t * R;
+    tq::dense_span(in.x, in.x, w, M, l.K, l.N, y, n0, std::min(R, l.N - n0));
   }
 }
 
