@@ -33,6 +33,9 @@ ShutdownHook = Callable[[], Awaitable[None]]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+UNREQUESTED_CALL_WAIT_S = 7 * 24 * 3600  # a week: longer than any deadline Tandem sets (request_timeout_s)
+PENDING_CALLS = 1 << 20  # calls received and not yet taken up; Tandem's admission queue limits what runs and waits
+
 SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
     # Without this, two servers can silently share a port (Linux SO_REUSEPORT) and split the traffic.
     ("grpc.so_reuseport", 0),
@@ -41,6 +44,18 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
     # gRPC closes the transport with GOAWAY (ENHANCE_YOUR_CALM), failing every call on it. The server-side
     # default is 5 minutes; the ..._min_ping_interval_... option set here before is a sender's option.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+    # Calls gRPC has received that the server has not yet taken up (grpc.aio takes them up one per turn of its
+    # event loop) wait in a pending list, and gRPC cancels some of them, CANCELLED "CANCELLED", before any
+    # handler or log of ours sees them: at random once more than max_pending_requests wait (1,000; every one
+    # past the hard limit, 3,000), and every one that waited longer than server_max_unrequested_time_in_server
+    # (30 s). 1,200 requests at once against a gateway ended with 4-7 of them CANCELLED that no client
+    # cancelled (issue 32); 2,000 calls at once at one bare server, 168. Load the system can serve is queued,
+    # not refused, and a request is cancelled only by its client or its deadline: the gateway's admission
+    # queue (max_inflight, max_queued, queue_timeout_s) decides what waits and names its limit when it refuses,
+    # and a call's deadline still ends its wait (tests/gateway/test_serving_server.py).
+    ("grpc.server.max_pending_requests", PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS),
+    ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_WAIT_S),
 )
 
 
