@@ -338,13 +338,15 @@ class KernelSettings:
     cpu_amx: str = "auto"  # AMX tiles for bf16 panels where the CPU grants them
     cpu_panels: str = "auto"  # float weights in 16-row panels where they pay here (on: always; off: row-major)
     cpu_gemv: str = "auto"  # Tandem's float GEMV and panel methods (off: F.linear only)
+    cpu_onednn: str = "auto"  # row-major fp32 weights also prepacked for oneDNN's GEMM, where it measured faster
     fused_ops: str = "auto"  # the C++ fused elementwise ops (off: the eager reference)
     decode_step: str = "auto"  # the one-call CPU decode step
     row_buckets: str = "auto"  # 16-bit CPU matmuls padded to a few row counts (auto: on for bf16/fp16)
     cpu_moe: str = "auto"  # a mixture of experts' routed experts in one C++ call on panels (off: PyTorch's)
 
     def __post_init__(self) -> None:
-        for name in ("cpu_amx", "cpu_panels", "cpu_gemv", "fused_ops", "decode_step", "row_buckets", "cpu_moe"):
+        for name in ("cpu_amx", "cpu_panels", "cpu_gemv", "cpu_onednn", "fused_ops", "decode_step", "row_buckets",
+                     "cpu_moe"):
             value = str(getattr(self, name)).strip().lower() or "auto"
             if value not in KERNEL_MODES:
                 raise ValueError(f"{env_name(name)}={value!r}; choose one of {', '.join(KERNEL_MODES)}")

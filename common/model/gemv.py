@@ -14,8 +14,10 @@ figures), so Tandem multiplies float weights with its own kernels there (``commo
   ``TANDEM_CPU_AMX=auto|on|off``. A tied LM head runs panels too and the token lookup reads its rows
   (``TiedEmbedding``): one copy of the matrix. ``TANDEM_CPU_PANELS=off`` keeps row-major weights.
 - ``GemvMethod`` (other shapes, and float weights where panels do not pay): ``dense_matmul``, row-major tiles
-  with software prefetch, up to the rows where it measured faster than torch's GEMM here (``_gemv_max_rows``),
-  ``F.linear`` above it (row-bucketed for 16-bit activations, common/model/row_buckets.py).
+  with software prefetch, up to the rows where it measured faster than the GEMM used above it here
+  (``_gemv_max_rows``); above, fp32 weights also held prepacked in oneDNN's blocked layout where oneDNN's GEMM
+  measured faster than ``F.linear`` here (``onednn_pays``, ``TANDEM_CPU_ONEDNN``; vLLM's CPU path too), else
+  ``F.linear`` (row-bucketed for 16-bit activations, common/model/row_buckets.py).
 
 The registry (common/quant/registry.py) picks them for float layers on CPU: ``TANDEM_CPU_GEMV=auto|on|off``
 (auto: where the kernels build; on: or a start-up error; off: the library's matmuls only). Within a path
@@ -79,6 +81,7 @@ class GemvMethod(TorchMethod):
         super().__init__(bucketed)
         self._ops = ops
         self._max_rows = GEMV_MAX_ROWS  # set for the weight's dtype once it is loaded
+        self._onednn: torch.Tensor | None = None  # the weight in oneDNN's layout, where its GEMM pays (onednn_pays)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         weight, bias = layer.weight, layer.bias
@@ -86,12 +89,28 @@ class GemvMethod(TorchMethod):
                 and x.device.type == "cpu"):
             y = self._ops.dense_matmul(x if x.is_contiguous() else x.contiguous(), weight)
             return y if bias is None else y + bias
+        blocked = self._onednn
+        if blocked is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return onednn_linear(x, blocked, bias)
         return super().apply(layer, x)
 
     def process_weights_after_loading(self, layer: Linear, packed: QuantizedWeight | None) -> None:
         layer.weight.data = layer.weight.data.contiguous()  # the GEMV streams rows as they lie
-        if layer.weight.dtype in _FLOATS:
-            self._max_rows = _gemv_max_rows(self._ops, layer.weight.dtype)
+        dtype = layer.weight.dtype
+        if dtype in _FLOATS:
+            if layer.weight.device.type == "cpu" and layer.weight.numel() and onednn_pays(dtype):
+                # A second copy of the weight, in oneDNN's layout (a buffer, so the layer's weight_bytes counts
+                # it): the GEMV and the one-call step stream the row-major one. (An empty weight, a layer another
+                # pipeline rank holds, has no oneDNN primitive.)
+                self._onednn = onednn_pack(layer.weight.detach())
+                layer.register_buffer("onednn_weight", self._onednn, persistent=False)
+            self._max_rows = _gemv_max_rows(self._ops, dtype)
+
+    def refresh(self, layer: Linear) -> None:
+        self._onednn = layer._buffers.get("onednn_weight")
+
+    def describe(self) -> str:
+        return f"{self.name}, oneDNN above {self._max_rows} rows" if self._onednn is not None else self.name
 
     def step_weights(self, layer: Linear, dtype: torch.dtype) -> StepWeights | None:
         """fp32 weights with fp32 activations: the one-call step runs ``dense_matmul``'s tiles on them (kind 33)
@@ -112,18 +131,67 @@ GEMV_PROBES = (GEMV_MAX_ROWS, 12, 16, 24, 32)
 
 def _gemv_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:
     """Rows up to which ``GemvMethod`` multiplies row-major ``dtype`` weights with ``dense_matmul`` in this
-    process (measured once)."""
+    process (measured once, against the GEMM that runs above it: oneDNN's where it pays, else torch's)."""
     key = f"gemv_{dtype}"
     if key not in _limits:
-        _limits[key] = crossover_rows(measure_gemv(ops, dtype))
-        log.info("row-major %s weights: Tandem's GEMV up to %d rows here; torch's GEMM above", dtype, _limits[key])
+        onednn = onednn_pays(dtype)
+        _limits[key] = crossover_rows(measure_gemv(ops, dtype, onednn))
+        log.info("row-major %s weights: Tandem's GEMV up to %d rows here; %s above", dtype, _limits[key],
+                 "oneDNN's GEMM on prepacked weights" if onednn else "torch's GEMM")
     return _limits[key]
 
 
-def measure_gemv(ops: ModuleType, dtype: torch.dtype) -> dict[int, tuple[float, float]]:
-    """Per probed row count, the best of a few timings of (``dense_matmul``, torch's GEMM) on one row-major
-    weight (the panels' probe shape)."""
-    return _race(dtype, GEMV_PROBES, lambda w: w, lambda x, w: ops.dense_matmul(x, w))
+def measure_gemv(ops: ModuleType, dtype: torch.dtype, onednn: bool = False) -> dict[int, tuple[float, float]]:
+    """Per probed row count, the best of a few timings of (``dense_matmul``, the GEMM: oneDNN's on the weight
+    prepacked with ``onednn``, else torch's) on one row-major weight (the panels' probe shape)."""
+    versus = (onednn_pack, onednn_linear) if onednn else None
+    return _race(dtype, GEMV_PROBES, lambda w: w, lambda x, w: ops.dense_matmul(x, w), versus)
+
+
+# oneDNN's GEMM on weights prepacked in its blocked layout (the path vLLM's CPU backend takes for float weights).
+# On the 2-core AVX-512/AMX Xeon (session 27, fp32, 30 layers of SmolLM2's shapes streamed, 2 threads) it beat
+# torch's F.linear (MKL on row-major weights) 1.3x at 16-24 rows, 1.2x at 32 and 128, 1.04-1.09x at 48-384, and
+# Tandem's GEMV from 12 rows; 1 thread: 1.2-1.6x from 8 rows. Rows come out the same whatever the rows beside
+# them (checked at 17-257 rows). Measured where it runs, not assumed: ONEDNN_PROBES.
+ONEDNN_PROBES = (16, 64, 256)
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear (CPU builds with mkldnn)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A row-major ``[N, K]`` weight in oneDNN's blocked layout for ``onednn_linear`` (a copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def onednn_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W^T (+ bias)`` with W prepacked by ``onednn_pack``."""
+    return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
+
+
+def onednn_pays(dtype: torch.dtype) -> bool:
+    """Whether row-major ``dtype`` weights are also held prepacked for oneDNN's GEMM in this process
+    (``TANDEM_CPU_ONEDNN``): fp32 only; auto: where oneDNN measured no slower than ``F.linear`` at every
+    ``ONEDNN_PROBES`` row count here (once); on: always (a start-up error without it); off: never."""
+    mode = str(kernel_setting("cpu_onednn"))
+    if dtype != torch.float32 or mode == "off":
+        return False
+    if not onednn_available():
+        if mode == "on":
+            raise RuntimeError("TANDEM_CPU_ONEDNN=on but this torch build has no oneDNN linear (torch.ops.mkldnn)")
+        return False
+    if mode == "on":
+        return True
+    key = f"onednn_{dtype}"
+    if key not in _limits:
+        timings = _race(dtype, ONEDNN_PROBES, onednn_pack, onednn_linear)
+        _limits[key] = int(all(ours <= theirs for ours, theirs in timings.values()))
+        log.info("%s GEMM above the GEMV's rows: %s here (%s)", dtype,
+                 "oneDNN on prepacked weights" if _limits[key] else "torch's F.linear (oneDNN was not faster)",
+                 ", ".join(f"{m} rows {a * 1e3:.2f} vs {b * 1e3:.2f} ms" for m, (a, b) in sorted(timings.items())))
+    return bool(_limits[key])
 
 
 PANEL_MAX_ROWS = 256  # up to here the panel kernel; above, oneDNN / MKL on unpacked tiles (measured faster)
@@ -178,10 +246,15 @@ def measure_crossover(ops: ModuleType, dtype: torch.dtype) -> dict[int, tuple[fl
     return _race(dtype, CROSSOVER_PROBES, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False))
 
 
-def _race(dtype: torch.dtype, probes: tuple[int, ...], layout: Callable[[torch.Tensor], torch.Tensor],
-          kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> dict[int, tuple[float, float]]:
-    """Per row count in ``probes``: the best of five timings of (``kernel`` on the weight in ``layout``,
-    ``F.linear`` on the row-major weight), alternating so that a neighbour's load falls on both."""
+Layout = Callable[[torch.Tensor], torch.Tensor]
+Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _race(dtype: torch.dtype, probes: tuple[int, ...], layout: Layout, kernel: Kernel,
+          versus: tuple[Layout, Kernel] | None = None) -> dict[int, tuple[float, float]]:
+    """Per row count in ``probes``: the best of five timings of (``kernel`` on the weight in ``layout``, the
+    ``versus`` kernel on the weight in its layout: ``F.linear`` on the row-major weight unless given),
+    alternating so that a neighbour's load falls on both."""
     import time
 
     import torch.nn.functional as F
@@ -189,12 +262,14 @@ def _race(dtype: torch.dtype, probes: tuple[int, ...], layout: Callable[[torch.T
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(*_PROBE_SHAPE, generator=gen).to(dtype)
     laid = layout(w)
+    other_layout, other = versus or ((lambda t: t), F.linear)
+    other_laid = other_layout(w)
     timings: dict[int, tuple[float, float]] = {}
     for rows in probes:
         x = torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(dtype)
         best = [float("inf"), float("inf")]
         for _ in range(5):
-            for i, fn in enumerate((lambda x=x: kernel(x, laid), lambda x=x: F.linear(x, w))):
+            for i, fn in enumerate((lambda x=x: kernel(x, laid), lambda x=x: other(x, other_laid))):
                 start = time.perf_counter()
                 fn()
                 best[i] = min(best[i], time.perf_counter() - start)

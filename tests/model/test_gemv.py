@@ -218,6 +218,62 @@ def test_the_row_major_gemv_runs_up_to_its_measured_limit(ops: object, monkeypat
     assert gemv.crossover_rows(timings) in gemv.GEMV_PROBES
 
 
+def test_fp32_weights_above_the_gemv_rows_go_to_onednn_where_it_pays(ops: object,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if not gemv.onednn_available():
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.delenv("TANDEM_CPU_ONEDNN", raising=False)  # auto: the measured choice, set below
+    gemm_rows: list[int] = []
+
+    def counted(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        gemm_rows.append(x.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
+
+    monkeypatch.setattr(gemv, "onednn_linear", counted)
+    w, b = torch.randn(40, 64), torch.randn(40)
+    x = torch.randn(300, 64)
+    for pays in (1, 0):
+        monkeypatch.setattr(gemv, "_limits", {f"gemv_{torch.float32}": 12, f"onednn_{torch.float32}": pays})
+        gemm_rows.clear()
+        layer = Linear.of(w.clone(), b.clone())
+        layer.set_method(gemv.GemvMethod(ops, bucketed=False))  # type: ignore[arg-type]
+        for m in (1, 12, 13, 300):
+            torch.testing.assert_close(layer(x[:m]), nn.functional.linear(x[:m], w, b), rtol=1e-5, atol=1e-4)
+        # A second copy of the weight in oneDNN's layout, counted in the layer's bytes, where oneDNN pays.
+        assert gemm_rows == ([13, 300] if pays else [])
+        assert ("onednn_weight" in dict(layer.named_buffers())) == bool(pays)
+        assert layer.weight_bytes == (2 if pays else 1) * w.nbytes + b.nbytes
+        assert ("oneDNN above 12 rows" in layer.method.describe()) == bool(pays)
+    # Each row's result does not depend on the rows beside it on oneDNN's path either.
+    blocked = gemv.onednn_pack(w)
+    whole = counted(x, blocked)
+    for m in (13, 17, 64, 257):
+        assert torch.equal(counted(x[:m], blocked), whole[:m])
+
+
+def test_the_onednn_choice_is_measured_and_its_mode_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not gemv.onednn_available():
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.delenv("TANDEM_CPU_ONEDNN", raising=False)
+    monkeypatch.setattr(gemv, "_limits", {})
+    assert not gemv.onednn_pays(torch.bfloat16)  # fp32 weights only
+    chosen = gemv.onednn_pays(torch.float32)  # auto: measured once against F.linear, then kept
+    assert gemv._limits == {f"onednn_{torch.float32}": int(chosen)}
+    timings = gemv._race(torch.float32, gemv.ONEDNN_PROBES, gemv.onednn_pack, gemv.onednn_linear)
+    assert sorted(timings) == list(gemv.ONEDNN_PROBES) and all(min(t) > 0 for t in timings.values())
+    monkeypatch.setattr(gemv, "_limits", {})
+    monkeypatch.setenv("TANDEM_CPU_ONEDNN", "off")
+    assert not gemv.onednn_pays(torch.float32) and gemv._limits == {}
+    monkeypatch.setenv("TANDEM_CPU_ONEDNN", "on")
+    assert gemv.onednn_pays(torch.float32) and gemv._limits == {}
+    monkeypatch.setattr(gemv, "onednn_available", lambda: False)
+    with pytest.raises(RuntimeError, match="TANDEM_CPU_ONEDNN=on but this torch build has no oneDNN linear"):
+        gemv.onednn_pays(torch.float32)
+    monkeypatch.setenv("TANDEM_CPU_ONEDNN", "sometimes")
+    with pytest.raises(ValueError, match="TANDEM_CPU_ONEDNN='sometimes'; choose one of auto, on, off"):
+        gemv.onednn_pays(torch.float32)
+
+
 def test_panel_layouts_are_refused_when_wrong(ops: object) -> None:
     with pytest.raises(RuntimeError, match=r"\[N/16, K/2, 16, 2\]"):
         ops.dense_matmul_panel(torch.randn(1, 64), torch.randn(48, 64).bfloat16(), 1, False)  # type: ignore[attr-defined]
