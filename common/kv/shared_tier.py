@@ -62,7 +62,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     import torch
 
     h = hashlib.blake2b(digest_size=16)
-    tensors = [*model.named_parameters(), *model.named_buffers()]
+    # Not a second copy of a weight in another library's layout (oneDNN's, common/model/gemv.py): whether a node
+    # holds one is measured per process, so it would split nodes of one model.
+    tensors = [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers()) if not t.is_mkldnn]
     for name, t in tensors:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         if t.is_meta or t.numel() == 0:

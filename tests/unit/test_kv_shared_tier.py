@@ -155,6 +155,12 @@ def test_model_fingerprint_follows_the_weights() -> None:
     with torch.device("meta"):
         skeleton = torch.nn.Linear(8, 8)
     assert len(model_fingerprint(skeleton)) == 32  # names, shapes and dtypes only
+    if torch.backends.mkldnn.is_available():
+        # A node that also holds a weight in oneDNN's layout (measured per process) is the same model.
+        before = model_fingerprint(a)
+        a.register_buffer("onednn_weight", torch.ops.mkldnn._reorder_linear_weight(a.weight.detach(), None),
+                          persistent=False)
+        assert model_fingerprint(a) == before
 
 
 def test_shared_needs_a_directory() -> None:
