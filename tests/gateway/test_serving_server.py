@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,17 @@ def test_grace_expiry_cancels_what_is_left() -> None:
     run_async(scenario())
 
 
+def _one_method(service: str,
+                handler: Callable[[bytes, Any], AsyncIterator[bytes]]) -> Callable[[grpc.aio.Server], None]:
+    """A servicer adder for ``start_server``: ``service``'s one streaming method ``Run``."""
+
+    def add(server: grpc.aio.Server) -> None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            service, {"Run": grpc.unary_stream_rpc_method_handler(handler)}),))
+
+    return add
+
+
 def _calls_sent_while_the_loop_is_blocked(options: list[tuple[str, Any]], block_s: float,
                                           timeout_s: float) -> list[str]:
     """Four calls reach a server (``start_server`` with ``options``) while its event loop is blocked for
@@ -84,10 +95,6 @@ def _calls_sent_while_the_loop_is_blocked(options: list[tuple[str, Any]], block_
 
     async def echo(request: bytes, context: Any) -> AsyncIterator[bytes]:
         yield b"taken up"
-
-    def add(server: grpc.aio.Server) -> None:
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "test.Echo", {"Run": grpc.unary_stream_rpc_method_handler(echo)}),))
 
     def call(channel: grpc.Channel) -> str:
         try:
@@ -97,7 +104,7 @@ def _calls_sent_while_the_loop_is_blocked(options: list[tuple[str, Any]], block_
             return exc.code().name
 
     async def scenario() -> list[str]:
-        server = await start_server([add], ["test.Echo"], "127.0.0.1", 0, options=options)
+        server = await start_server([_one_method("test.Echo", echo)], ["test.Echo"], "127.0.0.1", 0, options=options)
         sending = threading.Event()
 
         def client() -> list[str]:
@@ -142,12 +149,8 @@ def _burst(options: list[tuple[str, Any]], n: int) -> dict[str, int]:
         await asyncio.sleep(0.05)
         yield b"token"
 
-    def add(server: grpc.aio.Server) -> None:
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "test.Burst", {"Run": grpc.unary_stream_rpc_method_handler(run)}),))
-
     async def scenario() -> dict[str, int]:
-        server = await start_server([add], ["test.Burst"], "127.0.0.1", 0, options=options)
+        server = await start_server([_one_method("test.Burst", run)], ["test.Burst"], "127.0.0.1", 0, options=options)
         outcomes: dict[str, int] = {}
 
         async def one(stub: Any) -> None:

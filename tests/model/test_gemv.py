@@ -224,10 +224,11 @@ def test_fp32_weights_above_the_gemv_rows_go_to_onednn_where_it_pays(ops: object
         pytest.skip("this torch build has no oneDNN linear")
     monkeypatch.delenv("TANDEM_CPU_ONEDNN", raising=False)  # auto: the measured choice, set below
     gemm_rows: list[int] = []
+    linear = gemv.onednn_linear
 
     def counted(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         gemm_rows.append(x.shape[0])
-        return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
+        return linear(x, blocked, bias)
 
     monkeypatch.setattr(gemv, "onednn_linear", counted)
     w, b = torch.randn(40, 64), torch.randn(40)

@@ -15,6 +15,7 @@ from common.kv.block_hash import hash_prompt_blocks
 from common.kv.kv_cache import KVCache, KVCacheSpec
 from common.kv.kv_cache_manager import KVCacheManager
 from common.kv.shared_tier import SharedTier, model_fingerprint, namespace
+from common.model import gemv
 from tests.unit.test_kv_offload import SPEC, _write  # the same cache layout and forward stand-in
 
 BLOCK_GB = SPEC.num_layers * 2 * SPEC.block_size * SPEC.num_kv_heads * SPEC.head_dim * 4 / 2**30
@@ -155,11 +156,10 @@ def test_model_fingerprint_follows_the_weights() -> None:
     with torch.device("meta"):
         skeleton = torch.nn.Linear(8, 8)
     assert len(model_fingerprint(skeleton)) == 32  # names, shapes and dtypes only
-    if torch.backends.mkldnn.is_available():
+    if gemv.onednn_available():
         # A node that also holds a weight in oneDNN's layout (measured per process) is the same model.
         before = model_fingerprint(a)
-        a.register_buffer("onednn_weight", torch.ops.mkldnn._reorder_linear_weight(a.weight.detach(), None),
-                          persistent=False)
+        a.register_buffer("onednn_weight", gemv.onednn_pack(a.weight.detach()), persistent=False)
         assert model_fingerprint(a) == before
 
 
