@@ -56,7 +56,7 @@ async def one(stub, out):
 
 
 async def main(port, n):
-    out = collections.Counter()
+    out: collections.Counter[str] = collections.Counter()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         await ch.channel_ready()
         stub = ch.unary_stream("/s/m")
@@ -70,6 +70,7 @@ if __name__ == "__main__":
     options = sys.argv[4] if len(sys.argv) > 4 else "[]"
     server = subprocess.Popen([sys.executable, "-c", SERVER, sys.argv[2], sys.argv[3], options, repo],
                               stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
     try:
         asyncio.run(main(int(server.stdout.readline()), int(sys.argv[1])))
     finally:
