@@ -356,6 +356,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "shared-prefix [vllm: random-384-128; llamacpp-server: random-384-128,random-128-256]")
     peer.add_argument("--peer-gguf", help="the GGUF file llama-server runs [the bundled model's Q4_1 GGUF, when "
                       "--model is the bundled model]")
+    peer.add_argument("--rounds", type=int, default=1, help="run every workload and rate this many times, the "
+                      "systems back to back each time (the report adds each system's ratios to the peer's run of "
+                      "the same round) [1]")
     peer.add_argument("--no-tandem-client", action="store_true",
                       help="skip the cross-check run of Tandem's own client on each system")
 

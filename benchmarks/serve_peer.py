@@ -1,13 +1,16 @@
 """Serving against a peer's own server, measured by vLLM's own client: ``tandem bench serve --peer vllm``
 and ``--peer llamacpp-server``.
 
-Each system runs alone on the same cores, one after the other: the peer, ``colocated`` (one
-``tandem serve colocated`` on every core), ``disaggregated`` and ``conditional`` (``tandem up``: one prefill
-and one decode node, each on its share of the cores, and the gateway). Each is started, timed to its first
-healthy answer (its time to ready), warmed up with a short run of the first workload (vLLM compiles on its
-first requests too), then driven by ``vllm bench serve`` (the module, from the vllm peer's venv) over its
-OpenAI ``/v1/completions`` for every workload and rate; Tandem's own client (benchmarks/serve_client.py)
-drives the same systems with the first workload's shape as a cross-check.
+Every system runs on the same cores: the peer, ``colocated`` (one ``tandem serve colocated`` on every core),
+``disaggregated`` and ``conditional`` (``tandem up``: one prefill and one decode node, each on its share of the
+cores, and the gateway). Each is started while the others are idle, timed to its first healthy answer (its time
+to ready) and warmed up with a short run of the first workload (vLLM compiles on its first requests too); then
+``vllm bench serve`` (the module, from the vllm peer's venv) drives one system at a time over its OpenAI
+``/v1/completions``, the systems back to back at each workload and rate (``schedule``), so the machine's drift
+(15-30% within minutes on shared machines) falls on every system alike; ``--rounds N`` runs the whole schedule N
+times, each round starting with the next system, and the report adds each system's ratios to the peer's
+figures of the same round (their median and range). Tandem's own client (benchmarks/serve_client.py) drives
+the same systems with the first workload's shape as a cross-check.
 
 The peers (``COMPARISONS``):
 - ``vllm``: vLLM's OpenAI server (benchmarks/peers/vllm_server.py) against every Tandem system, on the same
@@ -31,10 +34,10 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import itertools
 import json
 import math
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -128,6 +131,7 @@ class Row:
     rate: float
     client: str  # "vllm bench serve" | "tandem"
     result: dict[str, Any]  # vLLM's result keys (Tandem's client's figures mapped onto them)
+    round: int = 0  # which pass of --rounds
 
     def get(self, key: str) -> float:
         return float(self.result.get(key) or 0.0)
@@ -246,39 +250,54 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, vocab_size: int, 
     rates: Sequence[float] = args.rate or ((math.inf,) if args.quick else comparison.rates)
     concurrency = comparison.max_concurrency
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-bench-peer-"))
+    rounds = getattr(args, "rounds", 1) or 1
     rows: list[Row] = []
     ready: dict[str, float | str] = {}
     client_run = functools.partial(run_vllm_client, client.python, max_concurrency=concurrency,
                                    extra=comparison.client_args)
-    for name in systems:
-        # Each client run gets its own seed: vLLM's random dataset gives request i of two runs with one seed
-        # the same first tokens (a 128-token prompt is the start of the 384-token one), which a prefix cache
-        # would serve from the run before.
-        seeds = itertools.count(args.seed)
-        _progress(f"{name}: starting")
-        server = peer.start(log_dir) if name == comparison.peer else tandem_server(
-            name, model_dir, dtype, comparison.quantization, args.cpus, log_dir)
-        try:
-            with server as (url, seconds):
+    # The warm-up runs take seeds below args.seed; slot i of the schedule (its workload, rate and round) takes
+    # args.seed + i for every system: the same requests for each, and no two runs of one server alike (vLLM's
+    # random dataset gives request i of two runs with one seed the same first tokens, which a prefix cache would
+    # serve from the run before).
+    urls: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        for i, name in enumerate(systems):
+            _progress(f"{name}: starting")
+            server = peer.start(log_dir) if name == comparison.peer else tandem_server(
+                name, model_dir, dtype, comparison.quantization, args.cpus, log_dir)
+            try:
+                url, seconds = stack.enter_context(server)
                 ready[name] = seconds
                 _progress(f"{name}: ready in {seconds:.1f} s at {url}; warming up")
                 warm = dataclasses.replace(named[workloads[0]], name="warm-up", num_prompts=max(4, num_prompts // 4),
                                            ttft_slo_ms=1e9, tpot_slo_ms=1e9)
                 client_run(url, model_dir.name, model_dir, warm, math.inf, log_dir / f"{name}-warm-up.json",
-                           seed=next(seeds))
-                for workload in workloads:
-                    for rate in rates:
-                        _progress(f"{name}: {workload} at {_rate(rate)} req/s (vllm bench serve)")
-                        result = client_run(url, model_dir.name, model_dir, named[workload], rate,
-                                            log_dir / f"{name}-{workload}-{_rate(rate)}.json", seed=next(seeds))
-                        rows.append(Row(name, workload, rate, "vllm bench serve", result))
-                if workloads[0].startswith("random-") and not args.no_tandem_client:
-                    _progress(f"{name}: {workloads[0]} at {_rate(rates[-1])} req/s (Tandem's client)")
-                    rows.append(Row(name, workloads[0], rates[-1], "tandem", tandem_client_run(
-                        url, workloads[0], num_prompts, rates[-1], vocab_size, args.seed, concurrency)))
-        except RuntimeError as exc:
-            _progress(f"{name}: failed: {exc}")
-            ready.setdefault(name, f"failed: {str(exc).splitlines()[0]}")
+                           seed=args.seed - 1 - i)
+                urls[name] = url
+            except RuntimeError as exc:
+                _progress(f"{name}: failed: {exc}")
+                ready.setdefault(name, f"failed: {str(exc).splitlines()[0]}")
+        slots = schedule(list(urls), workloads, list(rates), rounds)
+        for seed, (r, workload, rate, order) in enumerate(slots, start=args.seed):
+            for name in order:
+                if name not in urls:
+                    continue  # failed in an earlier slot
+                _progress(f"{name}: {workload} at {_rate(rate)} req/s (vllm bench serve"
+                          f"{f', round {r + 1} of {rounds}' if rounds > 1 else ''})")
+                try:
+                    result = client_run(urls[name], model_dir.name, model_dir, named[workload], rate,
+                                        log_dir / f"{name}-{workload}-{_rate(rate)}-r{r}.json", seed=seed)
+                except RuntimeError as exc:
+                    _progress(f"{name}: failed: {exc}")
+                    ready[name] = f"failed: {str(exc).splitlines()[0]}"
+                    del urls[name]
+                    continue
+                rows.append(Row(name, workload, rate, "vllm bench serve", result, r))
+        if workloads[0].startswith("random-") and not args.no_tandem_client:
+            for name, url in urls.items():
+                _progress(f"{name}: {workloads[0]} at {_rate(rates[-1])} req/s (Tandem's client)")
+                rows.append(Row(name, workloads[0], rates[-1], "tandem", tandem_client_run(
+                    url, workloads[0], num_prompts, rates[-1], vocab_size, args.seed, concurrency)))
     print(report(rows, ready, args, model_dir.name, dtype, peer.version, comparison, peer.details))
     _progress(f"logs: {log_dir}")
     if args.json_path:
@@ -347,6 +366,22 @@ def write_peer_datasets(tokenizer_dir: Path) -> None:
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+def schedule(systems: Sequence[str], workloads: Sequence[str], rates: Sequence[float], rounds: int = 1,
+             ) -> list[tuple[int, str, float, list[str]]]:
+    """The order of the client's runs: (round, workload, rate, the systems in the order they run), round by
+    round, each workload's rates in order. At each workload and rate every system runs back to back, so what the
+    machine does meanwhile falls on all of them alike; round r starts with system r (mod their number), so none
+    always runs first or right after another."""
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    out = []
+    for r in range(rounds):
+        k = r % len(systems) if systems else 0
+        order = [*systems[k:], *systems[:k]]
+        out += [(r, w, rate, order) for w in workloads for rate in rates]
+    return out
+
+
 def _rate(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -363,26 +398,63 @@ def report(rows: Sequence[Row], ready: dict[str, float | str], args: argparse.Na
              f"{details}.{load}", *(("", comparison.note) if comparison.note else ()), "",
              "| system | time to ready (s) |", "|---|---:|"]
     lines += [f"| {name} | {v:.1f} |" if isinstance(v, float) else f"| {name} | {v} |" for name, v in ready.items()]
+    rounds = max((r.round for r in rows), default=0) + 1
+    if rounds > 1:
+        lines += ["", f"Each system ran {rounds} times at each workload and rate, back to back with the others; "
+                  f"a ratio is to {comparison.label}'s run of the same round."]
     for workload in dict.fromkeys(r.workload for r in rows):
         lines += ["", f"## {workload}", "",
-                  f"| system | client | rate | done | output tok/s | vs {comparison.label} | TTFT p50 / p99 (ms) | "
+                  f"| system | client | rate |{' round |' if rounds > 1 else ''} done | output tok/s | "
+                  f"vs {comparison.label} | TTFT p50 / p99 (ms) | "
                   "TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | goodput (req/s) | output tokens |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for row in (r for r in rows if r.workload == workload):
-            peer = next((r for r in rows if r.system == comparison.peer and r.workload == workload
-                         and r.rate == row.rate and r.client == row.client), None)
+                  f"|---|---|---:|{'---:|' if rounds > 1 else ''}---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in sorted((r for r in rows if r.workload == workload),
+                          key=lambda r: (r.client != "vllm bench serve", r.system, r.rate, r.round)):
+            peer = _peer_row(rows, row, comparison.peer)
             ratio = f"{row.get('output_throughput') / peer.get('output_throughput'):.2f}x" if (
                 peer is not None and peer.get("output_throughput")) else "-"
             goodput = row.result.get("request_goodput")
             lines.append(
-                f"| {row.system} | {row.client} | {_rate(row.rate)} | {row.result.get('completed')}"
+                f"| {row.system} | {row.client} | {_rate(row.rate)} |{f' {row.round + 1} |' if rounds > 1 else ''}"
+                f" {row.result.get('completed')}"
                 f"/{row.result.get('num_prompts', row.result.get('completed'))} | {row.get('output_throughput'):.1f} | "
                 f"{ratio} | {row.get('p50_ttft_ms'):,.0f} / {row.get('p99_ttft_ms'):,.0f} | "
                 f"{row.get('p50_tpot_ms'):,.0f} / {row.get('p99_tpot_ms'):,.0f} | "
                 f"{row.get('p50_itl_ms'):,.0f} / {row.get('p99_itl_ms'):,.0f} | "
                 f"{'-' if goodput is None else f'{float(goodput):.2f}'} | "
                 f"{row.result.get('total_output_tokens', '-')} |")
+        if rounds > 1:
+            lines += _paired(rows, workload, comparison)
     return "\n".join(lines)
+
+
+def _peer_row(rows: Sequence[Row], row: Row, peer: str) -> Row | None:
+    """The peer's run beside ``row``: same workload, rate, client and round."""
+    return next((r for r in rows if r.system == peer and r.workload == row.workload and r.rate == row.rate
+                 and r.client == row.client and r.round == row.round), None)
+
+
+# The paired summary's columns: (heading, vLLM's result key); a ratio above 1 is more of it than the peer's.
+_PAIRED = (("output tok/s", "output_throughput"), ("TTFT p50", "p50_ttft_ms"), ("TTFT p99", "p99_ttft_ms"),
+           ("TPOT p50", "p50_tpot_ms"), ("TPOT p99", "p99_tpot_ms"), ("goodput", "request_goodput"))
+
+
+def _paired(rows: Sequence[Row], workload: str, comparison: Comparison) -> list[str]:
+    """Each system's figures over the peer's of the same round, per rate: the median ratio [lowest-highest]."""
+    lines = ["", f"Over {comparison.label}'s figures of the same round (median [lowest-highest] of the rounds; "
+             "output and goodput: higher is better, TTFT and TPOT: lower is better):", "",
+             f"| system | rate | {' | '.join(h for h, _ in _PAIRED)} |", "|---|---:|" + "---:|" * len(_PAIRED)]
+    mine = [r for r in rows
+            if r.workload == workload and r.client == "vllm bench serve" and r.system != comparison.peer]
+    for system, rate in dict.fromkeys((r.system, r.rate) for r in mine):
+        cells = []
+        for _, key in _PAIRED:
+            ratios = sorted(r.get(key) / p.get(key) for r in mine if r.system == system and r.rate == rate
+                            for p in [_peer_row(rows, r, comparison.peer)] if p is not None and p.get(key))
+            cells.append("-" if not ratios else
+                         f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+        lines.append(f"| {system} | {_rate(rate)} | {' | '.join(cells)} |")
+    return lines
 
 
 def _progress(message: str) -> None:

@@ -22,6 +22,7 @@ from benchmarks.serve_peer import (
     client_workloads,
     mixed_lengths_rows,
     report,
+    schedule,
 )
 
 
@@ -81,6 +82,39 @@ def test_report_puts_each_system_beside_vllm() -> None:
     text = report(rows, {"vllm": 200.0, "colocated": 4.5}, args, "SmolLM2-135M-Instruct", "float32", "0.32.0")
     assert "| colocated | 4.5 |" in text and "| vllm | 200.0 |" in text
     assert "| colocated | vllm bench serve | inf | 48/48 | 125.0 | 1.25x |" in text
+
+
+def test_the_systems_run_back_to_back_at_each_rate_and_take_turns_going_first() -> None:
+    slots = schedule(["vllm", "colocated", "disaggregated"], ["mixed", "random-384-128"], [0.6, math.inf], rounds=2)
+    assert [(r, w, rate) for r, w, rate, _ in slots] == [
+        (r, w, rate) for r in (0, 1) for w in ("mixed", "random-384-128") for rate in (0.6, math.inf)]
+    assert {tuple(order) for r, *_, order in slots if r == 0} == {("vllm", "colocated", "disaggregated")}
+    assert {tuple(order) for r, *_, order in slots if r == 1} == {("colocated", "disaggregated", "vllm")}
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        schedule(["vllm"], ["mixed"], [1.0], rounds=0)
+
+
+def test_rounds_are_compared_with_the_peer_of_the_same_round() -> None:
+    def result(tok_s: float, ttft: float) -> dict[str, float]:
+        return {"completed": 48, "num_prompts": 48, "output_throughput": tok_s, "p50_ttft_ms": ttft,
+                "p99_ttft_ms": 2 * ttft, "p50_tpot_ms": 100, "p99_tpot_ms": 200, "p50_itl_ms": 90, "p99_itl_ms": 300,
+                "request_goodput": 1.0}
+
+    # The machine was twice as fast in round 2: each round's ratio is 1.2x (a cross-round one would say 0.6x/2.4x).
+    rows = [Row("vllm", "mixed", 1.2, "vllm bench serve", result(100.0, 400.0), 0),
+            Row("colocated", "mixed", 1.2, "vllm bench serve", result(120.0, 300.0), 0),
+            Row("colocated", "mixed", 1.2, "vllm bench serve", result(240.0, 150.0), 1),
+            Row("vllm", "mixed", 1.2, "vllm bench serve", result(200.0, 200.0), 1),
+            Row("colocated", "mixed", 1.2, "vllm bench serve", result(270.0, 150.0), 2),
+            Row("vllm", "mixed", 1.2, "vllm bench serve", result(200.0, 100.0), 2)]
+    text = report(rows, {"vllm": 70.0, "colocated": 2.0}, argparse.Namespace(cpus=(0, 1)), "m", "float32", "0.32.0")
+    assert "Each system ran 3 times" in text
+    assert "| colocated | vllm bench serve | 1.2 | 1 | 48/48 | 120.0 | 1.20x |" in text
+    assert "| colocated | vllm bench serve | 1.2 | 2 | 48/48 | 240.0 | 1.20x |" in text
+    assert "| colocated | vllm bench serve | 1.2 | 3 | 48/48 | 270.0 | 1.35x |" in text
+    # output 1.2, 1.2, 1.35; TTFT p50 0.75, 0.75, 1.5; TPOT and goodput 1.0 in every round
+    assert ("| colocated | 1.2 | 1.20x [1.20-1.35] | 0.75x [0.75-1.50] | 0.75x [0.75-1.50] | 1.00x [1.00-1.00] | "
+            "1.00x [1.00-1.00] | 1.00x [1.00-1.00] |") in text
 
 
 def test_without_the_peer_it_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
