@@ -56,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHAT_LENGTHS = Path(__file__).resolve().parent / "data" / "chat_lengths.jsonl"
 MIXED_LENGTHS = Path(__file__).resolve().parent / "data" / "mixed_lengths.jsonl"
 TANDEM_SYSTEMS = ("colocated", "disaggregated", "conditional")
+WARM_UP_SEEDS = 100_000  # a warm-up's seed: args.seed + this + the system's index (past any schedule's slots)
 KV_CACHE_GIB = 1  # each system's KV budget: Tandem's node default (--kv-cache-memory-gb 1)
 # The chat workload's clips (chat_lengths_rows); its prompts open with a note of a few more tokens.
 CHAT_MAX_PROMPT, CHAT_MAX_OUTPUT, CHAT_OPENING = 2000, 600, 24
@@ -255,10 +256,10 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, vocab_size: int, 
     ready: dict[str, float | str] = {}
     client_run = functools.partial(run_vllm_client, client.python, max_concurrency=concurrency,
                                    extra=comparison.client_args)
-    # The warm-up runs take seeds below args.seed; slot i of the schedule (its workload, rate and round) takes
-    # args.seed + i for every system: the same requests for each, and no two runs of one server alike (vLLM's
-    # random dataset gives request i of two runs with one seed the same first tokens, which a prefix cache would
-    # serve from the run before).
+    # Slot i of the schedule (its workload, rate and round) takes seed args.seed + i for every system: the same
+    # requests for each, and no two runs of one server alike (vLLM's random dataset gives request i of two runs
+    # with one seed the same first tokens, which a prefix cache would serve from the run before). The warm-up
+    # runs take seeds past the schedule's (vLLM's client wants them in [0, 2**32)).
     urls: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         for i, name in enumerate(systems):
@@ -272,7 +273,7 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, vocab_size: int, 
                 warm = dataclasses.replace(named[workloads[0]], name="warm-up", num_prompts=max(4, num_prompts // 4),
                                            ttft_slo_ms=1e9, tpot_slo_ms=1e9)
                 client_run(url, model_dir.name, model_dir, warm, math.inf, log_dir / f"{name}-warm-up.json",
-                           seed=args.seed - 1 - i)
+                           seed=args.seed + WARM_UP_SEEDS + i)
                 urls[name] = url
             except RuntimeError as exc:
                 _progress(f"{name}: failed: {exc}")
