@@ -175,11 +175,28 @@ def peer_of(comparison: Comparison, client: PeerPython, model_dir: Path, dtype: 
                 f"{client.version}; Tandem's KV cache {KV_CACHE_GIB} GiB", gguf)
 
 
+def system_variant(name: str) -> tuple[str, dict[str, str]]:
+    """``--peer-systems``' entry ``NAME`` or ``NAME/TANDEM_X=V/TANDEM_Y=W``: the system and the ``TANDEM_*``
+    settings its processes get (a variant, run beside the plain system in the same schedule: an A/B under the
+    same drift). Raises ``ValueError`` on a setting that is not ``TANDEM_*=VALUE``."""
+    system, *assignments = name.split("/")
+    env = {}
+    for a in assignments:
+        key, sep, value = a.partition("=")
+        if not sep or not key.startswith("TANDEM_"):
+            raise ValueError(f"--peer-systems: {name!r}: a system's settings are TANDEM_NAME=VALUE, got {a!r}")
+        env[key] = value
+    return system, env
+
+
 @contextlib.contextmanager
 def tandem_server(name: str, model_dir: Path, dtype: str, quantization: str, cpus: tuple[int, ...],
                   log_dir: Path) -> Iterator[tuple[str, float]]:
-    """Start Tandem's system ``name``; yield (the base URL of its OpenAI API, seconds to ready)."""
+    """Start Tandem's system ``name`` (``system_variant``); yield (the base URL of its OpenAI API, seconds to
+    ready)."""
     from tandem_cli.launcher import ColocatedTopology, Launcher, Topology
+
+    name, env = system_variant(name)
 
     model_args = ("--model", str(model_dir), "--dtype", dtype, "--quantization", quantization)
     node_args = ("--kv-cache-memory-gb", str(KV_CACHE_GIB))
@@ -192,7 +209,8 @@ def tandem_server(name: str, model_dir: Path, dtype: str, quantization: str, cpu
         topology = Topology(num_prefill=1, num_decode=1, free_ports=True, model_args=model_args,
                             node_args=node_args, gateway_args=("--local-prefill-max-tokens", local), cpus=cpus)
     start = time.monotonic()
-    with Launcher(topology, log_dir=log_dir / name) as launcher:
+    logs = log_dir / "-".join([name, *(f"{k[len('TANDEM_'):].lower()}={v}" for k, v in env.items())])
+    with Launcher(topology, log_dir=logs, env=env) as launcher:
         front = next(s for s in launcher.specs if s.role in ("gateway", "colocated"))
         yield f"http://127.0.0.1:{front.http_port}", time.monotonic() - start
 
@@ -238,8 +256,9 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, vocab_size: int, 
                          + ("" if comparison.peer == "vllm" else " (vLLM's benchmark client drives every system)"))
     choices = (comparison.peer, *TANDEM_SYSTEMS)
     systems = [s.strip() for s in (args.peer_systems or ",".join(comparison.systems)).split(",") if s.strip()]
-    if not systems or set(systems) - set(choices):
-        raise ValueError(f"--peer-systems: choose from {', '.join(choices)}, got {args.peer_systems!r}")
+    if not systems or {system_variant(s)[0] for s in systems} - set(choices) or len(set(systems)) < len(systems):
+        raise ValueError(f"--peer-systems: choose from {', '.join(choices)} (a Tandem system may take TANDEM_* "
+                         f"settings: colocated/TANDEM_X=1), each once, got {args.peer_systems!r}")
     num_prompts = args.num_requests or (8 if args.quick else 48)
     named = client_workloads(num_prompts)
     given = args.peer_workloads or comparison.workloads
@@ -272,8 +291,8 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, vocab_size: int, 
                 _progress(f"{name}: ready in {seconds:.1f} s at {url}; warming up")
                 warm = dataclasses.replace(named[workloads[0]], name="warm-up", num_prompts=max(4, num_prompts // 4),
                                            ttft_slo_ms=1e9, tpot_slo_ms=1e9)
-                client_run(url, model_dir.name, model_dir, warm, math.inf, log_dir / f"{name}-warm-up.json",
-                           seed=args.seed + WARM_UP_SEEDS + i)
+                client_run(url, model_dir.name, model_dir, warm, math.inf,
+                           log_dir / f"{name.replace('/', '-')}-warm-up.json", seed=args.seed + WARM_UP_SEEDS + i)
                 urls[name] = url
             except RuntimeError as exc:
                 _progress(f"{name}: failed: {exc}")
@@ -286,8 +305,8 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, vocab_size: int, 
                 _progress(f"{name}: {workload} at {_rate(rate)} req/s (vllm bench serve"
                           f"{f', round {r + 1} of {rounds}' if rounds > 1 else ''})")
                 try:
-                    result = client_run(urls[name], model_dir.name, model_dir, named[workload], rate,
-                                        log_dir / f"{name}-{workload}-{_rate(rate)}-r{r}.json", seed=seed)
+                    result = client_run(urls[name], model_dir.name, model_dir, named[workload], rate, log_dir
+                                        / f"{name.replace('/', '-')}-{workload}-{_rate(rate)}-r{r}.json", seed=seed)
                 except RuntimeError as exc:
                     _progress(f"{name}: failed: {exc}")
                     ready[name] = f"failed: {str(exc).splitlines()[0]}"

@@ -23,6 +23,7 @@ from benchmarks.serve_peer import (
     mixed_lengths_rows,
     report,
     schedule,
+    system_variant,
 )
 
 
@@ -115,6 +116,15 @@ def test_rounds_are_compared_with_the_peer_of_the_same_round() -> None:
     # output 1.2, 1.2, 1.35; TTFT p50 0.75, 0.75, 1.5; TPOT and goodput 1.0 in every round
     assert ("| colocated | 1.2 | 1.20x [1.20-1.35] | 0.75x [0.75-1.50] | 0.75x [0.75-1.50] | 1.00x [1.00-1.00] | "
             "1.00x [1.00-1.00] | 1.00x [1.00-1.00] |") in text
+
+
+def test_a_system_variant_carries_its_tandem_settings() -> None:
+    assert system_variant("colocated") == ("colocated", {})
+    assert system_variant("colocated/TANDEM_MAX_NUM_BATCHED_TOKENS=2048/TANDEM_MAX_PREFILL_CHUNK=2048") == (
+        "colocated", {"TANDEM_MAX_NUM_BATCHED_TOKENS": "2048", "TANDEM_MAX_PREFILL_CHUNK": "2048"})
+    for bad in ("colocated/OMP_NUM_THREADS=1", "colocated/TANDEM_X"):
+        with pytest.raises(ValueError, match="TANDEM_NAME=VALUE"):
+            system_variant(bad)
 
 
 def test_without_the_peer_it_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
