@@ -189,6 +189,11 @@ def system_variant(name: str) -> tuple[str, dict[str, str]]:
     return system, env
 
 
+def _file_stem(system: str) -> str:
+    """A ``--peer-systems`` entry (a variant's settings included) as a file or directory name."""
+    return system.replace("/", "-")
+
+
 @contextlib.contextmanager
 def tandem_server(name: str, model_dir: Path, dtype: str, quantization: str, cpus: tuple[int, ...],
                   log_dir: Path) -> Iterator[tuple[str, float]]:
@@ -196,7 +201,8 @@ def tandem_server(name: str, model_dir: Path, dtype: str, quantization: str, cpu
     ready)."""
     from tandem_cli.launcher import ColocatedTopology, Launcher, Topology
 
-    name, env = system_variant(name)
+    variant = name
+    name, env = system_variant(variant)
 
     model_args = ("--model", str(model_dir), "--dtype", dtype, "--quantization", quantization)
     node_args = ("--kv-cache-memory-gb", str(KV_CACHE_GIB))
@@ -209,8 +215,7 @@ def tandem_server(name: str, model_dir: Path, dtype: str, quantization: str, cpu
         topology = Topology(num_prefill=1, num_decode=1, free_ports=True, model_args=model_args,
                             node_args=node_args, gateway_args=("--local-prefill-max-tokens", local), cpus=cpus)
     start = time.monotonic()
-    logs = log_dir / "-".join([name, *(f"{k[len('TANDEM_'):].lower()}={v}" for k, v in env.items())])
-    with Launcher(topology, log_dir=logs, env=env) as launcher:
+    with Launcher(topology, log_dir=log_dir / _file_stem(variant), env=env) as launcher:
         front = next(s for s in launcher.specs if s.role in ("gateway", "colocated"))
         yield f"http://127.0.0.1:{front.http_port}", time.monotonic() - start
 
@@ -292,7 +297,7 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, vocab_size: int, 
                 warm = dataclasses.replace(named[workloads[0]], name="warm-up", num_prompts=max(4, num_prompts // 4),
                                            ttft_slo_ms=1e9, tpot_slo_ms=1e9)
                 client_run(url, model_dir.name, model_dir, warm, math.inf,
-                           log_dir / f"{name.replace('/', '-')}-warm-up.json", seed=args.seed + WARM_UP_SEEDS + i)
+                           log_dir / f"{_file_stem(name)}-warm-up.json", seed=args.seed + WARM_UP_SEEDS + i)
                 urls[name] = url
             except RuntimeError as exc:
                 _progress(f"{name}: failed: {exc}")
@@ -305,8 +310,8 @@ def run(args: argparse.Namespace, model_dir: Path, dtype: str, vocab_size: int, 
                 _progress(f"{name}: {workload} at {_rate(rate)} req/s (vllm bench serve"
                           f"{f', round {r + 1} of {rounds}' if rounds > 1 else ''})")
                 try:
-                    result = client_run(urls[name], model_dir.name, model_dir, named[workload], rate, log_dir
-                                        / f"{name.replace('/', '-')}-{workload}-{_rate(rate)}-r{r}.json", seed=seed)
+                    result = client_run(urls[name], model_dir.name, model_dir, named[workload], rate,
+                                        log_dir / f"{_file_stem(name)}-{workload}-{_rate(rate)}-r{r}.json", seed=seed)
                 except RuntimeError as exc:
                     _progress(f"{name}: failed: {exc}")
                     ready[name] = f"failed: {str(exc).splitlines()[0]}"
