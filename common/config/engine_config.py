@@ -71,7 +71,8 @@ class SchedulerConfig:
     # Load-aware: (tokens per step, prefill chunk) for the steps that find more than that many prompt tokens
     # still to prefill (queued or part-done). A backlog waits in the queue whatever the step size, and larger
     # steps drain it faster (bigger matmuls); a light load keeps the small steps its streams' TPOT needs.
-    # None: the budget above, always.
+    # A step in which no running request decodes takes the backlog's tokens with no chunk limit (nothing to keep
+    # short: a prompt alone goes whole). None: the budget above, always.
     backlog_budget: tuple[int, int] | None = None
     # A request of at most this many tokens gets those it has left to prefill in one chunk where the step's
     # budget holds them, whatever max_prefill_chunk says (vLLM schedules a prompt that fits its step whole):

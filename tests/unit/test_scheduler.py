@@ -63,18 +63,23 @@ def test_max_prefill_chunk_caps_a_long_prompt() -> None:
 
 def test_a_prefill_backlog_or_an_idle_decode_gets_the_backlog_budget_and_a_light_load_the_small_one() -> None:
     # Small steps of 8 tokens (chunks of 4); while more than 12 prompt tokens wait, 12 tokens (chunks of 6).
+    s = make(max_num_batched_tokens=8, max_prefill_chunk=4, backlog_budget=(12, 6), num_blocks=48)
+    s.add_request(req("a", 3))
+    assert step(s) == [("a", 0, 3)]  # nothing decodes: the backlog's 12 tokens, no chunk limit
+    s.add_request(req("b", 10, first=20))
+    s.add_request(req("c", 9, first=50))  # backlog 17 beside a's decode (a token of each prompt is never counted)
+    assert step(s) == [("a", 3, 1), ("c", 0, 6), ("b", 0, 5)]  # shortest first, 12 tokens in chunks of 6
+    assert step(s) == [("a", 4, 1), ("c", 6, 3), ("b", 5, 4)]  # backlog 2 + 4 = 6: the small budget, chunks of 4
+    assert step(s) == [("a", 5, 1), ("c", 9, 1), ("b", 9, 1)]  # all decode
     s = make(max_num_batched_tokens=8, max_prefill_chunk=4, backlog_budget=(12, 6), num_blocks=32)
-    s.add_request(req("a", 10))
-    s.add_request(req("b", 9, first=50))  # backlog 17 (a token of each prompt is never counted: it decodes)
-    assert step(s) == [("b", 0, 6), ("a", 0, 6)]  # shortest first, 12 tokens in chunks of 6
-    assert step(s) == [("b", 6, 3), ("a", 6, 4)]  # backlog 2 + 3 = 5: the small budget, chunks of 4
-    assert step(s) == [("b", 9, 1), ("a", 10, 1)]  # both decode
+    s.add_request(req("d", 12))  # backlog 11, but nothing decodes: no TPOT to protect, the larger step, whole
+    assert step(s) == [("d", 0, 12)]
+    s.add_request(req("e", 12, first=50))  # backlog 11 beside d's decode: the small budget
+    assert step(s) == [("d", 12, 1), ("e", 0, 4)]
     s = make(max_num_batched_tokens=8, max_prefill_chunk=4, backlog_budget=(12, 6), num_blocks=32)
-    s.add_request(req("c", 12))  # backlog 11, but nothing decodes: no TPOT to protect, the larger step
-    assert step(s) == [("c", 0, 6)]
-    assert step(s) == [("c", 6, 6)]
-    s.add_request(req("d", 12, first=50))  # backlog 11 beside c's decode: the small budget
-    assert step(s) == [("c", 12, 1), ("d", 0, 4)]
+    s.add_request(req("f", 20))  # nothing decodes: the backlog's 12 tokens in one chunk, then the rest
+    assert step(s) == [("f", 0, 12)]
+    assert step(s) == [("f", 12, 8)]
 
 
 def test_a_prompt_that_fits_the_step_goes_whole_whatever_the_chunk_limit() -> None:
