@@ -338,7 +338,7 @@ class KernelSettings:
     cpu_amx: str = "auto"  # AMX tiles for bf16 panels where the CPU grants them
     cpu_panels: str = "auto"  # float weights in 16-row panels where they pay here (on: always; off: row-major)
     cpu_gemv: str = "auto"  # Tandem's float GEMV and panel methods (off: F.linear only)
-    cpu_onednn: str = "auto"  # row-major fp32 weights also prepacked for oneDNN's GEMM, where it measured faster
+    cpu_onednn: str = "auto"  # fp32 row-major / bf16 AMX panel weights also prepacked for oneDNN's GEMM, where faster
     fused_ops: str = "auto"  # the C++ fused elementwise ops (off: the eager reference)
     decode_step: str = "auto"  # the one-call CPU decode step
     row_buckets: str = "auto"  # 16-bit CPU matmuls padded to a few row counts (auto: on for bf16/fp16)

@@ -10,7 +10,9 @@ figures), so Tandem multiplies float weights with its own kernels there (``commo
   most ``PANEL_MAX_ROWS``; fp32 always, bf16 without AMX), tiles are unpacked for it; where that crossover is
   below ``PANEL_MIN_CROSSOVER`` weights stay row-major (``GemvMethod``, ``panels_pay``). Where the CPU grants
   AMX, from ``AMX_MIN_ROWS`` rows the bf16 panels go straight into AMX tiles
-  (``common/kernels/cpu/cpu_amx.cpp``: the bf16 panel layout is the tile unit's B layout) at every row count.
+  (``common/kernels/cpu/cpu_amx.cpp``: the bf16 panel layout is the tile unit's B layout) at every row count, but
+  from the prefill sizes where oneDNN's bf16 GEMM on a prepacked copy measured no slower here
+  (``onednn_bf16_rows``, ``TANDEM_CPU_ONEDNN``).
   ``TANDEM_CPU_AMX=auto|on|off``. A tied LM head runs panels too and the token lookup reads its rows
   (``TiedEmbedding``): one copy of the matrix. ``TANDEM_CPU_PANELS=off`` keeps row-major weights.
 - ``GemvMethod`` (other shapes, and float weights where panels do not pay): ``dense_matmul``, row-major tiles
@@ -196,6 +198,51 @@ def onednn_pays(dtype: torch.dtype) -> bool:
 
 PANEL_MAX_ROWS = 256  # up to here the panel kernel; above, oneDNN / MKL on unpacked tiles (measured faster)
 
+# The row counts probed for bf16 panels in AMX tiles against oneDNN's bf16 GEMM on a prepacked copy (prefill sizes).
+# On a 2-core AVX-512/AMX Xeon (session 29) oneDNN took SmolLM2's four projections in 4.7 ms a layer at 1,536 rows
+# against the panels' 6.4 (384 rows: 1.43 vs 1.48), and calls above 256 rows sent to it prefilled 4 x 384 tokens
+# in 0.82x the panels' time; at decode sizes the panels stay (they stream the weights; oneDNN's GEMV does not).
+AMX_ONEDNN_PROBES = (256, 512, 1024, 2048)
+
+
+def onednn_bf16_rows(ops: ModuleType) -> int:
+    """Rows from which a bf16 ``PanelMethod`` layer multiplies with oneDNN's GEMM on a prepacked copy of its weight
+    (``TANDEM_CPU_ONEDNN``), where the panels run in AMX tiles: auto: the smallest of ``AMX_ONEDNN_PROBES`` from
+    which oneDNN measured no slower than the panels at it and every larger probe here (once); on: the smallest
+    probe; off, no AMX, no oneDNN, or oneDNN slower at the largest probe: ``NO_AMX`` (never)."""
+    mode = str(kernel_setting("cpu_onednn"))
+    if mode == "off" or _amx_min_rows(ops) >= NO_AMX:
+        return NO_AMX
+    if not onednn_available():
+        if mode == "on":
+            raise RuntimeError("TANDEM_CPU_ONEDNN=on but this torch build has no oneDNN linear (torch.ops.mkldnn)")
+        return NO_AMX
+    if mode == "on":
+        return AMX_ONEDNN_PROBES[0]
+    if "onednn_bf16_rows" not in _limits:
+        amx_rows = _amx_min_rows(ops)
+        timings = _race(torch.bfloat16, AMX_ONEDNN_PROBES, pack_panels,
+                        lambda x, p: ops.dense_matmul_panel(x, p, amx_rows, False),
+                        versus=(onednn_pack, onednn_linear))
+        _limits["onednn_bf16_rows"] = onednn_from_rows(timings)
+        log.info("bf16 GEMM in AMX tiles on panels %s here (%s)",
+                 "at every size" if _limits["onednn_bf16_rows"] >= NO_AMX
+                 else f"below {_limits['onednn_bf16_rows']} rows, oneDNN's on a prepacked copy from there",
+                 ", ".join(f"{m} rows {a * 1e3:.2f} vs {b * 1e3:.2f} ms" for m, (a, b) in sorted(timings.items())))
+    return _limits["onednn_bf16_rows"]
+
+
+def onednn_from_rows(timings: dict[int, tuple[float, float]]) -> int:
+    """The smallest probed row count from which the other GEMM was no slower than Tandem's kernel at every larger
+    probe too (timings: rows -> (kernel s, other s)); ``NO_AMX`` where it lost at the largest."""
+    rows = NO_AMX
+    for m in sorted(timings, reverse=True):
+        kernel, other = timings[m]
+        if other > kernel:
+            break
+        rows = m
+    return rows
+
 
 # from 2 rows AMX tiles (where the CPU has them) beat vdpbf16ps (measured: benchmarks/results/2026-12-01-amx/RESULTS.md)
 AMX_MIN_ROWS = 2
@@ -320,6 +367,9 @@ class PanelMethod(LinearMethod):
         self.bucketed = bucketed  # tiles see bucketed row counts (common/model/row_buckets.py)
         self._max_rows = 0  # set by refresh, once the panels' dtype is known (measured for it alone)
         self._amx_rows = _amx_min_rows(ops)
+        # bf16 in AMX tiles: from this many rows, oneDNN's GEMM on a prepacked copy (onednn_bf16_rows)
+        self._onednn_rows = NO_AMX
+        self._onednn: torch.Tensor | None = None
 
     @staticmethod
     def fits(layer: Linear) -> bool:
@@ -330,7 +380,14 @@ class PanelMethod(LinearMethod):
     _panels: torch.Tensor  # the layer's buffer, held here too: a decode step makes ~120 calls
 
     def process_weights_after_loading(self, layer: Linear, packed: QuantizedWeight | None) -> None:
-        panels = pack_panels(layer.weight.detach())
+        weight = layer.weight.detach()
+        panels = pack_panels(weight)
+        if weight.dtype == torch.bfloat16 and weight.numel() and not layer.float_out:
+            self._onednn_rows = onednn_bf16_rows(self._ops)
+            if self._onednn_rows < NO_AMX:
+                # A second copy of the weight for prefill-sized calls, in oneDNN's layout (a buffer, so the layer's
+                # weight_bytes counts it); decode rows and the one-call step stream the panels.
+                layer.register_buffer("onednn_weight", onednn_pack(weight), persistent=False)
         layer.drop_weight()
         layer.register_buffer("panels", panels, persistent=False)
         self.refresh(layer)
@@ -338,9 +395,13 @@ class PanelMethod(LinearMethod):
     def refresh(self, layer: Linear) -> None:
         self._panels = layer.get_buffer("panels")
         self._max_rows = _panel_max_rows(self._ops, self._panels.dtype)
+        self._onednn = layer._buffers.get("onednn_weight")
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         panels = self._panels
+        blocked = self._onednn
+        if blocked is not None and x.shape[0] >= self._onednn_rows and x.dtype == torch.bfloat16:
+            return onednn_linear(x if x.is_contiguous() else x.contiguous(), blocked, layer.bias)
         if x.dtype in _FLOATS and x.shape[0] <= self._max_rows:
             y = self._ops.dense_matmul_panel(x if x.is_contiguous() else x.contiguous(), panels, self._amx_rows,
                                              layer.float_out)
@@ -374,7 +435,8 @@ class PanelMethod(LinearMethod):
         return rows.reshape(ids.shape[0], layer.in_features)
 
     def describe(self) -> str:
-        return f"panels of {PANEL_ROWS} rows"
+        onednn = f", oneDNN from {self._onednn_rows} rows" if self._onednn is not None else ""
+        return f"panels of {PANEL_ROWS} rows{onednn}"
 
 
 def panel_mode(dtype: torch.dtype) -> bool:

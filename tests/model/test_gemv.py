@@ -331,3 +331,52 @@ def test_a_tied_head_as_panels_is_read_by_the_lookup_too(tiny_model_factory: Cal
     # one copy of the matrix: the head's panels, no float table
     assert not any(p.shape == table.shape for p in model.parameters())
     assert model.weight_bytes == loaded.weight_bytes
+
+
+def test_onednn_takes_bf16_amx_panels_from_the_measured_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the rule: from the smallest probe where oneDNN (second) was no slower at it and every larger probe
+    assert gemv.onednn_from_rows({256: (1, 2), 512: (2, 1), 1024: (2, 1)}) == 512
+    assert gemv.onednn_from_rows({256: (2, 1), 512: (1, 2), 1024: (2, 1)}) == 1024  # not past a loss
+    assert gemv.onednn_from_rows({256: (2, 1), 1024: (1, 1)}) == 256  # a tie goes to oneDNN
+    assert gemv.onednn_from_rows({256: (2, 1), 1024: (1, 2)}) == gemv.NO_AMX  # lost at the largest: never
+    ops = quant_kernels()
+    monkeypatch.setattr(gemv, "_limits", {})
+    monkeypatch.setenv("TANDEM_CPU_ONEDNN", "off")
+    assert gemv.onednn_bf16_rows(ops) == gemv.NO_AMX
+    monkeypatch.setenv("TANDEM_CPU_ONEDNN", "on")
+    if gemv._amx_min_rows(ops) >= gemv.NO_AMX or not gemv.onednn_available():  # type: ignore[arg-type]
+        assert gemv.onednn_bf16_rows(ops) == gemv.NO_AMX or not gemv.onednn_available()
+        pytest.skip("no AMX tiles or no oneDNN here: bf16 panels never hand calls to oneDNN")
+    assert gemv.onednn_bf16_rows(ops) == gemv.AMX_ONEDNN_PROBES[0]
+    monkeypatch.setenv("TANDEM_CPU_ONEDNN", "auto")
+    measured = gemv.onednn_bf16_rows(ops)  # measured once, then kept
+    assert measured in (*gemv.AMX_ONEDNN_PROBES, gemv.NO_AMX) and gemv._limits["onednn_bf16_rows"] == measured
+
+    # a layer holds the copy and sends calls from the limit on to oneDNN; below it, and its float_out sums, panels
+    monkeypatch.setitem(gemv._limits, "onednn_bf16_rows", 8)
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    layer = Linear(64, 48, bias=True)
+    layer.weight.data = weight.clone()
+    layer.bias.data = bias.clone()  # type: ignore[union-attr]
+    method = gemv.PanelMethod(ops, bucketed=False)
+    layer.method = method
+    method.process_weights_after_loading(layer, None)
+    assert "onednn_weight" in layer._buffers and "oneDNN from 8 rows" in method.describe()
+    calls: list[int] = []
+    real = gemv.onednn_linear
+    monkeypatch.setattr(gemv, "onednn_linear", lambda x, b, bias=None: calls.append(x.shape[0]) or real(x, b, bias))
+    for m in (3, 7, 8, 40):
+        x = torch.randn(m, 64, generator=gen).to(torch.bfloat16)
+        y = method.apply(layer, x)
+        want = nn.functional.linear(x.float(), weight.float(), bias.float())
+        torch.testing.assert_close(y.float(), want, rtol=1.6e-2, atol=5e-2)
+    assert calls == [8, 40]
+    float_out = Linear(64, 48, bias=False)
+    float_out.weight.data = weight.clone()
+    float_out.float_out = True
+    kept = gemv.PanelMethod(ops, bucketed=False)
+    float_out.method = kept
+    kept.process_weights_after_loading(float_out, None)
+    assert "onednn_weight" not in float_out._buffers  # fp32 sums: the panels at every size
