@@ -349,13 +349,19 @@ def paged_extend_attention(
             # With a window, only the blocks from the one holding the first row's window start are read.
             first = 0 if window is None else max(0, seq_len - q_len - window + 1) // block_size * block_size
             k, v = _gather_sequence(key_cache, value_cache, meta.block_tables[i], seq_len, block_size, first)
-            mask = window_mask(q_len, seq_len, window, query.device)[:, first:]
             q = query[start:stop].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             k_heads = k.transpose(0, 1).unsqueeze(0).to(query.dtype)
             v_heads = v.transpose(0, 1).unsqueeze(0).to(query.dtype)
-            if softcap is not None:
+            if softcap is None and seq_len == q_len and (window is None or window >= q_len):
+                # No cached context (a whole prompt beside others' chunks): the mask is plain causal, which SDPA
+                # computes without a mask and skips the upper triangle of (session 29, 2 Xeon cores, 9 heads of
+                # 64: 384 tokens 0.68 -> 0.57 ms in bf16, 1,024 tokens 4.6 -> 2.8 ms; the same outputs)
+                o = F.scaled_dot_product_attention(q, k_heads, v_heads, is_causal=True, scale=scale, enable_gqa=True)
+            elif softcap is not None:
+                mask = window_mask(q_len, seq_len, window, query.device)[:, first:]
                 o = softcapped_attention(q, k_heads, v_heads, mask, scale, softcap)
             else:
+                mask = window_mask(q_len, seq_len, window, query.device)[:, first:]
                 o = F.scaled_dot_product_attention(q, k_heads, v_heads, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:stop] = o[0].transpose(0, 1)
         start = stop

@@ -70,3 +70,21 @@ def test_verification_rows_equal_plain_decode_rows() -> None:
         meta = AttentionMetadata.build([1], [13 + j], tables, 4)
         alone = backend.forward(q[j : j + 1], k[j : j + 1], v[j : j + 1], cache.layer(0), meta, 0.25)
         assert torch.equal(alone[0], together[j])
+
+
+def test_a_whole_prompt_beside_chunks_over_a_prefix_is_causal_and_matches() -> None:
+    # A prompt with no cached context in a step with others' context takes the extend path, unmasked causal SDPA
+    # (seq_len == q_len); with a window narrower than the prompt, the window's mask.
+    query_lens = [EXTEND_AS_DECODE_ROWS + 9, EXTEND_AS_DECODE_ROWS + 3, 1]
+    context_lens = [0, 10, 17]
+    cache, tables, g = _cache_and_tables(query_lens, context_lens, seed=3)
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, 4)
+    n = sum(query_lens)
+    q, k, v = (torch.randn(n, h, 16, generator=g) for h in (6, 2, 2))
+    backend = TorchAttentionBackend()
+    out = backend.forward(q, k, v, cache.layer(0), meta, 0.25)
+    torch.testing.assert_close(out, reference_paged_attention(q, *cache.layer(0), meta, 0.25), atol=1e-5, rtol=1e-5)
+    for window in (8, query_lens[0]):
+        out = backend.forward(q, k, v, cache.layer(0), meta, 0.25, window=window)
+        expected = reference_paged_attention(q, *cache.layer(0), meta, 0.25, window=window)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
