@@ -173,19 +173,24 @@ def onednn_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
 
 
+def _onednn_mode() -> str:
+    """``TANDEM_CPU_ONEDNN`` where oneDNN can run: on, off or auto (to measure); without oneDNN's linear in this
+    torch build, off, or a start-up error for on."""
+    mode = str(kernel_setting("cpu_onednn"))
+    if mode != "off" and not onednn_available():
+        if mode == "on":
+            raise RuntimeError("TANDEM_CPU_ONEDNN=on but this torch build has no oneDNN linear (torch.ops.mkldnn)")
+        return "off"
+    return mode
+
+
 def onednn_pays(dtype: torch.dtype) -> bool:
     """Whether row-major ``dtype`` weights are also held prepacked for oneDNN's GEMM in this process
     (``TANDEM_CPU_ONEDNN``): fp32 only; auto: where oneDNN measured no slower than ``F.linear`` at every
     ``ONEDNN_PROBES`` row count here (once); on: always (a start-up error without it); off: never."""
-    mode = str(kernel_setting("cpu_onednn"))
-    if dtype != torch.float32 or mode == "off":
-        return False
-    if not onednn_available():
-        if mode == "on":
-            raise RuntimeError("TANDEM_CPU_ONEDNN=on but this torch build has no oneDNN linear (torch.ops.mkldnn)")
-        return False
-    if mode == "on":
-        return True
+    mode = _onednn_mode() if dtype == torch.float32 else "off"
+    if mode != "auto":
+        return mode == "on"
     key = f"onednn_{dtype}"
     if key not in _limits:
         timings = _race(dtype, ONEDNN_PROBES, onednn_pack, onednn_linear)
@@ -210,15 +215,9 @@ def onednn_bf16_rows(ops: ModuleType) -> int:
     (``TANDEM_CPU_ONEDNN``), where the panels run in AMX tiles: auto: the smallest of ``AMX_ONEDNN_PROBES`` from
     which oneDNN measured no slower than the panels at it and every larger probe here (once); on: the smallest
     probe; off, no AMX, no oneDNN, or oneDNN slower at the largest probe: ``NO_AMX`` (never)."""
-    mode = str(kernel_setting("cpu_onednn"))
-    if mode == "off" or _amx_min_rows(ops) >= NO_AMX:
-        return NO_AMX
-    if not onednn_available():
-        if mode == "on":
-            raise RuntimeError("TANDEM_CPU_ONEDNN=on but this torch build has no oneDNN linear (torch.ops.mkldnn)")
-        return NO_AMX
-    if mode == "on":
-        return AMX_ONEDNN_PROBES[0]
+    mode = _onednn_mode() if _amx_min_rows(ops) < NO_AMX else "off"
+    if mode != "auto":
+        return AMX_ONEDNN_PROBES[0] if mode == "on" else NO_AMX
     if "onednn_bf16_rows" not in _limits:
         amx_rows = _amx_min_rows(ops)
         timings = _race(torch.bfloat16, AMX_ONEDNN_PROBES, pack_panels,
