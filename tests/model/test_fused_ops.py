@@ -30,11 +30,11 @@ def cpp(request: pytest.FixtureRequest) -> CppOps:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [1, 3, 64])
-def test_add_rms_norm_matches_eager(cpp: CppOps, dtype: torch.dtype, n: int) -> None:
+@pytest.mark.parametrize(("n", "h"), [(1, 96), (3, 96), (64, 96), (40, 100), (5, 7)])  # vector rows, tails, none
+def test_add_rms_norm_matches_eager(cpp: CppOps, dtype: torch.dtype, n: int, h: int) -> None:
     g = torch.Generator().manual_seed(n)
-    x, res = (torch.randn(n, 96, generator=g).to(dtype) for _ in range(2))
-    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    x, res = (torch.randn(n, h, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype)
     want_out, want_res = EagerOps().add_rms_norm(x, res, w, 1e-5)
     got_out, got_res = cpp.add_rms_norm(x, res.clone(), w, 1e-5)
     torch.testing.assert_close(got_res, want_res, atol=0, rtol=0)  # one rounding, either way
@@ -45,18 +45,35 @@ def test_add_rms_norm_matches_eager(cpp: CppOps, dtype: torch.dtype, n: int) -> 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [1, 5, 64])
-def test_silu_mul_matches_eager(cpp: CppOps, dtype: torch.dtype, n: int) -> None:
-    gate_up = (3 * torch.randn(n, 2 * 40, generator=torch.Generator().manual_seed(n))).to(dtype)
+@pytest.mark.parametrize(("n", "inter"), [(1, 40), (5, 40), (64, 40), (33, 1536), (2, 7)])
+def test_silu_mul_matches_eager(cpp: CppOps, dtype: torch.dtype, n: int, inter: int) -> None:
+    gate_up = (3 * torch.randn(n, 2 * inter, generator=torch.Generator().manual_seed(n))).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamp at both ends
     torch.testing.assert_close(cpp.silu_mul(gate_up), EagerOps().silu_mul(gate_up), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_qkv_views_matches_eager(cpp: CppOps, dtype: torch.dtype) -> None:
+def test_vector_rows_keep_nan_and_round_bf16_as_torch(cpp: CppOps, dtype: torch.dtype) -> None:
+    # The vector loops' own bf16 rounding (nearest even) and NaN: a NaN stays NaN through norm and MLP rows; in
+    # bf16 the residual's add is torch's own rounding exactly.
+    x, res = torch.randn(4, 64).to(dtype), torch.randn(4, 64).to(dtype)
+    x[1, 5] = float("nan")
+    out, got_res = cpp.add_rms_norm(x, res.clone(), torch.ones(64, dtype=dtype), 1e-5)
+    torch.testing.assert_close(got_res, x + res, atol=0, rtol=0, equal_nan=True)
+    assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
+    gate_up = torch.randn(2, 64).to(dtype)
+    gate_up[1, 3] = float("nan")
+    got = cpp.silu_mul(gate_up)
+    assert got[1, 3].isnan() and got.isnan().sum() == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [16, 64, 80])  # half 8: AVX2's vector; 32: both; 40: AVX-512's vectors and a tail
+def test_rotary_in_place_on_qkv_views_matches_eager(cpp: CppOps, dtype: torch.dtype, d: int) -> None:
     from common.config.model_config import RopeScaling
     from common.model.layers import RotaryEmbedding
 
-    n, heads, kv_heads, d = 7, 6, 2, 16
+    n, heads, kv_heads = 7, 6, 2
     rope = RotaryEmbedding(d, 10000.0, 64, RopeScaling())
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(0)).to(dtype)
     positions = torch.tensor([0, 3, 9, 1, 40, 63, 2])

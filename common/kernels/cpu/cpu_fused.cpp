@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -67,6 +68,119 @@ inline float exp_f32(float x) {
   return y * scale;
 }
 
+// The same math in explicit vector registers, for the bf16 / fp32 rows of a prefill step (thousands of rows a
+// step): GCC's vectorisation of the plain loops above (if-converted masks around exp's clamp, three divides a
+// vector) ran silu_mul at ~3.5 cycles an element, slower than eager torch (session 30: 2,048 x 1,536 bf16 2.3 ms
+// vs 1.7 ms eager, 0.7 ms a copy of its input). Same rounding points as the scalar code: `rnd` is C::in(C::out(.))
+// and `store` rounds as C::out; fp16 and the generic build keep the scalar loops.
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define TF_VEC 1
+#if defined(__AVX512F__)
+using vf = __m512;
+using vi = __m512i;
+constexpr int64_t kW = 16;
+inline vf v_set(float v) { return _mm512_set1_ps(v); }
+inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+// 1 / a: the 14-bit estimate and one Newton step (~23 bits; a divide is 10-16 cycles a vector on port 0)
+inline vf v_recip(vf a) {
+  const vf r = _mm512_rcp14_ps(a);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(a, r, _mm512_set1_ps(2.f)));
+}
+inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf v_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf v_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf v_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void v_store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf v_load(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+// bf16 bits of each lane in the low half of a 32-bit lane: round to nearest even, NaN -> 0x7FC0 (BF16::out).
+inline vi v_bf16_bits(vf f) {
+  const vi u = _mm512_castps_si512(f);
+  const vi lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const vi r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+inline void v_store(uint16_t* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v_bf16_bits(v)));
+}
+inline vf v_rnd_bf16(vf v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v_bf16_bits(v), 16)); }
+inline vf v_pow2(vf n) {  // 2^n for integral n in fp32's exponent range
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+#else
+using vf = __m256;
+using vi = __m256i;
+constexpr int64_t kW = 8;
+inline vf v_set(float v) { return _mm256_set1_ps(v); }
+inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf v_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf v_recip(vf a) {  // the 12-bit estimate and one Newton step (~23 bits)
+  const vf r = _mm256_rcp_ps(a);
+  return _mm256_mul_ps(r, _mm256_fnmadd_ps(a, r, _mm256_set1_ps(2.f)));
+}
+inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf v_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf v_round(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline float v_sum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf v_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void v_store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf v_load(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline vi v_bf16_bits(vf f) {
+  const vi u = _mm256_castps_si256(f);
+  const vi lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const vi r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const vi nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+inline void v_store(uint16_t* p, vf v) {
+  const vi b = v_bf16_bits(v);  // eight 16-bit values in 32-bit lanes: pack, then the two lanes' halves together
+  const vi packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline vf v_rnd_bf16(vf v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v_bf16_bits(v), 16)); }
+inline vf v_pow2(vf n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+#endif
+// C::in(C::out(v)): the rounding to the storage dtype, as a float.
+template <typename C> inline vf v_rnd(vf v) {
+  if constexpr (std::is_same_v<C, BF16>) return v_rnd_bf16(v); else return v;
+}
+// exp_f32, lane by lane.
+inline vf v_exp(vf x) {
+  x = v_min(v_max(x, v_set(-87.3f)), v_set(88.3f));
+  const vf n = v_round(v_mul(x, v_set(1.44269504088896341f)));
+  vf r = v_fma(n, v_set(-0.693359375f), x);
+  r = v_fma(n, v_set(2.12194440e-4f), r);
+  vf p = v_set(1.9875691500e-4f);
+  p = v_fma(p, r, v_set(1.3981999507e-3f));
+  p = v_fma(p, r, v_set(8.3334519073e-3f));
+  p = v_fma(p, r, v_set(4.1665795894e-2f));
+  p = v_fma(p, r, v_set(1.6666665459e-1f));
+  p = v_fma(p, r, v_set(5.0000001201e-1f));
+  const vf y = v_add(v_fma(v_mul(p, r), r, r), v_set(1.f));
+  return v_mul(y, v_pow2(n));
+}
+// fp32 and bf16 rows take the vector loops; fp16 the scalar ones.
+template <typename C> constexpr bool kVec = std::is_same_v<C, F32> || std::is_same_v<C, BF16>;
+#else
+template <typename C> constexpr bool kVec = false;
+#endif
+
 // Grain: rows per task, so a batch-1 step does not pay for waking threads.
 constexpr int64_t kGrain = 16;
 
@@ -80,22 +194,44 @@ void add_rms_norm_impl(const T* x, T* residual, const T* w, T* out, int64_t n, i
       const T* xr = x + r * h;
       T* o = out + r * h;
       float ss = 0.f;
+      int64_t i = 0;
+#if defined(TF_VEC)
+      if constexpr (kVec<C>) {
+        vf acc = v_set(0.f);
+        for (; i + kW <= h; i += kW) {
+          vf sv = v_load(res + i);
+          if (add) {
+            sv = v_rnd<C>(v_add(v_load(xr + i), sv));
+            v_store(res + i, sv);
+          }
+          acc = v_fma(sv, sv, acc);
+        }
+        ss = v_sum(acc);
+      }
+#endif
       if (add) {
 #pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < h; ++i) {
-          const float s = C::in(C::out(C::in(xr[i]) + C::in(res[i])));  // rounded, as `x + residual` is
-          res[i] = C::out(s);
+        for (int64_t j = i; j < h; ++j) {
+          const float s = C::in(C::out(C::in(xr[j]) + C::in(res[j])));  // rounded, as `x + residual` is
+          res[j] = C::out(s);
           ss += s * s;
         }
       } else {
 #pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < h; ++i) ss += C::in(res[i]) * C::in(res[i]);
+        for (int64_t j = i; j < h; ++j) ss += C::in(res[j]) * C::in(res[j]);
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+      i = 0;
+#if defined(TF_VEC)
+      if constexpr (kVec<C>) {
+        const vf vinv = v_set(inv);
+        for (; i + kW <= h; i += kW) v_store(o + i, v_mul(v_load(w + i), v_rnd<C>(v_mul(v_load(res + i), vinv))));
+      }
+#endif
 #pragma omp simd
-      for (int64_t i = 0; i < h; ++i) {
-        const float normed = C::in(C::out(C::in(res[i]) * inv));
-        o[i] = C::out(C::in(w[i]) * normed);
+      for (int64_t j = i; j < h; ++j) {
+        const float normed = C::in(C::out(C::in(res[j]) * inv));
+        o[j] = C::out(C::in(w[j]) * normed);
       }
     }
   });
@@ -109,8 +245,18 @@ void silu_mul_impl(const T* gu, T* out, int64_t n, int64_t inter, int64_t gu_str
       const T* g = gu + r * gu_stride;
       const T* u = g + inter;
       T* o = out + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
+      int64_t i = 0;
+#if defined(TF_VEC)
+      if constexpr (kVec<C>) {
+        const vf one = v_set(1.f), zero = v_set(0.f);
+        for (; i + kW <= inter; i += kW) {
+          const vf gv = v_load(g + i);
+          const vf s = v_rnd<C>(v_mul(gv, v_recip(v_add(one, v_exp(v_sub(zero, gv))))));
+          v_store(o + i, v_mul(s, v_load(u + i)));
+        }
+      }
+#endif
+      for (; i < inter; ++i) {
         const float gv = C::in(g[i]);
         const float s = C::in(C::out(gv / (1.f + exp_f32(-gv))));
         o[i] = C::out(s * C::in(u[i]));
@@ -132,8 +278,17 @@ void rotary_impl(T* x, int64_t n, int64_t heads, int64_t D, int64_t row_stride, 
       for (int64_t hd = 0; hd < heads; ++hd) {
         T* x1 = x + r * row_stride + hd * D;
         T* x2 = x1 + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+#if defined(TF_VEC)
+        if constexpr (kVec<C>) {
+          for (; i + kW <= half; i += kW) {
+            const vf a = v_load(x1 + i), b = v_load(x2 + i), cv = v_load(c + i), sv = v_load(s + i);
+            v_store(x1 + i, v_sub(v_rnd<C>(v_mul(a, cv)), v_rnd<C>(v_mul(b, sv))));
+            v_store(x2 + i, v_add(v_rnd<C>(v_mul(b, cv)), v_rnd<C>(v_mul(a, sv))));
+          }
+        }
+#endif
+        for (; i < half; ++i) {
           const float a = C::in(x1[i]), b = C::in(x2[i]), cv = C::in(c[i]), sv = C::in(s[i]);
           // The eager path rounds each product to the dtype before the sum; so do we.
           x1[i] = C::out(C::in(C::out(a * cv)) - C::in(C::out(b * sv)));
