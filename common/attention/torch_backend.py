@@ -26,6 +26,7 @@ decode rows take the PyTorch path (the compiled decode kernel has no soft-cap ei
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -69,11 +70,14 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if kv_cache is not None and meta.slot_mapping is not None:
             self._write_kv(kv_cache[0], kv_cache[1], key, value, meta.slot_mapping)
-        if meta.is_prefill_only:
+        amx = self._prefill_kernel(query, kv_cache, meta, softcap)
+        if meta.is_prefill_only and amx is None:
             return prefill_attention(query, key, value, meta.query_lens_cpu, scale, window, softcap)
         if kv_cache is None or meta.block_tables is None:
             raise ValueError("sequences with cached context need kv_cache and meta.block_tables")
         key_cache, value_cache = kv_cache
+        if amx is not None and meta.is_prefill_only:
+            return self._prefill_amx(amx, query, key_cache, value_cache, meta, scale, window)
         if meta.is_decode_only and meta.num_tokens == meta.num_seqs:
             return self._decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
                                 scale, window, softcap)
@@ -83,6 +87,8 @@ class TorchAttentionBackend(AttentionBackend):
         # lengths as plain decoding (verification rows equal plain decode rows), and no per-sequence SDPA.
         short = [i for i, q in enumerate(meta.query_lens_cpu) if q <= EXTEND_AS_DECODE_ROWS]
         if not short:
+            if amx is not None:
+                return self._prefill_amx(amx, query, key_cache, value_cache, meta, scale, window)
             return paged_extend_attention(query, key_cache, value_cache, meta, scale, window=window, softcap=softcap)
         rows, lens = _decode_rows(meta, short)
         chunk_lens = torch.tensor([meta.query_lens_cpu[i] for i in short], device=query.device)
@@ -90,12 +96,48 @@ class TorchAttentionBackend(AttentionBackend):
         lens_t = torch.tensor(lens, dtype=torch.int32, device=query.device)
         if len(short) == meta.num_seqs:  # every row: no gather, no scatter
             return self._decode(query, key_cache, value_cache, tables, lens_t, tuple(lens), scale, window, softcap)
-        out = paged_extend_attention(query, key_cache, value_cache, meta, scale, skip=frozenset(short), window=window,
-                                     softcap=softcap)
+        if amx is not None:
+            out = self._prefill_amx(amx, query, key_cache, value_cache, meta, scale, window, short)
+        else:
+            out = paged_extend_attention(query, key_cache, value_cache, meta, scale, skip=frozenset(short),
+                                         window=window, softcap=softcap)
         row_index = torch.tensor(rows, device=query.device)
         out[row_index] = self._decode(query[row_index], key_cache, value_cache, tables, lens_t, tuple(lens), scale,
                                       window, softcap)
         return out
+
+    def _prefill_kernel(self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+                        meta: AttentionMetadata, softcap: float | None) -> ModuleType | None:
+        """The compiled AMX prefill / extend kernel (cpu_prefill_attn.cpp) where it serves this call: bf16 on a CPU
+        with AMX, a paged bf16 cache with block tables, no softcap, head_dim a multiple of 32 up to 256; else
+        None (PyTorch's SDPA per sequence)."""
+        if (not self.compiled_decode or query.device.type != "cpu" or query.dtype != torch.bfloat16
+                or softcap is not None or kv_cache is None or meta.block_tables is None
+                or kv_cache[0].dtype != torch.bfloat16 or kv_cache[1].dtype != torch.bfloat16
+                or query.shape[-1] % 32 or query.shape[-1] > 256 or query.stride(-1) != 1
+                or query.stride(1) != query.shape[-1]):
+            return None
+        kernel = paged_decode_kernel()
+        return kernel if kernel is not None and kernel.prefill_amx_ready() else None
+
+    @staticmethod
+    def _prefill_amx(kernel: ModuleType, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, window: int | None,
+                     skip: list[int] | None = None) -> torch.Tensor:
+        """Every sequence's new rows over its cached context and themselves (their K/V written), in AMX tiles;
+        the rows of sequences in ``skip`` are left unwritten (the caller's decode rows)."""
+        flags = torch.empty(0, dtype=torch.uint8)
+        if skip:
+            flags = torch.zeros(meta.num_seqs, dtype=torch.uint8)
+            flags[skip] = 1
+        tables = meta.block_tables
+        assert tables is not None
+        if tables.dtype != torch.int32:
+            tables = tables.to(torch.int32)
+        starts, lens = meta.query_start_loc, meta.seq_lens
+        if starts.dtype != torch.int32 or lens.dtype != torch.int32:
+            starts, lens = starts.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous()
+        return kernel.paged_prefill(query, key_cache, value_cache, tables, starts, lens, flags, scale, window or 0)
 
     def forward_with_sinks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata, scale: float,

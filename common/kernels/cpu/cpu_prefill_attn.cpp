@@ -1,0 +1,427 @@
+// Prefill / extend attention on CPU in AMX tiles (bf16, Intel Sapphire Rapids and later), read straight from
+// the paged KV cache: every new token of a step's sequences attends causally (and within a sliding window)
+// over its sequence's cached context and the new tokens before it, whose K/V the layer has just written.
+//
+// Why: a prefill step's attention ran in PyTorch's flash SDPA, one call per sequence, at 190-270 GFLOP/s in
+// bf16 on two Xeon cores (session 30: 0.89 ms for a 384-token causal prompt of SmolLM2's 9 heads of 64),
+// about a third of a 2,048-token step's time beside the linears in AMX; vLLM's CPU backend runs this in its
+// own AMX kernel. Here a work item is (sequence, KV head, 16 query positions): the GQA group's query heads
+// over those positions form the rows of A (g x 16 rows: one K/V block serves the whole group), and per 32 keys
+//
+//   S = Q K^T            tdpbf16ps: A = Q rows (32 dims a tile), B = 16 keys' K in AMX's pair layout
+//   online softmax       AVX-512 over S's rows: masked by position, running max and sum, P in bf16
+//   O = O * alpha + P V  tdpbf16ps: A = P rows (32 keys), B = V's 32 keys x 16 dims in pair layout
+//
+// with O, the running max and sum in fp32 per row, divided and rounded to bf16 once at the end. K and V are
+// repacked per 32 keys from the cache rows into the tiles' pair layout (O(keys x D) beside O(rows x keys x D)
+// of work); keys no row of the item reads (before its first row's window, or padding past its last row) are
+// zeroed, so a freed block's bytes never reach a product. Items are handed out heaviest first from an
+// atomic counter (a causal item's work grows with its position). Tile registers, all 16 rows x 64 bytes:
+//
+//   S phase: T0, T1 scores (keys 0-15, 16-31); T2 Q; T3, T4 K of the two key groups
+//   PV phase: T0-T3 outputs (64 dims a pass); T4 P; T5 V
+//
+// Shapes: query [T, H, D] contiguous bf16 (the rows of every sequence end to end); caches [blocks,
+// block_size, H_kv, D] bf16 with unit stride over D; block_tables [S, max_blocks] int32; query_start_loc
+// [S + 1] and seq_lens [S] int32; skip [S] uint8 or empty (sequences left unwritten: the caller computes
+// them another way). D a multiple of 32; ``prefill_amx_ready()`` false where the CPU, the OS or the compiler
+// lacks AMX (the caller keeps PyTorch's SDPA).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__) && defined(__GNUC__) && \
+    (__GNUC__ >= 11 || defined(__clang__))
+#define TANDEM_PREFILL_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+#ifdef TANDEM_PREFILL_AMX
+
+bool pf_amx_ready() {
+  static const bool ready = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;  // CPUID.(7,0):EDX AMX-TILE, AMX-BF16
+    if (!tile || !bf16) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512bf16")
+
+constexpr int64_t kQ = 16;   // query positions per item
+constexpr int64_t kK = 32;   // keys per PV step (one A tile of P)
+constexpr int64_t kChunk = 512;  // keys a softmax pass covers (scores [M, 512] fp32 in L2)
+
+struct alignas(64) PfTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// A masked score and the running max before any visible key: finite (the module builds with -ffast-math,
+// which assumes no infinities), far below any score.
+constexpr float kMasked = -3e38f;
+constexpr float kMaskedBelow = -1e37f;
+constexpr float kLog2e = 1.44269504088896341f;
+
+// 2^t over 16 lanes: 2^round(t) by vscalefps (which also takes a masked score's huge negative t to 0) times a
+// degree-5 polynomial of 2^f, |f| <= 1/2 (relative error ~2e-6, far below the bf16 rounding P takes next).
+inline __m512 pf_exp2(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct PfShape {
+  int64_t H, Hkv, D, g, block_size;
+  int64_t q_row_stride;  // elements between query rows (a view of the qkv projection's output)
+  int64_t k_block_stride, k_row_stride, k_head_stride;  // elements
+  int64_t v_block_stride, v_row_stride, v_head_stride;
+  int64_t max_blocks;
+  float scale;
+  int64_t window;  // 0: the whole sequence
+};
+
+// One (sequence, KV head)'s keys [lo, seq_len), repacked once for every query block that reads them:
+// K as [16-key group][D/2 pairs][16 keys] uint32 (B of S = Q K^T), V as [32-key block][D/16][16 key
+// pairs][16 dims x 2] bf16 (B of P V). Keys from lo / 32 * 32 (aligned), zero below lo and past seq_len.
+struct PfPack {
+  int64_t seq, kvh, lo, keys;  // keys: packed count, a multiple of 32
+  int64_t k_off, v_off;        // into the shared buffers (elements)
+};
+
+struct PfItem {
+  int64_t pack, i0, work;
+};
+
+// Per-thread scratch (64-byte aligned through align64).
+struct PfScratch {
+  std::vector<uint16_t> q;  // [M, D] bf16 query rows (row m = head-in-group * 16 + position)
+  std::vector<float> s;     // [M, kChunk] scores of one key chunk
+  std::vector<uint16_t> p;  // [M, kChunk] bf16 probabilities
+  std::vector<float> o;     // [M, D] running output
+  std::vector<float> tile;  // [4][16, 16] PV tiles
+  std::vector<float> mx, sum;
+  void size(int64_t M, int64_t D) {
+    q.assign(M * D + 32, 0);
+    s.assign(M * kChunk + 16, 0.f);
+    p.assign(M * kChunk + 32, 0);
+    o.assign(M * D + 16, 0.f);
+    tile.assign(4 * 256 + 16, 0.f);
+    mx.assign(M, 0.f);
+    sum.assign(M, 0.f);
+  }
+};
+
+template <typename T>
+T* align64(std::vector<T>& v) {
+  auto p = reinterpret_cast<uintptr_t>(v.data());
+  return reinterpret_cast<T*>((p + 63) & ~uintptr_t(63));
+}
+
+void pf_pack(const PfPack& pk, const uint16_t* kc, const uint16_t* vc, const int32_t* tables, const int32_t* lens,
+             const PfShape& sh, uint32_t* kbuf, uint16_t* vbuf) {
+  const int64_t D = sh.D, first = pk.lo / kK * kK, seq_len = lens[pk.seq];
+  const int32_t* table = tables + pk.seq * sh.max_blocks;
+  uint32_t* kp = kbuf + pk.k_off;
+  uint16_t* vp = vbuf + pk.v_off;
+  for (int64_t j = 0; j < pk.keys; ++j) {
+    const int64_t key = first + j;
+    uint32_t* kg = kp + (j / 16) * (D / 2) * 16 + (j % 16);
+    uint16_t* vt = vp + (j / kK) * D * kK + ((j % kK) / 2) * kK + (j % 2);
+    if (key < pk.lo || key >= seq_len) {
+      for (int64_t r = 0; r < D / 2; ++r) kg[r * 16] = 0u;
+      for (int64_t d = 0; d < D; ++d) vt[(d / 16) * 16 * kK + (d % 16) * 2] = 0;
+      continue;
+    }
+    const int64_t blk = table[key / sh.block_size], off = key % sh.block_size;
+    const auto* k32 = reinterpret_cast<const uint32_t*>(kc + blk * sh.k_block_stride + off * sh.k_row_stride +
+                                                        pk.kvh * sh.k_head_stride);
+    const uint16_t* vrow = vc + blk * sh.v_block_stride + off * sh.v_row_stride + pk.kvh * sh.v_head_stride;
+    for (int64_t r = 0; r < D / 2; ++r) kg[r * 16] = k32[r];
+    for (int64_t d = 0; d < D; ++d) vt[(d / 16) * 16 * kK + (d % 16) * 2] = vrow[d];
+  }
+}
+
+// Scores of rows [rg * 16, +16) over keys [c0, c0 + n) of the pack (n a multiple of 32), into s (row stride kChunk).
+inline void pf_scores(const uint16_t* qb, const uint32_t* kp, int64_t D, int64_t rg, int64_t c0, int64_t n, float* s) {
+  for (int64_t j = 0; j < n; j += 32) {
+    const uint32_t* k0 = kp + ((c0 + j) / 16) * (D / 2) * 16;
+    const uint32_t* k1 = k0 + (D / 2) * 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < D / 32; ++c) {
+      _tile_loadd(2, qb + rg * 16 * D + c * 32, D * 2);
+      _tile_loadd(3, k0 + c * 256, 64);
+      _tile_loadd(4, k1 + c * 256, 64);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, s + rg * 16 * kChunk + j, kChunk * 4);
+    _tile_stored(1, s + rg * 16 * kChunk + j + 16, kChunk * 4);
+  }
+}
+
+void pf_run_item(const PfItem& it, const PfPack& pk, const uint16_t* query, const int32_t* starts,
+                 const int32_t* lens, const PfShape& sh, const uint32_t* kbuf, const uint16_t* vbuf, uint16_t* out,
+                 PfScratch& sc) {
+  const int64_t D = sh.D, g = sh.g, M = g * kQ;
+  const int64_t q_start = starts[pk.seq], q_len = starts[pk.seq + 1] - q_start;
+  const int64_t ctx = lens[pk.seq] - q_len;
+  const int64_t nq = std::min<int64_t>(kQ, q_len - it.i0);
+  const int64_t first = pk.lo / kK * kK;  // the pack's first key
+  const uint32_t* kp = kbuf + pk.k_off;
+  const uint16_t* vp = vbuf + pk.v_off;
+  uint16_t* qb = align64(sc.q);
+  float* sb = align64(sc.s);
+  uint16_t* pb = align64(sc.p);
+  float* ob = align64(sc.o);
+  float* tb = align64(sc.tile);
+  float* mx = sc.mx.data();
+  float* sum = sc.sum.data();
+  for (int64_t h = 0; h < g; ++h) {
+    for (int64_t i = 0; i < kQ; ++i) {
+      uint16_t* dst = qb + (h * kQ + i) * D;
+      if (i < nq) {
+        std::memcpy(dst, query + (q_start + it.i0 + i) * sh.q_row_stride + (pk.kvh * g + h) * D, D * 2);
+      } else {
+        std::memset(dst, 0, D * 2);
+      }
+    }
+  }
+  std::fill(ob, ob + M * D, 0.f);
+  std::fill(mx, mx + M, kMasked);
+  std::fill(sum, sum + M, 0.f);
+  const int64_t first_pos = ctx + it.i0, last_pos = ctx + it.i0 + nq - 1;
+  const int64_t lo = sh.window > 0 ? std::max<int64_t>(0, first_pos - sh.window + 1) : 0;
+  const __m512 vscale2 = _mm512_set1_ps(sh.scale * kLog2e);
+  // Key chunks (pack-relative, multiples of 32) from the item's first key through its last row's position.
+  for (int64_t c0 = (lo - first) / kK * kK; c0 <= last_pos - first; c0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kK * kK + kK);
+    for (int64_t rg = 0; rg < M / 16; ++rg) pf_scores(qb, kp, D, rg, c0, n, sb);
+    // Softmax over the chunk, row by row: visible keys [rlo, pos], the rest 0 in P.
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t i = m % kQ;
+      float* srow = sb + m * kChunk;
+      uint16_t* prow = pb + m * kChunk;
+      const int64_t pos = ctx + it.i0 + i;
+      const int64_t rlo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1) : 0;
+      // visible columns of this chunk: [a, b)
+      const int64_t a = std::clamp<int64_t>(rlo - first - c0, 0, n);
+      const int64_t b = i < nq ? std::clamp<int64_t>(pos - first - c0 + 1, 0, n) : 0;
+      if (a >= b) {
+        std::memset(prow, 0, n * 2);
+        srow[0] = 1.f;  // alpha: nothing new
+        continue;
+      }
+      __m512 vmax = _mm512_set1_ps(kMasked);
+      for (int64_t j = a; j < b; j += 16) {
+        const __mmask16 k = static_cast<__mmask16>(b - j >= 16 ? 0xFFFF : (1u << (b - j)) - 1);
+        vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, srow + j));
+      }
+      const float m_new = std::max(mx[m], _mm512_reduce_max_ps(vmax) * sh.scale);
+      const float alpha = mx[m] < kMaskedBelow ? 0.f : std::exp(mx[m] - m_new);
+      const __m512 vm = _mm512_set1_ps(m_new * kLog2e);  // exp(s * scale - m) = 2^(s * scale * log2e - m * log2e)
+      __m512 vsum = _mm512_setzero_ps();
+      const int64_t a16 = a / 16 * 16;
+      for (int64_t j = 0; j < a16; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
+      for (int64_t j = a16; j < n; j += 16) {
+        __mmask16 k = 0xFFFF;
+        if (j < a) k &= static_cast<__mmask16>(~((1u << (a - j)) - 1));
+        if (j + 16 > b) k &= static_cast<__mmask16>(b > j ? (1u << (b - j)) - 1 : 0);
+        const __m512 e = _mm512_maskz_mov_ps(k, pf_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), vscale2, vm)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      sum[m] = sum[m] * alpha + _mm512_reduce_add_ps(vsum);
+      mx[m] = m_new;
+      srow[0] = alpha;  // the row's scores are spent: its first slot carries alpha to the PV pass
+    }
+    // O = O * alpha + P V over the chunk, 16 rows and up to 64 dims a pass, the chunk's keys in the tiles.
+    for (int64_t rg = 0; rg < M / 16; ++rg) {
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int64_t nt = std::min<int64_t>(4, (D - d0) / 16);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t j = 0; j < n; j += kK) {
+          const uint16_t* vblk = vp + ((c0 + j) / kK) * D * kK + (d0 / 16) * 16 * kK;
+          _tile_loadd(4, pb + rg * 16 * kChunk + j, kChunk * 2);
+          _tile_loadd(5, vblk, kK * 2);
+          _tile_dpbf16ps(0, 4, 5);
+          if (nt > 1) {
+            _tile_loadd(6, vblk + 16 * kK, kK * 2);
+            _tile_dpbf16ps(1, 4, 6);
+          }
+          if (nt > 2) {
+            _tile_loadd(7, vblk + 2 * 16 * kK, kK * 2);
+            _tile_dpbf16ps(2, 4, 7);
+          }
+          if (nt > 3) {
+            _tile_loadd(5, vblk + 3 * 16 * kK, kK * 2);
+            _tile_dpbf16ps(3, 4, 5);
+          }
+        }
+        _tile_stored(0, tb, 64);
+        if (nt > 1) _tile_stored(1, tb + 256, 64);
+        if (nt > 2) _tile_stored(2, tb + 512, 64);
+        if (nt > 3) _tile_stored(3, tb + 768, 64);
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t m = rg * 16 + r;
+          const __m512 va = _mm512_set1_ps(sb[m * kChunk]);
+          for (int64_t t = 0; t < nt; ++t) {
+            float* orow = ob + m * D + d0 + t * 16;
+            _mm512_storeu_ps(orow, _mm512_fmadd_ps(_mm512_loadu_ps(orow), va, _mm512_load_ps(tb + t * 256 + r * 16)));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t m = h * kQ + i;
+      const __m512 vinv = _mm512_set1_ps(sum[m] > 0.f ? 1.f / sum[m] : 0.f);
+      uint16_t* dst = out + ((q_start + it.i0 + i) * sh.H + pk.kvh * g + h) * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m256bh bh = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ob + m * D + d), vinv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(bh));
+      }
+    }
+  }
+}
+
+void pf_run_all(const std::vector<PfPack>& packs, const std::vector<PfItem>& items, const uint16_t* q,
+                const uint16_t* kc, const uint16_t* vc, const int32_t* tables, const int32_t* starts,
+                const int32_t* lens, const PfShape& sh, uint32_t* kbuf, uint16_t* vbuf, uint16_t* o) {
+  const int64_t n_packs = static_cast<int64_t>(packs.size()), n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, n_packs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) pf_pack(packs[i], kc, vc, tables, lens, sh, kbuf, vbuf);
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    PfTileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    PfScratch sc;
+    sc.size(sh.g * kQ, sh.D);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+        pf_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf, vbuf, o, sc);
+      }
+    }
+    _tile_release();
+  });
+}
+
+#pragma GCC pop_options
+
+#endif  // TANDEM_PREFILL_AMX
+
+}  // namespace
+
+bool prefill_amx_ready() {
+#ifdef TANDEM_PREFILL_AMX
+  return pf_amx_ready();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                            torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                            torch::Tensor skip, double scale, int64_t window) {
+  TORCH_CHECK(prefill_amx_ready(), "paged_prefill: this CPU, OS or build has no AMX");
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1 &&
+                  query.stride(1) == query.size(2),
+              "query must be a bf16 [T, H, D] tensor with unit stride over D and heads adjacent");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, "caches must be [blocks, block_size, H_kv, D]");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "caches need unit stride over D");
+  TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kBFloat16,
+              "caches must be bf16 like the query");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 && block_tables.stride(1) == 1,
+              "block_tables: int32 rows");
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.is_contiguous() &&
+                  seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
+              "query_start_loc and seq_lens: contiguous int32");
+  const int64_t S = seq_lens.numel();
+  TORCH_CHECK(query_start_loc.numel() == S + 1 && block_tables.size(0) == S, "one table and length per sequence");
+  TORCH_CHECK(skip.numel() == 0 || (skip.numel() == S && skip.scalar_type() == torch::kUInt8 && skip.is_contiguous()),
+              "skip: empty or one uint8 per sequence");
+  TORCH_CHECK(window >= 0, "window: 0 (the whole sequence) or the positions a query reads");
+  TORCH_CHECK(scale > 0, "scale must be positive");
+  const int64_t H = query.size(1), D = query.size(2), Hkv = key_cache.size(2);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && key_cache.size(3) == D && value_cache.size(3) == D,
+              "head counts or head_dim do not match");
+  TORCH_CHECK(D % 32 == 0 && D <= 256, "paged_prefill: head_dim a multiple of 32 up to 256, not ", D);
+  auto out = torch::empty({query.size(0), H, D}, query.options());
+#ifdef TANDEM_PREFILL_AMX
+  PfShape sh{H, Hkv, D, H / Hkv, key_cache.size(1), query.stride(0),
+             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+             block_tables.size(1), static_cast<float>(scale), window};
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const uint8_t* skips = skip.numel() ? skip.data_ptr<uint8_t>() : nullptr;
+  std::vector<PfPack> packs;
+  std::vector<PfItem> items;
+  int64_t k_total = 0, v_total = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    if (q_len <= 0 || (skips != nullptr && skips[s])) continue;
+    TORCH_CHECK(lens[s] >= q_len && (lens[s] + sh.block_size - 1) / sh.block_size <= sh.max_blocks,
+                "seq_lens: at least the query rows and within the block table");
+    const int64_t ctx = lens[s] - q_len;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window + 1) : 0;
+    const int64_t keys = (lens[s] - lo / kK * kK + kK - 1) / kK * kK;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t pack = static_cast<int64_t>(packs.size());
+      packs.push_back({s, h, lo, keys, k_total, v_total});
+      k_total += keys * D / 2;
+      v_total += keys * D;
+      for (int64_t i0 = 0; i0 < q_len; i0 += kQ) {
+        const int64_t last = ctx + std::min(q_len, i0 + kQ) - 1;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, ctx + i0 - window + 1) : 0;
+        items.push_back({pack, i0, last - first + 1});
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const PfItem& a, const PfItem& b) { return a.work > b.work; });
+  const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
+  const auto* kc = reinterpret_cast<const uint16_t*>(key_cache.data_ptr());
+  const auto* vc = reinterpret_cast<const uint16_t*>(value_cache.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  std::vector<uint32_t> kbuf(k_total + 16);
+  std::vector<uint16_t> vbuf(v_total + 32);
+  pf_run_all(packs, items, q, kc, vc, tables, starts, lens, sh, align64(kbuf), align64(vbuf), o);
+#endif
+  return out;
+}
