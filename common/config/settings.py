@@ -343,10 +343,11 @@ class KernelSettings:
     decode_step: str = "auto"  # the one-call CPU decode step
     row_buckets: str = "auto"  # 16-bit CPU matmuls padded to a few row counts (auto: on for bf16/fp16)
     cpu_moe: str = "auto"  # a mixture of experts' routed experts in one C++ call on panels (off: PyTorch's)
+    cpu_malloc: str = "auto"  # glibc malloc keeps a step's freed buffers for the next (off: glibc's defaults)
 
     def __post_init__(self) -> None:
         for name in ("cpu_amx", "cpu_panels", "cpu_gemv", "cpu_onednn", "fused_ops", "decode_step", "row_buckets",
-                     "cpu_moe"):
+                     "cpu_moe", "cpu_malloc"):
             value = str(getattr(self, name)).strip().lower() or "auto"
             if value not in KERNEL_MODES:
                 raise ValueError(f"{env_name(name)}={value!r}; choose one of {', '.join(KERNEL_MODES)}")

@@ -8,8 +8,9 @@
    A mixture of experts' routed experts get their way of running on this device (``experts_for``);
 2. a tied model's token lookup reads the LM head's rows through its method (``TiedEmbedding``) where the
    head holds them exactly (16-row float panels; GGUF Q8_0 rows as published), and the float table is freed;
-3. the fused elementwise ops (common/model/fused_ops.py) and, on CPU, the one-call decode step
-   (common/model/decode_step.py), which reads each method's public ``step_weights``.
+3. the fused elementwise ops (common/model/fused_ops.py) and, on CPU, glibc malloc set to keep step buffers
+   (common/kernels/host_malloc.py) and the one-call decode step (common/model/decode_step.py), which reads each
+   method's public ``step_weights``.
 
 Nothing swaps a module's class, and nothing after this pass reads a method's private state.
 """
@@ -67,6 +68,10 @@ def prepare_model(model: LlamaForCausalLM, device: torch.device | str, quant: Qu
     from common.model.fused_ops import fused_ops_for
 
     model.fused_ops = fused_ops_for(device)  # TANDEM_FUSED_OPS=auto|on|off
+    if device.type == "cpu":
+        from common.kernels.host_malloc import keep_step_buffers
+
+        keep_step_buffers()  # TANDEM_CPU_MALLOC=auto|on|off: no page faults on every step's activations
     if decode_step and device.type == "cpu":
         from common.model.decode_step import DecodeStep
 

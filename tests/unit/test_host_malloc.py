@@ -1,0 +1,63 @@
+"""glibc malloc kept from faulting a CPU step's activations in again (common/kernels/host_malloc.py). Each probe runs
+in a fresh interpreter: the thresholds are process-wide."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# A step's 40 MB buffer (a larger model's gate/up output; above glibc's largest dynamic mmap threshold, 32 MB):
+# where glibc put it (mallinfo2's mmapped bytes while it lives) and what the heap kept after it was freed.
+PROBE = """
+import ctypes, json, sys, torch
+sys.path.insert(0, {repo!r})
+from common.kernels.host_malloc import keep_step_buffers
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+applied = keep_step_buffers()
+base = libc.mallinfo2().hblkhd
+buf = torch.ones(2048, 10240, dtype=torch.bfloat16)
+mmapped = libc.mallinfo2().hblkhd - base
+del buf
+print(json.dumps({{"applied": applied, "mmapped": mmapped, "heap_kept": libc.mallinfo2().fordblks}}))
+"""
+BUFFER = 2048 * 10240 * 2
+
+
+def _probe(mode: str) -> dict[str, int]:
+    env = {**os.environ, "TANDEM_CPU_MALLOC": mode}
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        env.pop(name, None)
+    out = subprocess.run([sys.executable, "-c", PROBE.format(repo=str(REPO))], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    result: dict[str, int] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"),
+                    reason="glibc's mallopt and mallinfo2")
+def test_a_steps_buffer_comes_from_the_heap_and_stays_there_only_when_set() -> None:
+    kept = _probe("auto")
+    assert kept["applied"]
+    assert kept["mmapped"] < BUFFER  # from the heap, not a fresh mapping faulted in page by page
+    assert kept["heap_kept"] >= BUFFER  # freed, and kept for the next step rather than trimmed
+    default = _probe("off")
+    assert not default["applied"]
+    assert default["mmapped"] >= BUFFER  # glibc's defaults: mapped for this step, unmapped when freed
+
+
+def test_a_mode_that_is_not_a_choice_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.kernels.host_malloc import keep_step_buffers
+
+    monkeypatch.setenv("TANDEM_CPU_MALLOC", "sometimes")
+    with pytest.raises(ValueError, match="TANDEM_CPU_MALLOC"):
+        keep_step_buffers()
