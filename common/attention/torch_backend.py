@@ -25,6 +25,7 @@ decode rows take the PyTorch path (the compiled decode kernel has no soft-cap ei
 
 from __future__ import annotations
 
+import logging
 import math
 from types import ModuleType
 
@@ -35,6 +36,8 @@ from common.attention.backend import AttentionBackend
 from common.attention.metadata import AttentionMetadata
 from common.kernels.cpu import paged_decode_kernel
 from common.kv.kv_cache import write_kv
+
+log = logging.getLogger(__name__)
 
 # Gathered K+V bytes per decode chunk: small enough to stay in L2/L3, large enough that per-op
 # overhead is noise (measured best at 1-2 sequences of 1k tokens per chunk for SmolLM2 shapes).
@@ -70,15 +73,16 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if kv_cache is not None and meta.slot_mapping is not None:
             self._write_kv(kv_cache[0], kv_cache[1], key, value, meta.slot_mapping)
-        amx = self._prefill_kernel(query, kv_cache, meta, softcap)
-        if meta.is_prefill_only and amx is None:
+        plain_decode = meta.is_decode_only and meta.num_tokens == meta.num_seqs
+        compiled = None if plain_decode else self._prefill_kernel(query, kv_cache, meta, softcap)
+        if meta.is_prefill_only and compiled is None:
             return prefill_attention(query, key, value, meta.query_lens_cpu, scale, window, softcap)
         if kv_cache is None or meta.block_tables is None:
             raise ValueError("sequences with cached context need kv_cache and meta.block_tables")
         key_cache, value_cache = kv_cache
-        if amx is not None and meta.is_prefill_only:
-            return self._prefill_amx(amx, query, key_cache, value_cache, meta, scale, window)
-        if meta.is_decode_only and meta.num_tokens == meta.num_seqs:
+        if compiled is not None and meta.is_prefill_only:
+            return self._prefill_compiled(compiled, query, key_cache, value_cache, meta, scale, window)
+        if plain_decode:
             return self._decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
                                 scale, window, softcap)
         # Short chunks over a cached prefix (speculative verification, a draft model's catch-up, plain decode
@@ -87,8 +91,8 @@ class TorchAttentionBackend(AttentionBackend):
         # lengths as plain decoding (verification rows equal plain decode rows), and no per-sequence SDPA.
         short = [i for i, q in enumerate(meta.query_lens_cpu) if q <= EXTEND_AS_DECODE_ROWS]
         if not short:
-            if amx is not None:
-                return self._prefill_amx(amx, query, key_cache, value_cache, meta, scale, window)
+            if compiled is not None:
+                return self._prefill_compiled(compiled, query, key_cache, value_cache, meta, scale, window)
             return paged_extend_attention(query, key_cache, value_cache, meta, scale, window=window, softcap=softcap)
         rows, lens = _decode_rows(meta, short)
         chunk_lens = torch.tensor([meta.query_lens_cpu[i] for i in short], device=query.device)
@@ -96,8 +100,8 @@ class TorchAttentionBackend(AttentionBackend):
         lens_t = torch.tensor(lens, dtype=torch.int32, device=query.device)
         if len(short) == meta.num_seqs:  # every row: no gather, no scatter
             return self._decode(query, key_cache, value_cache, tables, lens_t, tuple(lens), scale, window, softcap)
-        if amx is not None:
-            out = self._prefill_amx(amx, query, key_cache, value_cache, meta, scale, window, short)
+        if compiled is not None:
+            out = self._prefill_compiled(compiled, query, key_cache, value_cache, meta, scale, window, short)
         else:
             out = paged_extend_attention(query, key_cache, value_cache, meta, scale, skip=frozenset(short),
                                          window=window, softcap=softcap)
@@ -108,24 +112,33 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prefill_kernel(self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
                         meta: AttentionMetadata, softcap: float | None) -> ModuleType | None:
-        """The compiled AMX prefill / extend kernel (cpu_prefill_attn.cpp) where it serves this call: bf16 on a CPU
-        with AMX, a paged bf16 cache with block tables, no softcap, head_dim a multiple of 32 up to 256; else
-        None (PyTorch's SDPA per sequence)."""
-        if (not self.compiled_decode or query.device.type != "cpu" or query.dtype != torch.bfloat16
+        """The compiled prefill / extend kernel (cpu_prefill_attn.cpp) where it serves this call: bf16 on a CPU
+        with AMX or fp32 on an AVX-512 / AVX2 build, a paged cache of the query's dtype with block tables, no
+        softcap, head_dim a multiple of 32 up to 256; else None (PyTorch's SDPA per sequence)."""
+        if (not self.compiled_decode or query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float32)
                 or softcap is not None or kv_cache is None or meta.block_tables is None
-                or kv_cache[0].dtype != torch.bfloat16 or kv_cache[1].dtype != torch.bfloat16
+                or kv_cache[0].dtype != query.dtype or kv_cache[1].dtype != query.dtype
                 or query.shape[-1] % 32 or query.shape[-1] > 256 or query.stride(-1) != 1
                 or query.stride(1) != query.shape[-1]):
             return None
         kernel = paged_decode_kernel()
-        return kernel if kernel is not None and kernel.prefill_amx_ready() else None
+        if kernel is None:
+            return None
+        if query.dtype == torch.bfloat16:
+            return kernel if kernel.prefill_amx_ready() else None
+        if not kernel.prefill_f32_ready():
+            return None
+        key = (query.shape[1], kv_cache[0].shape[2], query.shape[2])
+        if key not in _F32_PREFILL_PAYS:
+            _F32_PREFILL_PAYS[key] = f32_prefill_pays(kernel, *key)
+        return kernel if _F32_PREFILL_PAYS[key] else None
 
     @staticmethod
-    def _prefill_amx(kernel: ModuleType, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    def _prefill_compiled(kernel: ModuleType, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, window: int | None,
                      skip: list[int] | None = None) -> torch.Tensor:
-        """Every sequence's new rows over its cached context and themselves (their K/V written), in AMX tiles;
-        the rows of sequences in ``skip`` are left unwritten (the caller's decode rows)."""
+        """Every sequence's new rows over its cached context and themselves (their K/V written), in AMX tiles (bf16)
+        or FMA vectors (fp32); the rows of sequences in ``skip`` are left unwritten (the caller's decode rows)."""
         flags = torch.empty(0, dtype=torch.uint8)
         if skip:
             flags = torch.zeros(meta.num_seqs, dtype=torch.uint8)
@@ -171,6 +184,39 @@ class TorchAttentionBackend(AttentionBackend):
                                        tables, lens, scale, window or 0)
         return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale,
                                       self.decode_chunk_bytes, self.workspace, window, softcap)
+
+
+# (heads, KV heads, head_dim) -> whether the compiled fp32 prefill kernel measured faster than SDPA here.
+_F32_PREFILL_PAYS: dict[tuple[int, int, int], bool] = {}
+F32_PREFILL_PROBE_TOKENS = 256
+
+
+def f32_prefill_pays(kernel: ModuleType, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Race the compiled fp32 prefill kernel against PyTorch's SDPA once per head shape (a 256-token prompt, best
+    of five, alternating): its AVX-512 build measured 1.5-1.8x faster on two Xeon cores (session 30), its AVX2
+    build has no measurement on an AVX2-only CPU yet, so the CPU it runs on decides."""
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    n, bs = F32_PREFILL_PROBE_TOKENS, 16
+    q = torch.randn(n, heads, head_dim, generator=gen)
+    k_cache = torch.randn(n // bs, bs, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(n // bs, bs, kv_heads, head_dim, generator=gen)
+    meta = AttentionMetadata.build([n], [0], [list(range(n // bs))], bs)
+    assert meta.block_tables is not None
+    k, v = k_cache.view(n, kv_heads, head_dim), v_cache.view(n, kv_heads, head_dim)
+    runs = (lambda: kernel.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                         torch.empty(0, dtype=torch.uint8), head_dim**-0.5, 0),
+            lambda: prefill_attention(q, k, v, (n,), head_dim**-0.5))
+    best = [float("inf"), float("inf")]
+    for _ in range(5):
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - start)
+    log.info("fp32 prefill attention, %d heads / %d KV heads of %d, %d tokens: compiled %.2f ms, SDPA %.2f ms",
+             heads, kv_heads, head_dim, n, best[0] * 1e3, best[1] * 1e3)
+    return best[0] <= best[1]
 
 
 def _decode_rows(meta: AttentionMetadata, seqs: list[int]) -> tuple[list[int], list[int]]:

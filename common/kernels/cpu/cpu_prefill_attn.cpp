@@ -1,6 +1,7 @@
-// Prefill / extend attention on CPU in AMX tiles (bf16, Intel Sapphire Rapids and later), read straight from
-// the paged KV cache: every new token of a step's sequences attends causally (and within a sliding window)
-// over its sequence's cached context and the new tokens before it, whose K/V the layer has just written.
+// Prefill / extend attention on CPU, bf16 in AMX tiles (Intel Sapphire Rapids and later) and fp32 in AVX-512 /
+// AVX2 FMA vectors (the fp32 part: further down), read straight from the paged KV cache: every new token of a
+// step's sequences attends causally (and within a sliding window) over its sequence's cached context and the new
+// tokens before it, whose K/V the layer has just written.
 //
 // Why: a prefill step's attention ran in PyTorch's flash SDPA, one call per sequence, at 190-270 GFLOP/s in
 // bf16 on two Xeon cores (session 30: 0.89 ms for a 384-token causal prompt of SmolLM2's 9 heads of 64),
@@ -21,11 +22,11 @@
 //   S phase: T0, T1 scores (keys 0-15, 16-31); T2 Q; T3, T4 K of the two key groups
 //   PV phase: T0-T3 outputs (64 dims a pass); T4 P; T5 V
 //
-// Shapes: query [T, H, D] contiguous bf16 (the rows of every sequence end to end); caches [blocks,
-// block_size, H_kv, D] bf16 with unit stride over D; block_tables [S, max_blocks] int32; query_start_loc
-// [S + 1] and seq_lens [S] int32; skip [S] uint8 or empty (sequences left unwritten: the caller computes
-// them another way). D a multiple of 32; ``prefill_amx_ready()`` false where the CPU, the OS or the compiler
-// lacks AMX (the caller keeps PyTorch's SDPA).
+// Shapes: query [T, H, D] bf16 or fp32, heads adjacent, any row stride (every sequence's rows end to end);
+// caches [blocks, block_size, H_kv, D] of the query's dtype with unit stride over D; block_tables [S, max_blocks]
+// int32; query_start_loc [S + 1] and seq_lens [S] int32; skip [S] uint8 or empty (sequences left unwritten: the
+// caller computes them another way). D a multiple of 32 up to 256. ``prefill_amx_ready()`` is false where the CPU,
+// the OS or the compiler lacks AMX, ``prefill_f32_ready()`` on the generic build: the caller keeps PyTorch's SDPA.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -35,16 +36,21 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__) && defined(__GNUC__) && \
     (__GNUC__ >= 11 || defined(__clang__))
 #define TANDEM_PREFILL_AMX 1
 #include <cpuid.h>
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
 namespace {
+
+constexpr float kMaskedF = -3e38f;  // finite (the module builds with -ffast-math)
+constexpr float kMaskedFBelow = -1e37f;
 
 #ifdef TANDEM_PREFILL_AMX
 
@@ -247,7 +253,9 @@ void pf_run_item(const PfItem& it, const PfPack& pk, const uint16_t* query, cons
       const __m512 vm = _mm512_set1_ps(m_new * kLog2e);  // exp(s * scale - m) = 2^(s * scale * log2e - m * log2e)
       __m512 vsum = _mm512_setzero_ps();
       const int64_t a16 = a / 16 * 16;
-      for (int64_t j = 0; j < a16; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
+      for (int64_t j = 0; j < a16; j += 16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
+      }
       for (int64_t j = a16; j < n; j += 16) {
         __mmask16 k = 0xFFFF;
         if (j < a) k &= static_cast<__mmask16>(~((1u << (a - j)) - 1));
@@ -345,6 +353,284 @@ void pf_run_all(const std::vector<PfPack>& packs, const std::vector<PfItem>& ite
 
 #endif  // TANDEM_PREFILL_AMX
 
+
+// ---- fp32: the same items, packs and chunks in AVX-512 / AVX2 FMA registers ----
+//
+// PyTorch's flash SDPA ran fp32 prefill attention at 56-73 GFLOP/s on two Xeon cores (session 30). Here per item
+// (sequence, KV head, 16 query positions; the GQA group's heads stacked as rows) and per chunk of up to 512 keys:
+// S = Q K^T from 4 rows x 2 vectors of keys in registers (K packed transposed per vector of keys, so each Q
+// element is broadcast once per key vector pair), a two-pass softmax over the chunk, O = O * alpha + P V from
+// 4 rows (2 on AVX2) x up to 4 vectors of dims in registers (V packed as plain rows). head_dim a multiple of
+// 16 up to 256.
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define TANDEM_PREFILL_F32 1
+#if defined(__AVX512F__)
+using pv = __m512;
+constexpr int64_t kVW = 16;
+constexpr int64_t kPvRows = 4;
+inline pv pv_set(float v) { return _mm512_set1_ps(v); }
+inline pv pv_zero() { return _mm512_setzero_ps(); }
+inline pv pv_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void pv_store(float* p, pv v) { _mm512_storeu_ps(p, v); }
+inline pv pv_fma(pv a, pv b, pv c) { return _mm512_fmadd_ps(a, b, c); }
+inline pv pv_fms(pv a, pv b, pv c) { return _mm512_fmsub_ps(a, b, c); }
+inline pv pv_max(pv a, pv b) { return _mm512_max_ps(a, b); }
+inline pv pv_add(pv a, pv b) { return _mm512_add_ps(a, b); }
+inline float pv_hmax(pv a) { return _mm512_reduce_max_ps(a); }
+inline float pv_hsum(pv a) { return _mm512_reduce_add_ps(a); }
+inline pv pv_exp2(pv t) {  // 2^t, t >= -126 after the clamp (a masked score: 0 by the caller)
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const pv n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const pv f = _mm512_sub_ps(t, n);
+  pv p = _mm512_set1_ps(1.3333558146428443e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#else
+using pv = __m256;
+constexpr int64_t kVW = 8;
+constexpr int64_t kPvRows = 2;
+inline pv pv_set(float v) { return _mm256_set1_ps(v); }
+inline pv pv_zero() { return _mm256_setzero_ps(); }
+inline pv pv_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void pv_store(float* p, pv v) { _mm256_storeu_ps(p, v); }
+inline pv pv_fma(pv a, pv b, pv c) { return _mm256_fmadd_ps(a, b, c); }
+inline pv pv_fms(pv a, pv b, pv c) { return _mm256_fmsub_ps(a, b, c); }
+inline pv pv_max(pv a, pv b) { return _mm256_max_ps(a, b); }
+inline pv pv_add(pv a, pv b) { return _mm256_add_ps(a, b); }
+inline float pv_hmax(pv a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline float pv_hsum(pv a) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline pv pv_exp2(pv t) {
+  t = _mm256_max_ps(t, _mm256_set1_ps(-126.f));
+  const pv n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const pv f = _mm256_sub_ps(t, n);
+  pv p = _mm256_set1_ps(1.3333558146428443e-3f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+constexpr int64_t kFQ = 16;       // query positions per item
+constexpr int64_t kFStep = 32;    // key granularity (2 AVX-512 vectors, 4 AVX2 ones)
+constexpr int64_t kFChunk = 512;  // keys a softmax pass covers
+constexpr float kFLog2e = 1.44269504088896341f;
+
+struct F32Shape {
+  int64_t H, Hkv, D, g, block_size, q_row_stride;
+  int64_t k_block_stride, k_row_stride, k_head_stride;
+  int64_t v_block_stride, v_row_stride, v_head_stride;
+  int64_t max_blocks;
+  float scale;
+  int64_t window;
+};
+
+struct F32Pack {
+  int64_t seq, kvh, lo, keys;  // keys from lo / 32 * 32, a multiple of 32
+  int64_t off;                 // into the K and V buffers (elements; keys * D each)
+};
+
+struct F32Item {
+  int64_t pack, i0, work;
+};
+
+// K: [keys / kVW][D][kVW] (each vector of keys transposed); V: [keys][D]. Zero outside [lo, seq_len).
+void f32_pack(const F32Pack& pk, const float* kc, const float* vc, const int32_t* tables, const int32_t* lens,
+              const F32Shape& sh, float* kbuf, float* vbuf) {
+  const int64_t D = sh.D, first = pk.lo / kFStep * kFStep, seq_len = lens[pk.seq];
+  const int32_t* table = tables + pk.seq * sh.max_blocks;
+  float* kp = kbuf + pk.off;
+  float* vp = vbuf + pk.off;
+  for (int64_t j = 0; j < pk.keys; ++j) {
+    const int64_t key = first + j;
+    float* kt = kp + (j / kVW) * D * kVW + (j % kVW);
+    float* vr = vp + j * D;
+    if (key < pk.lo || key >= seq_len) {
+      for (int64_t d = 0; d < D; ++d) kt[d * kVW] = 0.f;
+      std::memset(vr, 0, D * 4);
+      continue;
+    }
+    const int64_t blk = table[key / sh.block_size], off = key % sh.block_size;
+    const float* krow = kc + blk * sh.k_block_stride + off * sh.k_row_stride + pk.kvh * sh.k_head_stride;
+    const float* vrow = vc + blk * sh.v_block_stride + off * sh.v_row_stride + pk.kvh * sh.v_head_stride;
+    for (int64_t d = 0; d < D; ++d) kt[d * kVW] = krow[d];
+    std::memcpy(vr, vrow, D * 4);
+  }
+}
+
+// S[r, col .. col + 2 kVW) for rows r0 .. r0 + 4 (row stride kFChunk): the keys from pack-relative c0.
+inline void f32_scores4(const float* qb, const float* kp, int64_t D, int64_t r0, int64_t c0, int64_t col, float* s) {
+  const float* k0 = kp + (c0 / kVW) * D * kVW;
+  const float* k1 = k0 + D * kVW;
+  pv a00 = pv_zero(), a01 = pv_zero(), a10 = pv_zero(), a11 = pv_zero();
+  pv a20 = pv_zero(), a21 = pv_zero(), a30 = pv_zero(), a31 = pv_zero();
+  const float* q0 = qb + r0 * D;
+  for (int64_t d = 0; d < D; ++d) {
+    const pv x = pv_load(k0 + d * kVW), y = pv_load(k1 + d * kVW);
+    pv b = pv_set(q0[d]);
+    a00 = pv_fma(b, x, a00);
+    a01 = pv_fma(b, y, a01);
+    b = pv_set(q0[D + d]);
+    a10 = pv_fma(b, x, a10);
+    a11 = pv_fma(b, y, a11);
+    b = pv_set(q0[2 * D + d]);
+    a20 = pv_fma(b, x, a20);
+    a21 = pv_fma(b, y, a21);
+    b = pv_set(q0[3 * D + d]);
+    a30 = pv_fma(b, x, a30);
+    a31 = pv_fma(b, y, a31);
+  }
+  float* o = s + r0 * kFChunk + col;
+  pv_store(o, a00);
+  pv_store(o + kVW, a01);
+  pv_store(o + kFChunk, a10);
+  pv_store(o + kFChunk + kVW, a11);
+  pv_store(o + 2 * kFChunk, a20);
+  pv_store(o + 2 * kFChunk + kVW, a21);
+  pv_store(o + 3 * kFChunk, a30);
+  pv_store(o + 3 * kFChunk + kVW, a31);
+}
+
+// O[r0 .. r0 + kPvRows, v0 * kVW .. + CB * kVW) = O * alpha + P[rows, 0 .. n) V[c0 .. c0 + n).
+template <int CB>
+inline void f32_pv(const float* pb, const float* vp, const float* alpha, int64_t D, int64_t r0, int64_t v0,
+                   int64_t c0, int64_t n, float* ob) {
+  pv acc[kPvRows][CB];
+  for (int64_t r = 0; r < kPvRows; ++r)
+    for (int c = 0; c < CB; ++c) acc[r][c] = pv_zero();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vrow = vp + (c0 + j) * D + v0 * kVW;
+    pv v[CB];
+    for (int c = 0; c < CB; ++c) v[c] = pv_load(vrow + c * kVW);
+    for (int64_t r = 0; r < kPvRows; ++r) {
+      const pv p = pv_set(pb[(r0 + r) * kFChunk + j]);
+      for (int c = 0; c < CB; ++c) acc[r][c] = pv_fma(p, v[c], acc[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < kPvRows; ++r) {
+    const pv a = pv_set(alpha[r0 + r]);
+    float* orow = ob + (r0 + r) * D + v0 * kVW;
+    for (int c = 0; c < CB; ++c) pv_store(orow + c * kVW, pv_fma(pv_load(orow + c * kVW), a, acc[r][c]));
+  }
+}
+
+struct F32Scratch {
+  std::vector<float> q, s, o, mx, sum, alpha;
+  void size(int64_t M, int64_t D) {
+    q.assign(M * D, 0.f);
+    s.assign(M * kFChunk, 0.f);
+    o.assign(M * D, 0.f);
+    mx.assign(M, 0.f);
+    sum.assign(M, 0.f);
+    alpha.assign(M, 0.f);
+  }
+};
+
+void f32_run_item(const F32Item& it, const F32Pack& pk, const float* query, const int32_t* starts,
+                  const int32_t* lens, const F32Shape& sh, const float* kbuf, const float* vbuf, float* out,
+                  F32Scratch& sc) {
+  const int64_t D = sh.D, g = sh.g, M = g * kFQ;
+  const int64_t q_start = starts[pk.seq], q_len = starts[pk.seq + 1] - q_start;
+  const int64_t ctx = lens[pk.seq] - q_len;
+  const int64_t nq = std::min<int64_t>(kFQ, q_len - it.i0);
+  const int64_t first = pk.lo / kFStep * kFStep;
+  const float* kp = kbuf + pk.off;
+  const float* vp = vbuf + pk.off;
+  float* qb = sc.q.data();
+  float* sb = sc.s.data();
+  float* ob = sc.o.data();
+  float* mx = sc.mx.data();
+  float* sum = sc.sum.data();
+  float* alpha = sc.alpha.data();
+  for (int64_t h = 0; h < g; ++h) {
+    for (int64_t i = 0; i < kFQ; ++i) {
+      float* dst = qb + (h * kFQ + i) * D;
+      if (i < nq) {
+        std::memcpy(dst, query + (q_start + it.i0 + i) * sh.q_row_stride + (pk.kvh * g + h) * D, D * 4);
+      } else {
+        std::memset(dst, 0, D * 4);
+      }
+    }
+  }
+  std::fill(ob, ob + M * D, 0.f);
+  std::fill(mx, mx + M, kMaskedF);
+  std::fill(sum, sum + M, 0.f);
+  const int64_t first_pos = ctx + it.i0, last_pos = ctx + it.i0 + nq - 1;
+  const int64_t lo = sh.window > 0 ? std::max<int64_t>(0, first_pos - sh.window + 1) : 0;
+  const float sl = sh.scale * kFLog2e;
+  for (int64_t c0 = (lo - first) / kFStep * kFStep; c0 <= last_pos - first; c0 += kFChunk) {
+    const int64_t n = std::min<int64_t>(kFChunk, (last_pos - first - c0) / kFStep * kFStep + kFStep);
+    for (int64_t r0 = 0; r0 < M; r0 += 4)
+      for (int64_t j = 0; j < n; j += 2 * kVW) f32_scores4(qb, kp, D, r0, c0 + j, j, sb);
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t i = m % kFQ;
+      float* row = sb + m * kFChunk;
+      const int64_t pos = ctx + it.i0 + i;
+      const int64_t rlo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1) : 0;
+      const int64_t a = std::clamp<int64_t>(rlo - first - c0, 0, n);
+      const int64_t b = i < nq ? std::clamp<int64_t>(pos - first - c0 + 1, 0, n) : 0;
+      if (a >= b) {
+        std::memset(row, 0, n * 4);
+        alpha[m] = 1.f;
+        continue;
+      }
+      float bmax = kMaskedF;
+      int64_t j = a;
+      for (; j < b && j % kVW; ++j) bmax = std::max(bmax, row[j]);
+      pv vmax = pv_set(kMaskedF);
+      for (; j + kVW <= b; j += kVW) vmax = pv_max(vmax, pv_load(row + j));
+      for (; j < b; ++j) bmax = std::max(bmax, row[j]);
+      bmax = std::max(bmax, pv_hmax(vmax));
+      const float m_new = std::max(mx[m], bmax * sl);  // in log2 units
+      const float al = mx[m] < kMaskedFBelow ? 0.f : std::exp2(mx[m] - m_new);
+      const pv vsl = pv_set(sl), vm = pv_set(m_new);
+      for (int64_t c = 0; c < n; c += kVW) pv_store(row + c, pv_exp2(pv_fms(pv_load(row + c), vsl, vm)));
+      for (int64_t c = 0; c < a; ++c) row[c] = 0.f;
+      for (int64_t c = b; c < n; ++c) row[c] = 0.f;
+      pv vs = pv_zero();
+      for (int64_t c = 0; c < n; c += kVW) vs = pv_add(vs, pv_load(row + c));
+      sum[m] = sum[m] * al + pv_hsum(vs);
+      mx[m] = m_new;
+      alpha[m] = al;
+    }
+    for (int64_t r0 = 0; r0 < M; r0 += kPvRows) {
+      const int64_t nv = D / kVW;
+      int64_t v0 = 0;
+      for (; v0 + 4 <= nv; v0 += 4) f32_pv<4>(sb, vp, alpha, D, r0, v0, c0, n, ob);
+      if (nv - v0 == 3) f32_pv<3>(sb, vp, alpha, D, r0, v0, c0, n, ob);
+      if (nv - v0 == 2) f32_pv<2>(sb, vp, alpha, D, r0, v0, c0, n, ob);
+      if (nv - v0 == 1) f32_pv<1>(sb, vp, alpha, D, r0, v0, c0, n, ob);
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t m = h * kFQ + i;
+      const pv inv = pv_set(sum[m] > 0.f ? 1.f / sum[m] : 0.f);
+      float* dst = out + ((q_start + it.i0 + i) * sh.H + pk.kvh * g + h) * D;
+      for (int64_t d = 0; d < D; d += kVW) pv_store(dst + d, pv_fma(pv_load(ob + m * D + d), inv, pv_zero()));
+    }
+  }
+}
+#endif  // fp32 vectors
+
 }  // namespace
 
 bool prefill_amx_ready() {
@@ -355,17 +641,28 @@ bool prefill_amx_ready() {
 #endif
 }
 
+bool prefill_f32_ready() {
+#ifdef TANDEM_PREFILL_F32
+  return true;
+#else
+  return false;
+#endif
+}
+
 torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                             torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
                             torch::Tensor skip, double scale, int64_t window) {
-  TORCH_CHECK(prefill_amx_ready(), "paged_prefill: this CPU, OS or build has no AMX");
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1 &&
-                  query.stride(1) == query.size(2),
-              "query must be a bf16 [T, H, D] tensor with unit stride over D and heads adjacent");
+  const bool bf16 = query.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || query.scalar_type() == at::kFloat, "paged_prefill: query must be bf16 or fp32, not ",
+              query.scalar_type());
+  TORCH_CHECK(!bf16 || prefill_amx_ready(), "paged_prefill: bf16 needs AMX, which this CPU, OS or build lacks");
+  TORCH_CHECK(bf16 || prefill_f32_ready(), "paged_prefill: fp32 needs an AVX-512 or AVX2 build");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be a [T, H, D] tensor with unit stride over D and heads adjacent");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, "caches must be [blocks, block_size, H_kv, D]");
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "caches need unit stride over D");
-  TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16 && value_cache.scalar_type() == at::kBFloat16,
-              "caches must be bf16 like the query");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
+              "caches must have the query's dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 && block_tables.stride(1) == 1,
               "block_tables: int32 rows");
   TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.is_contiguous() &&
@@ -382,46 +679,92 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
               "head counts or head_dim do not match");
   TORCH_CHECK(D % 32 == 0 && D <= 256, "paged_prefill: head_dim a multiple of 32 up to 256, not ", D);
   auto out = torch::empty({query.size(0), H, D}, query.options());
-#ifdef TANDEM_PREFILL_AMX
-  PfShape sh{H, Hkv, D, H / Hkv, key_cache.size(1), query.stride(0),
-             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-             block_tables.size(1), static_cast<float>(scale), window};
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const uint8_t* skips = skip.numel() ? skip.data_ptr<uint8_t>() : nullptr;
-  std::vector<PfPack> packs;
-  std::vector<PfItem> items;
-  int64_t k_total = 0, v_total = 0;
+  const int64_t block_size = key_cache.size(1), max_blocks = block_tables.size(1);
+  // (sequence, KV head) packs of keys from a 32-aligned first key, and the items reading them: 16 positions each,
+  // heaviest first.
+  struct Pack { int64_t seq, kvh, lo, keys; };
+  struct Item { int64_t pack, i0, work; };
+  std::vector<Pack> packs;
+  std::vector<Item> items;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
     if (q_len <= 0 || (skips != nullptr && skips[s])) continue;
-    TORCH_CHECK(lens[s] >= q_len && (lens[s] + sh.block_size - 1) / sh.block_size <= sh.max_blocks,
+    TORCH_CHECK(lens[s] >= q_len && (lens[s] + block_size - 1) / block_size <= max_blocks,
                 "seq_lens: at least the query rows and within the block table");
     const int64_t ctx = lens[s] - q_len;
     const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window + 1) : 0;
-    const int64_t keys = (lens[s] - lo / kK * kK + kK - 1) / kK * kK;
+    const int64_t keys = (lens[s] - lo / 32 * 32 + 31) / 32 * 32;
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t pack = static_cast<int64_t>(packs.size());
-      packs.push_back({s, h, lo, keys, k_total, v_total});
-      k_total += keys * D / 2;
-      v_total += keys * D;
-      for (int64_t i0 = 0; i0 < q_len; i0 += kQ) {
-        const int64_t last = ctx + std::min(q_len, i0 + kQ) - 1;
+      packs.push_back({s, h, lo, keys});
+      for (int64_t i0 = 0; i0 < q_len; i0 += 16) {
+        const int64_t last = ctx + std::min<int64_t>(q_len, i0 + 16) - 1;
         const int64_t first = window > 0 ? std::max<int64_t>(0, ctx + i0 - window + 1) : 0;
         items.push_back({pack, i0, last - first + 1});
       }
     }
   }
-  std::stable_sort(items.begin(), items.end(), [](const PfItem& a, const PfItem& b) { return a.work > b.work; });
-  const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
-  const auto* kc = reinterpret_cast<const uint16_t*>(key_cache.data_ptr());
-  const auto* vc = reinterpret_cast<const uint16_t*>(value_cache.data_ptr());
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.work > b.work; });
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  std::vector<uint32_t> kbuf(k_total + 16);
-  std::vector<uint16_t> vbuf(v_total + 32);
-  pf_run_all(packs, items, q, kc, vc, tables, starts, lens, sh, align64(kbuf), align64(vbuf), o);
+  if (bf16) {
+#ifdef TANDEM_PREFILL_AMX
+    PfShape sh{H, Hkv, D, H / Hkv, block_size, query.stride(0),
+               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+               value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+               max_blocks, static_cast<float>(scale), window};
+    std::vector<PfPack> pf_packs;
+    std::vector<PfItem> pf_items;
+    int64_t k_total = 0, v_total = 0;
+    for (const Pack& p : packs) {
+      pf_packs.push_back({p.seq, p.kvh, p.lo, p.keys, k_total, v_total});
+      k_total += p.keys * D / 2;
+      v_total += p.keys * D;
+    }
+    for (const Item& it : items) pf_items.push_back({it.pack, it.i0, it.work});
+    std::vector<uint32_t> kbuf(k_total + 16);
+    std::vector<uint16_t> vbuf(v_total + 32);
+    pf_run_all(pf_packs, pf_items, reinterpret_cast<const uint16_t*>(query.data_ptr()),
+               reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
+               reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), tables, starts, lens, sh, align64(kbuf),
+               align64(vbuf), reinterpret_cast<uint16_t*>(out.data_ptr()));
+#endif
+    return out;
+  }
+#ifdef TANDEM_PREFILL_F32
+  F32Shape sh{H, Hkv, D, H / Hkv, block_size, query.stride(0),
+              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+              value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+              max_blocks, static_cast<float>(scale), window};
+  std::vector<F32Pack> f_packs;
+  int64_t total = 0;
+  for (const Pack& p : packs) {
+    f_packs.push_back({p.seq, p.kvh, p.lo, p.keys, total});
+    total += p.keys * D;
+  }
+  std::vector<float> kbuf(total), vbuf(total);
+  const float* q = query.data_ptr<float>();
+  const float* kc = key_cache.data_ptr<float>();
+  const float* vc = value_cache.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t n_packs = static_cast<int64_t>(f_packs.size()), n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, n_packs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) f32_pack(f_packs[i], kc, vc, tables, lens, sh, kbuf.data(), vbuf.data());
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    F32Scratch sc;
+    sc.size(sh.g * kFQ, D);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+        const F32Item it{items[i].pack, items[i].i0, items[i].work};
+        f32_run_item(it, f_packs[it.pack], q, starts, lens, sh, kbuf.data(), vbuf.data(), o, sc);
+      }
+    }
+  });
 #endif
   return out;
 }

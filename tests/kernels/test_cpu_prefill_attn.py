@@ -1,5 +1,6 @@
-"""The AMX prefill / extend attention kernel (common/kernels/cpu/cpu_prefill_attn.cpp) against the float64 oracle,
-and the torch backend's use of it for bf16 steps. Skipped where the CPU, the OS or the build has no AMX."""
+"""The compiled prefill / extend attention kernel (common/kernels/cpu/cpu_prefill_attn.cpp) against the float64 oracle,
+and the torch backend's use of it: bf16 in AMX tiles (skipped where the CPU, the OS or the build has no AMX), fp32 in
+FMA vectors (on this CPU's widest build and the next: AVX-512 and AVX2 on an AVX-512 machine)."""
 
 from __future__ import annotations
 
@@ -9,23 +10,35 @@ from typing import Any
 import pytest
 import torch
 
+from common.attention import torch_backend
 from common.attention.metadata import AttentionMetadata
 from common.attention.torch_backend import TorchAttentionBackend, paged_extend_attention, reference_paged_attention
-from common.kernels.cpu import paged_decode_kernel
+from common.kernels.cpu import _DECODE, paged_decode_kernel
+from common.kernels.isa import ISA_FLAGS, runnable_isas
 from common.kv.kv_cache import KVCache, KVCacheSpec
 
 _module: ModuleType | None = paged_decode_kernel()
-pytestmark = pytest.mark.skipif(_module is None or not _module.prefill_amx_ready(),
-                                reason="no AMX here (or the compiled attention module does not build)")
-kernel: Any = _module
+AMX = _module is not None and bool(_module.prefill_amx_ready())
 NO_SKIP = torch.empty(0, dtype=torch.uint8)
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# (dtype, build): bf16 on the widest build where AMX runs; fp32 on the two widest vector builds.
+KERNELS = [pytest.param(torch.bfloat16, None, marks=pytest.mark.skipif(not AMX, reason="no AMX here")),
+           *(pytest.param(torch.float32, isa, id=f"float32-{isa}") for isa in runnable_isas()[:2] if isa != "generic")]
+
+
+def _kernel(isa: str | None) -> Any:
+    module = _module if isa is None else _DECODE.get(isa, ISA_FLAGS[isa])
+    if module is None:
+        pytest.skip("the compiled attention module does not build here")
+    return module
 
 
 def _batch(query_lens: list[int], context_lens: list[int], heads: int, kv_heads: int, dim: int, bs: int = 16,
-           seed: int = 0) -> tuple[KVCache, AttentionMetadata, torch.Tensor, torch.Generator]:
+           seed: int = 0, dtype: torch.dtype = torch.bfloat16
+           ) -> tuple[KVCache, AttentionMetadata, torch.Tensor, torch.Generator]:
     g = torch.Generator().manual_seed(seed)
     blocks = sum(-(-(q + c) // bs) for q, c in zip(query_lens, context_lens, strict=True)) + 3
-    cache = KVCache(KVCacheSpec(2, kv_heads, dim, bs, "bfloat16"), num_blocks=blocks)
+    cache = KVCache(KVCacheSpec(2, kv_heads, dim, bs, DTYPE_NAMES[dtype]), num_blocks=blocks)
     cache.data.copy_(torch.randn(cache.data.shape, generator=g))
     perm = torch.randperm(blocks, generator=g).tolist()  # shuffled, non-contiguous tables
     tables, used = [], 0
@@ -34,7 +47,7 @@ def _batch(query_lens: list[int], context_lens: list[int], heads: int, kv_heads:
         tables.append(perm[used : used + n])
         used += n
     meta = AttentionMetadata.build(query_lens, context_lens, tables, bs)
-    query = torch.randn(sum(query_lens), heads, dim, generator=g).bfloat16()
+    query = torch.randn(sum(query_lens), heads, dim, generator=g).to(dtype)
     return cache, meta, query, g
 
 
@@ -44,30 +57,37 @@ def _oracle(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale:
     return reference_paged_attention(query.double(), k.double(), v.double(), meta, scale, window).float()
 
 
+@pytest.mark.parametrize(("dtype", "isa"), KERNELS)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (8, 1, 32), (16, 2, 256)])
 @pytest.mark.parametrize(("query_lens", "context_lens"), [
     ([384], [0]),  # a whole prompt
     ([5, 17, 40, 1], [0, 30, 100, 7]),  # chunks over cached prefixes, lengths off the 16-row blocks
     ([600], [100]),  # more keys than one 512-key softmax chunk: the online rescale between chunks
 ])
-def test_kernel_matches_the_oracle(heads: int, kv_heads: int, dim: int, query_lens: list[int],
-                                   context_lens: list[int]) -> None:
-    cache, meta, query, _ = _batch(query_lens, context_lens, heads, kv_heads, dim)
+def test_kernel_matches_the_oracle(dtype: torch.dtype, isa: str | None, heads: int, kv_heads: int, dim: int,
+                                   query_lens: list[int], context_lens: list[int]) -> None:
+    kernel = _kernel(isa)
+    cache, meta, query, _ = _batch(query_lens, context_lens, heads, kv_heads, dim, dtype=dtype)
     scale = dim**-0.5
     got = kernel.paged_prefill(query, *cache.layer(1), meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                NO_SKIP, scale, 0)
     want = _oracle(query, cache, meta, scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        return
     # bf16 probabilities and output: within what PyTorch's own bf16 attention makes of the same inputs
     torch_bf16 = paged_extend_attention(query, *cache.layer(1), meta, scale).float()
     err, torch_err = (got.float() - want).abs().max().item(), (torch_bf16 - want).abs().max().item()
     assert err <= max(2 * torch_err, 1e-2), (err, torch_err)
 
 
-def test_sliding_window_never_reads_freed_blocks() -> None:
+@pytest.mark.parametrize(("dtype", "isa"), KERNELS)
+def test_sliding_window_never_reads_freed_blocks(dtype: torch.dtype, isa: str | None) -> None:
     # Blocks wholly before every row's window are freed early (their table entries point at block 0, whose
     # bytes are another sequence's or garbage): here they hold NaN, which must not reach any output.
     query_lens, context_lens, window, bs = [40, 3], [200, 0], 50, 16
-    cache, meta, query, _ = _batch(query_lens, context_lens, 6, 2, 64, bs=bs, seed=3)
+    kernel = _kernel(isa)
+    cache, meta, query, _ = _batch(query_lens, context_lens, 6, 2, 64, bs=bs, seed=3, dtype=dtype)
     k, v = cache.layer(1)
     assert meta.block_tables is not None
     tables = meta.block_tables.clone()
@@ -80,11 +100,14 @@ def test_sliding_window_never_reads_freed_blocks() -> None:
     assert not got.isnan().any()
     want = reference_paged_attention(query.double(), torch.nan_to_num(k.double()), torch.nan_to_num(v.double()),
                                      meta, scale, window).float()
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
-def test_skipped_sequences_are_left_to_the_caller() -> None:
-    cache, meta, query, _ = _batch([20, 1, 33], [5, 40, 0], 9, 3, 64)
+@pytest.mark.parametrize(("dtype", "isa"), KERNELS)
+def test_skipped_sequences_are_left_to_the_caller(dtype: torch.dtype, isa: str | None) -> None:
+    kernel = _kernel(isa)
+    cache, meta, query, _ = _batch([20, 1, 33], [5, 40, 0], 9, 3, 64, dtype=dtype)
     skip = torch.tensor([0, 1, 0], dtype=torch.uint8)
     got = kernel.paged_prefill(query, *cache.layer(1), meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                skip, 0.125, 0)
@@ -94,26 +117,38 @@ def test_skipped_sequences_are_left_to_the_caller() -> None:
     assert torch.equal(got[rows], full[rows])  # the others' rows do not depend on the skipped sequence
 
 
-def test_bad_shapes_are_refused_with_the_field_named() -> None:
-    cache, meta, query, _ = _batch([8], [0], 2, 1, 48)  # head_dim 48: not a multiple of 32
+@pytest.mark.parametrize(("dtype", "isa"), KERNELS)
+def test_bad_shapes_are_refused_with_the_field_named(dtype: torch.dtype, isa: str | None) -> None:
+    kernel = _kernel(isa)
+    cache, meta, query, _ = _batch([8], [0], 2, 1, 48, dtype=dtype)  # head_dim 48: not a multiple of 32
     with pytest.raises(RuntimeError, match="head_dim a multiple of 32"):
         kernel.paged_prefill(query, *cache.layer(1), meta.block_tables, meta.query_start_loc, meta.seq_lens,
                              NO_SKIP, 0.125, 0)
-    cache, meta, query, _ = _batch([8], [0], 2, 1, 64)
+    cache, meta, query, _ = _batch([8], [0], 2, 1, 64, dtype=dtype)
     with pytest.raises(RuntimeError, match="query_start_loc and seq_lens"):
         kernel.paged_prefill(query, *cache.layer(1), meta.block_tables, meta.query_start_loc.long(),
                              meta.seq_lens, NO_SKIP, 0.125, 0)
+    with pytest.raises(RuntimeError, match="caches must have the query's dtype"):
+        kernel.paged_prefill(query, *(c.half() for c in cache.layer(1)), meta.block_tables, meta.query_start_loc,
+                             meta.seq_lens, NO_SKIP, 0.125, 0)
 
 
-def test_the_backend_runs_bf16_prefill_and_extend_steps_through_the_kernel() -> None:
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not AMX, reason="no AMX")),
+                                   torch.float32])
+def test_the_backend_runs_prefill_and_extend_steps_through_the_kernel(dtype: torch.dtype,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = _kernel(None)
+    if dtype == torch.float32 and not kernel.prefill_f32_ready():
+        pytest.skip("a build without AVX-512 / AVX2")
+    monkeypatch.setattr(torch_backend, "_F32_PREFILL_PAYS", {(9, 3, 64): True})  # as if it won its race here
     # A step of a whole prompt, a chunk over a prefix and decode rows, on a strided view of a qkv output (as
-    # the layer passes it): the backend's bf16 result is the kernel's for the long rows and the decode
-    # kernel's for the one-token rows; fp32 and softcapped calls keep PyTorch's path.
+    # the layer passes it): the backend's result is the kernel's for the long rows and the decode kernel's for
+    # the one-token rows; softcapped calls and fp16 keep PyTorch's path.
     heads, kv_heads, dim = 9, 3, 64
     query_lens, context_lens = [70, 1, 45, 1], [0, 30, 60, 12]
-    cache, meta, _, g = _batch(query_lens, context_lens, heads, kv_heads, dim, seed=5)
+    cache, meta, _, g = _batch(query_lens, context_lens, heads, kv_heads, dim, seed=5, dtype=dtype)
     n = sum(query_lens)
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     q = qkv[:, : heads * dim].view(n, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(n, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim)
@@ -125,10 +160,27 @@ def test_the_backend_runs_bf16_prefill_and_extend_steps_through_the_kernel() -> 
                                   torch.tensor([0, 1, 0, 1], dtype=torch.uint8), 0.125, 0)
     assert torch.equal(out[long_rows], direct[long_rows])
     want = _oracle(q, cache, meta, 0.125)
-    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
     prefill_meta = AttentionMetadata.build([70], [0], [meta.block_tables[0].tolist()], 16)
     whole = backend.forward(q[:70], k[:70], v[:70], cache.layer(1), prefill_meta.kv_written, 0.125)
     assert torch.equal(whole, direct[:70])  # prefill-only steps read the cache through the kernel too
-    f32 = TorchAttentionBackend()._prefill_kernel(q.float(), cache.layer(1), meta, None)
+    k16, v16 = (c.half() for c in cache.layer(1))
+    half = TorchAttentionBackend()._prefill_kernel(q.half(), (k16, v16), meta, None)
     capped = TorchAttentionBackend()._prefill_kernel(q, cache.layer(1), meta, 30.0)
-    assert f32 is None and capped is None
+    assert half is None and capped is None
+    monkeypatch.setattr(torch_backend, "_F32_PREFILL_PAYS", {(9, 3, 64): False})  # lost its race: SDPA serves
+    assert TorchAttentionBackend()._prefill_kernel(q.float(), cache.layer(1), meta, None) is None
+
+
+def test_the_fp32_kernel_races_sdpa_once_per_head_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = _kernel(None)
+    if not kernel.prefill_f32_ready():
+        pytest.skip("a build without AVX-512 / AVX2")
+    decided: dict[tuple[int, int, int], bool] = {}
+    monkeypatch.setattr(torch_backend, "_F32_PREFILL_PAYS", decided)
+    cache, meta, query, _ = _batch([40], [0], 4, 2, 32, dtype=torch.float32)
+    chosen = TorchAttentionBackend()._prefill_kernel(query, cache.layer(1), meta, None)
+    assert list(decided) == [(4, 2, 32)] and (chosen is kernel) == decided[(4, 2, 32)]
+    decided[(4, 2, 32)] = not decided[(4, 2, 32)]  # decided once: the next call reads the record
+    assert (TorchAttentionBackend()._prefill_kernel(query, cache.layer(1), meta, None) is kernel) == decided[(4, 2, 32)]
