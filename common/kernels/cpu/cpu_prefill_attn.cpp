@@ -49,59 +49,16 @@
 
 namespace {
 
-constexpr float kMaskedF = -3e38f;  // finite (the module builds with -ffast-math)
-constexpr float kMaskedFBelow = -1e37f;
-
-#ifdef TANDEM_PREFILL_AMX
-
-bool pf_amx_ready() {
-  static const bool ready = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;  // CPUID.(7,0):EDX AMX-TILE, AMX-BF16
-    if (!tile || !bf16) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
-
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512bf16")
-
-constexpr int64_t kQ = 16;   // query positions per item
-constexpr int64_t kK = 32;   // keys per PV step (one A tile of P)
-constexpr int64_t kChunk = 512;  // keys a softmax pass covers (scores [M, 512] fp32 in L2)
-
-struct alignas(64) PfTileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// A masked score and the running max before any visible key: finite (the module builds with -ffast-math,
-// which assumes no infinities), far below any score.
+constexpr int64_t kQ = 16;        // query positions per item
+constexpr int64_t kStep = 32;     // key granularity: one A tile of P (bf16); 2 AVX-512 / 4 AVX2 vectors (fp32)
+constexpr int64_t kChunk = 512;   // keys a softmax pass covers (scores [M, 512] fp32 in L2)
+// A masked score and the running max before any visible key: finite (the module builds with -ffast-math, which
+// assumes no infinities), far below any score.
 constexpr float kMasked = -3e38f;
 constexpr float kMaskedBelow = -1e37f;
 constexpr float kLog2e = 1.44269504088896341f;
 
-// 2^t over 16 lanes: 2^round(t) by vscalefps (which also takes a masked score's huge negative t to 0) times a
-// degree-5 polynomial of 2^f, |f| <= 1/2 (relative error ~2e-6, far below the bf16 rounding P takes next).
-inline __m512 pf_exp2(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-struct PfShape {
+struct Shape {
   int64_t H, Hkv, D, g, block_size;
   int64_t q_row_stride;  // elements between query rows (a view of the qkv projection's output)
   int64_t k_block_stride, k_row_stride, k_head_stride;  // elements
@@ -111,36 +68,51 @@ struct PfShape {
   int64_t window;  // 0: the whole sequence
 };
 
-// One (sequence, KV head)'s keys [lo, seq_len), repacked once for every query block that reads them:
-// K as [16-key group][D/2 pairs][16 keys] uint32 (B of S = Q K^T), V as [32-key block][D/16][16 key
-// pairs][16 dims x 2] bf16 (B of P V). Keys from lo / 32 * 32 (aligned), zero below lo and past seq_len.
-struct PfPack {
-  int64_t seq, kvh, lo, keys;  // keys: packed count, a multiple of 32
-  int64_t k_off, v_off;        // into the shared buffers (elements)
+// One (sequence, KV head)'s keys [lo, seq_len), repacked once for every query block that reads them, from
+// lo / 32 * 32 (zero below lo and past seq_len); keys: the packed count, a multiple of 32. Offsets into the
+// shared K and V buffers, in elements.
+struct Pack {
+  int64_t seq, kvh, lo, keys;
+  int64_t k_off, v_off;
 };
 
-struct PfItem {
+// 16 query positions from i0 of a pack's sequence; work: the keys they read (the heaviest go first).
+struct Item {
   int64_t pack, i0, work;
 };
 
-// Per-thread scratch (64-byte aligned through align64).
-struct PfScratch {
-  std::vector<uint16_t> q;  // [M, D] bf16 query rows (row m = head-in-group * 16 + position)
-  std::vector<float> s;     // [M, kChunk] scores of one key chunk
-  std::vector<uint16_t> p;  // [M, kChunk] bf16 probabilities
-  std::vector<float> o;     // [M, D] running output
-  std::vector<float> tile;  // [4][16, 16] PV tiles
-  std::vector<float> mx, sum;
-  void size(int64_t M, int64_t D) {
-    q.assign(M * D + 32, 0);
-    s.assign(M * kChunk + 16, 0.f);
-    p.assign(M * kChunk + 32, 0);
-    o.assign(M * D + 16, 0.f);
-    tile.assign(4 * 256 + 16, 0.f);
-    mx.assign(M, 0.f);
-    sum.assign(M, 0.f);
+// Where an item's rows sit: its sequence's first row, its rows' count, the context before them, the pack's
+// first key, its first and last rows' positions and the first key any of them reads.
+struct ItemRows {
+  int64_t q_start, nq, ctx, first, first_pos, last_pos, lo;
+  ItemRows(const Item& it, const Pack& pk, const int32_t* starts, const int32_t* lens, int64_t window) {
+    q_start = starts[pk.seq];
+    const int64_t q_len = starts[pk.seq + 1] - q_start;
+    ctx = lens[pk.seq] - q_len;
+    nq = std::min<int64_t>(kQ, q_len - it.i0);
+    first = pk.lo / kStep * kStep;
+    first_pos = ctx + it.i0;
+    last_pos = first_pos + nq - 1;
+    lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   }
 };
+
+// The item's query rows, head-major (row m = head-in-group * 16 + position), padding rows zero.
+template <typename T>
+void gather_rows(T* qb, const T* query, const Shape& sh, const Item& it, const Pack& pk, int64_t q_start,
+                 int64_t nq) {
+  for (int64_t h = 0; h < sh.g; ++h) {
+    for (int64_t i = 0; i < kQ; ++i) {
+      T* dst = qb + (h * kQ + i) * sh.D;
+      if (i < nq) {
+        std::memcpy(dst, query + (q_start + it.i0 + i) * sh.q_row_stride + (pk.kvh * sh.g + h) * sh.D,
+                    sh.D * sizeof(T));
+      } else {
+        std::memset(dst, 0, sh.D * sizeof(T));
+      }
+    }
+  }
+}
 
 template <typename T>
 T* align64(std::vector<T>& v) {
@@ -148,220 +120,7 @@ T* align64(std::vector<T>& v) {
   return reinterpret_cast<T*>((p + 63) & ~uintptr_t(63));
 }
 
-void pf_pack(const PfPack& pk, const uint16_t* kc, const uint16_t* vc, const int32_t* tables, const int32_t* lens,
-             const PfShape& sh, uint32_t* kbuf, uint16_t* vbuf) {
-  const int64_t D = sh.D, first = pk.lo / kK * kK, seq_len = lens[pk.seq];
-  const int32_t* table = tables + pk.seq * sh.max_blocks;
-  uint32_t* kp = kbuf + pk.k_off;
-  uint16_t* vp = vbuf + pk.v_off;
-  for (int64_t j = 0; j < pk.keys; ++j) {
-    const int64_t key = first + j;
-    uint32_t* kg = kp + (j / 16) * (D / 2) * 16 + (j % 16);
-    uint16_t* vt = vp + (j / kK) * D * kK + ((j % kK) / 2) * kK + (j % 2);
-    if (key < pk.lo || key >= seq_len) {
-      for (int64_t r = 0; r < D / 2; ++r) kg[r * 16] = 0u;
-      for (int64_t d = 0; d < D; ++d) vt[(d / 16) * 16 * kK + (d % 16) * 2] = 0;
-      continue;
-    }
-    const int64_t blk = table[key / sh.block_size], off = key % sh.block_size;
-    const auto* k32 = reinterpret_cast<const uint32_t*>(kc + blk * sh.k_block_stride + off * sh.k_row_stride +
-                                                        pk.kvh * sh.k_head_stride);
-    const uint16_t* vrow = vc + blk * sh.v_block_stride + off * sh.v_row_stride + pk.kvh * sh.v_head_stride;
-    for (int64_t r = 0; r < D / 2; ++r) kg[r * 16] = k32[r];
-    for (int64_t d = 0; d < D; ++d) vt[(d / 16) * 16 * kK + (d % 16) * 2] = vrow[d];
-  }
-}
-
-// Scores of rows [rg * 16, +16) over keys [c0, c0 + n) of the pack (n a multiple of 32), into s (row stride kChunk).
-inline void pf_scores(const uint16_t* qb, const uint32_t* kp, int64_t D, int64_t rg, int64_t c0, int64_t n, float* s) {
-  for (int64_t j = 0; j < n; j += 32) {
-    const uint32_t* k0 = kp + ((c0 + j) / 16) * (D / 2) * 16;
-    const uint32_t* k1 = k0 + (D / 2) * 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t c = 0; c < D / 32; ++c) {
-      _tile_loadd(2, qb + rg * 16 * D + c * 32, D * 2);
-      _tile_loadd(3, k0 + c * 256, 64);
-      _tile_loadd(4, k1 + c * 256, 64);
-      _tile_dpbf16ps(0, 2, 3);
-      _tile_dpbf16ps(1, 2, 4);
-    }
-    _tile_stored(0, s + rg * 16 * kChunk + j, kChunk * 4);
-    _tile_stored(1, s + rg * 16 * kChunk + j + 16, kChunk * 4);
-  }
-}
-
-void pf_run_item(const PfItem& it, const PfPack& pk, const uint16_t* query, const int32_t* starts,
-                 const int32_t* lens, const PfShape& sh, const uint32_t* kbuf, const uint16_t* vbuf, uint16_t* out,
-                 PfScratch& sc) {
-  const int64_t D = sh.D, g = sh.g, M = g * kQ;
-  const int64_t q_start = starts[pk.seq], q_len = starts[pk.seq + 1] - q_start;
-  const int64_t ctx = lens[pk.seq] - q_len;
-  const int64_t nq = std::min<int64_t>(kQ, q_len - it.i0);
-  const int64_t first = pk.lo / kK * kK;  // the pack's first key
-  const uint32_t* kp = kbuf + pk.k_off;
-  const uint16_t* vp = vbuf + pk.v_off;
-  uint16_t* qb = align64(sc.q);
-  float* sb = align64(sc.s);
-  uint16_t* pb = align64(sc.p);
-  float* ob = align64(sc.o);
-  float* tb = align64(sc.tile);
-  float* mx = sc.mx.data();
-  float* sum = sc.sum.data();
-  for (int64_t h = 0; h < g; ++h) {
-    for (int64_t i = 0; i < kQ; ++i) {
-      uint16_t* dst = qb + (h * kQ + i) * D;
-      if (i < nq) {
-        std::memcpy(dst, query + (q_start + it.i0 + i) * sh.q_row_stride + (pk.kvh * g + h) * D, D * 2);
-      } else {
-        std::memset(dst, 0, D * 2);
-      }
-    }
-  }
-  std::fill(ob, ob + M * D, 0.f);
-  std::fill(mx, mx + M, kMasked);
-  std::fill(sum, sum + M, 0.f);
-  const int64_t first_pos = ctx + it.i0, last_pos = ctx + it.i0 + nq - 1;
-  const int64_t lo = sh.window > 0 ? std::max<int64_t>(0, first_pos - sh.window + 1) : 0;
-  const __m512 vscale2 = _mm512_set1_ps(sh.scale * kLog2e);
-  // Key chunks (pack-relative, multiples of 32) from the item's first key through its last row's position.
-  for (int64_t c0 = (lo - first) / kK * kK; c0 <= last_pos - first; c0 += kChunk) {
-    const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kK * kK + kK);
-    for (int64_t rg = 0; rg < M / 16; ++rg) pf_scores(qb, kp, D, rg, c0, n, sb);
-    // Softmax over the chunk, row by row: visible keys [rlo, pos], the rest 0 in P.
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t i = m % kQ;
-      float* srow = sb + m * kChunk;
-      uint16_t* prow = pb + m * kChunk;
-      const int64_t pos = ctx + it.i0 + i;
-      const int64_t rlo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1) : 0;
-      // visible columns of this chunk: [a, b)
-      const int64_t a = std::clamp<int64_t>(rlo - first - c0, 0, n);
-      const int64_t b = i < nq ? std::clamp<int64_t>(pos - first - c0 + 1, 0, n) : 0;
-      if (a >= b) {
-        std::memset(prow, 0, n * 2);
-        srow[0] = 1.f;  // alpha: nothing new
-        continue;
-      }
-      __m512 vmax = _mm512_set1_ps(kMasked);
-      for (int64_t j = a; j < b; j += 16) {
-        const __mmask16 k = static_cast<__mmask16>(b - j >= 16 ? 0xFFFF : (1u << (b - j)) - 1);
-        vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, srow + j));
-      }
-      const float m_new = std::max(mx[m], _mm512_reduce_max_ps(vmax) * sh.scale);
-      const float alpha = mx[m] < kMaskedBelow ? 0.f : std::exp(mx[m] - m_new);
-      const __m512 vm = _mm512_set1_ps(m_new * kLog2e);  // exp(s * scale - m) = 2^(s * scale * log2e - m * log2e)
-      __m512 vsum = _mm512_setzero_ps();
-      const int64_t a16 = a / 16 * 16;
-      for (int64_t j = 0; j < a16; j += 16) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
-      }
-      for (int64_t j = a16; j < n; j += 16) {
-        __mmask16 k = 0xFFFF;
-        if (j < a) k &= static_cast<__mmask16>(~((1u << (a - j)) - 1));
-        if (j + 16 > b) k &= static_cast<__mmask16>(b > j ? (1u << (b - j)) - 1 : 0);
-        const __m512 e = _mm512_maskz_mov_ps(k, pf_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), vscale2, vm)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-        vsum = _mm512_add_ps(vsum, e);
-      }
-      sum[m] = sum[m] * alpha + _mm512_reduce_add_ps(vsum);
-      mx[m] = m_new;
-      srow[0] = alpha;  // the row's scores are spent: its first slot carries alpha to the PV pass
-    }
-    // O = O * alpha + P V over the chunk, 16 rows and up to 64 dims a pass, the chunk's keys in the tiles.
-    for (int64_t rg = 0; rg < M / 16; ++rg) {
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        const int64_t nt = std::min<int64_t>(4, (D - d0) / 16);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t j = 0; j < n; j += kK) {
-          const uint16_t* vblk = vp + ((c0 + j) / kK) * D * kK + (d0 / 16) * 16 * kK;
-          _tile_loadd(4, pb + rg * 16 * kChunk + j, kChunk * 2);
-          _tile_loadd(5, vblk, kK * 2);
-          _tile_dpbf16ps(0, 4, 5);
-          if (nt > 1) {
-            _tile_loadd(6, vblk + 16 * kK, kK * 2);
-            _tile_dpbf16ps(1, 4, 6);
-          }
-          if (nt > 2) {
-            _tile_loadd(7, vblk + 2 * 16 * kK, kK * 2);
-            _tile_dpbf16ps(2, 4, 7);
-          }
-          if (nt > 3) {
-            _tile_loadd(5, vblk + 3 * 16 * kK, kK * 2);
-            _tile_dpbf16ps(3, 4, 5);
-          }
-        }
-        _tile_stored(0, tb, 64);
-        if (nt > 1) _tile_stored(1, tb + 256, 64);
-        if (nt > 2) _tile_stored(2, tb + 512, 64);
-        if (nt > 3) _tile_stored(3, tb + 768, 64);
-        for (int64_t r = 0; r < 16; ++r) {
-          const int64_t m = rg * 16 + r;
-          const __m512 va = _mm512_set1_ps(sb[m * kChunk]);
-          for (int64_t t = 0; t < nt; ++t) {
-            float* orow = ob + m * D + d0 + t * 16;
-            _mm512_storeu_ps(orow, _mm512_fmadd_ps(_mm512_loadu_ps(orow), va, _mm512_load_ps(tb + t * 256 + r * 16)));
-          }
-        }
-      }
-    }
-  }
-  for (int64_t h = 0; h < g; ++h) {
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t m = h * kQ + i;
-      const __m512 vinv = _mm512_set1_ps(sum[m] > 0.f ? 1.f / sum[m] : 0.f);
-      uint16_t* dst = out + ((q_start + it.i0 + i) * sh.H + pk.kvh * g + h) * D;
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m256bh bh = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ob + m * D + d), vinv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(bh));
-      }
-    }
-  }
-}
-
-void pf_run_all(const std::vector<PfPack>& packs, const std::vector<PfItem>& items, const uint16_t* q,
-                const uint16_t* kc, const uint16_t* vc, const int32_t* tables, const int32_t* starts,
-                const int32_t* lens, const PfShape& sh, uint32_t* kbuf, uint16_t* vbuf, uint16_t* o) {
-  const int64_t n_packs = static_cast<int64_t>(packs.size()), n_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, n_packs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) pf_pack(packs[i], kc, vc, tables, lens, sh, kbuf, vbuf);
-  });
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    PfTileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-    PfScratch sc;
-    sc.size(sh.g * kQ, sh.D);
-    for (int64_t w = begin; w < end; ++w) {
-      for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-        pf_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf, vbuf, o, sc);
-      }
-    }
-    _tile_release();
-  });
-}
-
-#pragma GCC pop_options
-
-#endif  // TANDEM_PREFILL_AMX
-
-
-// ---- fp32: the same items, packs and chunks in AVX-512 / AVX2 FMA registers ----
-//
-// PyTorch's flash SDPA ran fp32 prefill attention at 56-73 GFLOP/s on two Xeon cores (session 30). Here per item
-// (sequence, KV head, 16 query positions; the GQA group's heads stacked as rows) and per chunk of up to 512 keys:
-// S = Q K^T from 4 rows x 2 vectors of keys in registers (K packed transposed per vector of keys, so each Q
-// element is broadcast once per key vector pair), a two-pass softmax over the chunk, O = O * alpha + P V from
-// 4 rows (2 on AVX2) x up to 4 vectors of dims in registers (V packed as plain rows). head_dim a multiple of
-// 16 up to 256.
+// fp32 vectors for both kernels' softmax and the fp32 kernel's products: AVX-512 (16 lanes) or AVX2 (8).
 #if defined(__AVX512F__) || defined(__AVX2__)
 #define TANDEM_PREFILL_F32 1
 #if defined(__AVX512F__)
@@ -428,37 +187,265 @@ inline pv pv_exp2(pv t) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
+#endif  // fp32 vectors
 
-constexpr int64_t kFQ = 16;       // query positions per item
-constexpr int64_t kFStep = 32;    // key granularity (2 AVX-512 vectors, 4 AVX2 ones)
-constexpr int64_t kFChunk = 512;  // keys a softmax pass covers
-constexpr float kFLog2e = 1.44269504088896341f;
+#ifdef TANDEM_PREFILL_AMX
 
-struct F32Shape {
-  int64_t H, Hkv, D, g, block_size, q_row_stride;
-  int64_t k_block_stride, k_row_stride, k_head_stride;
-  int64_t v_block_stride, v_row_stride, v_head_stride;
-  int64_t max_blocks;
-  float scale;
-  int64_t window;
+// cpu_amx.cpp's amx_ready(), for this module (the attention module is compiled apart from the linears').
+bool pf_amx_ready() {
+  static const bool ready = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;  // CPUID.(7,0):EDX AMX-TILE, AMX-BF16
+    if (!tile || !bf16) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512bf16")
+
+
+struct alignas(64) PfTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
 };
 
-struct F32Pack {
-  int64_t seq, kvh, lo, keys;  // keys from lo / 32 * 32, a multiple of 32
-  int64_t off;                 // into the K and V buffers (elements; keys * D each)
+struct PfScratch {
+  std::vector<uint16_t> q;  // [M, D] bf16 query rows (row m = head-in-group * 16 + position)
+  std::vector<float> s;     // [M, kChunk] scores of one key chunk
+  std::vector<uint16_t> p;  // [M, kChunk] bf16 probabilities
+  std::vector<float> o;     // [M, D] running output
+  std::vector<float> tile;  // [4][16, 16] PV tiles
+  std::vector<float> mx, sum;
+  void size(int64_t M, int64_t D) {
+    q.assign(M * D + 32, 0);
+    s.assign(M * kChunk + 16, 0.f);
+    p.assign(M * kChunk + 32, 0);
+    o.assign(M * D + 16, 0.f);
+    tile.assign(4 * 256 + 16, 0.f);
+    mx.assign(M, 0.f);
+    sum.assign(M, 0.f);
+  }
 };
 
-struct F32Item {
-  int64_t pack, i0, work;
-};
+void pf_pack(const Pack& pk, const uint16_t* kc, const uint16_t* vc, const int32_t* tables, const int32_t* lens,
+             const Shape& sh, uint32_t* kbuf, uint16_t* vbuf) {
+  const int64_t D = sh.D, first = pk.lo / kStep * kStep, seq_len = lens[pk.seq];
+  const int32_t* table = tables + pk.seq * sh.max_blocks;
+  uint32_t* kp = kbuf + pk.k_off;
+  uint16_t* vp = vbuf + pk.v_off;
+  for (int64_t j = 0; j < pk.keys; ++j) {
+    const int64_t key = first + j;
+    uint32_t* kg = kp + (j / 16) * (D / 2) * 16 + (j % 16);
+    uint16_t* vt = vp + (j / kStep) * D * kStep + ((j % kStep) / 2) * kStep + (j % 2);
+    if (key < pk.lo || key >= seq_len) {
+      for (int64_t r = 0; r < D / 2; ++r) kg[r * 16] = 0u;
+      for (int64_t d = 0; d < D; ++d) vt[(d / 16) * 16 * kStep + (d % 16) * 2] = 0;
+      continue;
+    }
+    const int64_t blk = table[key / sh.block_size], off = key % sh.block_size;
+    const auto* k32 = reinterpret_cast<const uint32_t*>(kc + blk * sh.k_block_stride + off * sh.k_row_stride +
+                                                        pk.kvh * sh.k_head_stride);
+    const uint16_t* vrow = vc + blk * sh.v_block_stride + off * sh.v_row_stride + pk.kvh * sh.v_head_stride;
+    for (int64_t r = 0; r < D / 2; ++r) kg[r * 16] = k32[r];
+    for (int64_t d = 0; d < D; ++d) vt[(d / 16) * 16 * kStep + (d % 16) * 2] = vrow[d];
+  }
+}
+
+// Scores of rows [rg * 16, +16) over keys [c0, c0 + n) of the pack (n a multiple of 32), into s (row stride kChunk).
+inline void pf_scores(const uint16_t* qb, const uint32_t* kp, int64_t D, int64_t rg, int64_t c0, int64_t n, float* s) {
+  for (int64_t j = 0; j < n; j += 32) {
+    const uint32_t* k0 = kp + ((c0 + j) / 16) * (D / 2) * 16;
+    const uint32_t* k1 = k0 + (D / 2) * 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < D / 32; ++c) {
+      _tile_loadd(2, qb + rg * 16 * D + c * 32, D * 2);
+      _tile_loadd(3, k0 + c * 256, 64);
+      _tile_loadd(4, k1 + c * 256, 64);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, s + rg * 16 * kChunk + j, kChunk * 4);
+    _tile_stored(1, s + rg * 16 * kChunk + j + 16, kChunk * 4);
+  }
+}
+
+void pf_run_item(const Item& it, const Pack& pk, const uint16_t* query, const int32_t* starts,
+                 const int32_t* lens, const Shape& sh, const uint32_t* kbuf, const uint16_t* vbuf, uint16_t* out,
+                 PfScratch& sc) {
+  const int64_t D = sh.D, g = sh.g, M = g * kQ;
+  const ItemRows rows(it, pk, starts, lens, sh.window);
+  const int64_t q_start = rows.q_start, nq = rows.nq, ctx = rows.ctx, first = rows.first;
+  const int64_t last_pos = rows.last_pos, lo = rows.lo;
+  const uint32_t* kp = kbuf + pk.k_off;
+  const uint16_t* vp = vbuf + pk.v_off;
+  uint16_t* qb = align64(sc.q);
+  float* sb = align64(sc.s);
+  uint16_t* pb = align64(sc.p);
+  float* ob = align64(sc.o);
+  float* tb = align64(sc.tile);
+  float* mx = sc.mx.data();
+  float* sum = sc.sum.data();
+  gather_rows(qb, query, sh, it, pk, q_start, nq);
+  std::fill(ob, ob + M * D, 0.f);
+  std::fill(mx, mx + M, kMasked);
+  std::fill(sum, sum + M, 0.f);
+  const __m512 vscale2 = _mm512_set1_ps(sh.scale * kLog2e);
+  // Key chunks (pack-relative, multiples of 32) from the item's first key through its last row's position.
+  for (int64_t c0 = (lo - first) / kStep * kStep; c0 <= last_pos - first; c0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kStep * kStep + kStep);
+    for (int64_t rg = 0; rg < M / 16; ++rg) pf_scores(qb, kp, D, rg, c0, n, sb);
+    // Softmax over the chunk, row by row: visible keys [rlo, pos], the rest 0 in P.
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t i = m % kQ;
+      float* srow = sb + m * kChunk;
+      uint16_t* prow = pb + m * kChunk;
+      const int64_t pos = ctx + it.i0 + i;
+      const int64_t rlo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1) : 0;
+      // visible columns of this chunk: [a, b)
+      const int64_t a = std::clamp<int64_t>(rlo - first - c0, 0, n);
+      const int64_t b = i < nq ? std::clamp<int64_t>(pos - first - c0 + 1, 0, n) : 0;
+      if (a >= b) {
+        std::memset(prow, 0, n * 2);
+        srow[0] = 1.f;  // alpha: nothing new
+        continue;
+      }
+      __m512 vmax = _mm512_set1_ps(kMasked);
+      for (int64_t j = a; j < b; j += 16) {
+        const __mmask16 k = static_cast<__mmask16>(b - j >= 16 ? 0xFFFF : (1u << (b - j)) - 1);
+        vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, srow + j));
+      }
+      const float m_new = std::max(mx[m], _mm512_reduce_max_ps(vmax) * sh.scale);
+      const float alpha = mx[m] < kMaskedBelow ? 0.f : std::exp(mx[m] - m_new);
+      const __m512 vm = _mm512_set1_ps(m_new * kLog2e);  // exp(s * scale - m) = 2^(s * scale * log2e - m * log2e)
+      __m512 vsum = _mm512_setzero_ps();
+      const int64_t a16 = a / 16 * 16;
+      for (int64_t j = 0; j < a16; j += 16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
+      }
+      for (int64_t j = a16; j < n; j += 16) {
+        __mmask16 k = 0xFFFF;
+        if (j < a) k &= static_cast<__mmask16>(~((1u << (a - j)) - 1));
+        if (j + 16 > b) k &= static_cast<__mmask16>(b > j ? (1u << (b - j)) - 1 : 0);
+        const __m512 e = _mm512_maskz_mov_ps(k, pv_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), vscale2, vm)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      sum[m] = sum[m] * alpha + _mm512_reduce_add_ps(vsum);
+      mx[m] = m_new;
+      srow[0] = alpha;  // the row's scores are spent: its first slot carries alpha to the PV pass
+    }
+    // O = O * alpha + P V over the chunk, 16 rows and up to 64 dims a pass, the chunk's keys in the tiles.
+    for (int64_t rg = 0; rg < M / 16; ++rg) {
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int64_t nt = std::min<int64_t>(4, (D - d0) / 16);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t j = 0; j < n; j += kStep) {
+          const uint16_t* vblk = vp + ((c0 + j) / kStep) * D * kStep + (d0 / 16) * 16 * kStep;
+          _tile_loadd(4, pb + rg * 16 * kChunk + j, kChunk * 2);
+          _tile_loadd(5, vblk, kStep * 2);
+          _tile_dpbf16ps(0, 4, 5);
+          if (nt > 1) {
+            _tile_loadd(6, vblk + 16 * kStep, kStep * 2);
+            _tile_dpbf16ps(1, 4, 6);
+          }
+          if (nt > 2) {
+            _tile_loadd(7, vblk + 2 * 16 * kStep, kStep * 2);
+            _tile_dpbf16ps(2, 4, 7);
+          }
+          if (nt > 3) {
+            _tile_loadd(5, vblk + 3 * 16 * kStep, kStep * 2);
+            _tile_dpbf16ps(3, 4, 5);
+          }
+        }
+        _tile_stored(0, tb, 64);
+        if (nt > 1) _tile_stored(1, tb + 256, 64);
+        if (nt > 2) _tile_stored(2, tb + 512, 64);
+        if (nt > 3) _tile_stored(3, tb + 768, 64);
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t m = rg * 16 + r;
+          const __m512 va = _mm512_set1_ps(sb[m * kChunk]);
+          for (int64_t t = 0; t < nt; ++t) {
+            float* orow = ob + m * D + d0 + t * 16;
+            _mm512_storeu_ps(orow, _mm512_fmadd_ps(_mm512_loadu_ps(orow), va, _mm512_load_ps(tb + t * 256 + r * 16)));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t m = h * kQ + i;
+      const __m512 vinv = _mm512_set1_ps(sum[m] > 0.f ? 1.f / sum[m] : 0.f);
+      uint16_t* dst = out + ((q_start + it.i0 + i) * sh.H + pk.kvh * g + h) * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m256bh bh = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ob + m * D + d), vinv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(bh));
+      }
+    }
+  }
+}
+
+void pf_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, const uint16_t* q,
+                const uint16_t* kc, const uint16_t* vc, const int32_t* tables, const int32_t* starts,
+                const int32_t* lens, const Shape& sh, uint32_t* kbuf, uint16_t* vbuf, uint16_t* o) {
+  const int64_t n_packs = static_cast<int64_t>(packs.size()), n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, n_packs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) pf_pack(packs[i], kc, vc, tables, lens, sh, kbuf, vbuf);
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    PfTileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    PfScratch sc;
+    sc.size(sh.g * kQ, sh.D);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+        pf_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf, vbuf, o, sc);
+      }
+    }
+    _tile_release();
+  });
+}
+
+#pragma GCC pop_options
+
+#endif  // TANDEM_PREFILL_AMX
+
+
+// ---- fp32: the same items, packs and chunks in AVX-512 / AVX2 FMA registers ----
+//
+// PyTorch's flash SDPA ran fp32 prefill attention at 56-73 GFLOP/s on two Xeon cores (session 30). Here per item
+// (sequence, KV head, 16 query positions; the GQA group's heads stacked as rows) and per chunk of up to 512 keys:
+// S = Q K^T from 4 rows x 2 vectors of keys in registers (K packed transposed per vector of keys, so each Q
+// element is broadcast once per key vector pair), a two-pass softmax over the chunk, O = O * alpha + P V from
+// 4 rows (2 on AVX2) x up to 4 vectors of dims in registers (V packed as plain rows). head_dim a multiple of
+// 16 up to 256.
+#ifdef TANDEM_PREFILL_F32
+
 
 // K: [keys / kVW][D][kVW] (each vector of keys transposed); V: [keys][D]. Zero outside [lo, seq_len).
-void f32_pack(const F32Pack& pk, const float* kc, const float* vc, const int32_t* tables, const int32_t* lens,
-              const F32Shape& sh, float* kbuf, float* vbuf) {
-  const int64_t D = sh.D, first = pk.lo / kFStep * kFStep, seq_len = lens[pk.seq];
+void f32_pack(const Pack& pk, const float* kc, const float* vc, const int32_t* tables, const int32_t* lens,
+              const Shape& sh, float* kbuf, float* vbuf) {
+  const int64_t D = sh.D, first = pk.lo / kStep * kStep, seq_len = lens[pk.seq];
   const int32_t* table = tables + pk.seq * sh.max_blocks;
-  float* kp = kbuf + pk.off;
-  float* vp = vbuf + pk.off;
+  float* kp = kbuf + pk.k_off;
+  float* vp = vbuf + pk.v_off;
   for (int64_t j = 0; j < pk.keys; ++j) {
     const int64_t key = first + j;
     float* kt = kp + (j / kVW) * D * kVW + (j % kVW);
@@ -476,7 +463,7 @@ void f32_pack(const F32Pack& pk, const float* kc, const float* vc, const int32_t
   }
 }
 
-// S[r, col .. col + 2 kVW) for rows r0 .. r0 + 4 (row stride kFChunk): the keys from pack-relative c0.
+// S[r, col .. col + 2 kVW) for rows r0 .. r0 + 4 (row stride kChunk): the keys from pack-relative c0.
 inline void f32_scores4(const float* qb, const float* kp, int64_t D, int64_t r0, int64_t c0, int64_t col, float* s) {
   const float* k0 = kp + (c0 / kVW) * D * kVW;
   const float* k1 = k0 + D * kVW;
@@ -498,15 +485,15 @@ inline void f32_scores4(const float* qb, const float* kp, int64_t D, int64_t r0,
     a30 = pv_fma(b, x, a30);
     a31 = pv_fma(b, y, a31);
   }
-  float* o = s + r0 * kFChunk + col;
+  float* o = s + r0 * kChunk + col;
   pv_store(o, a00);
   pv_store(o + kVW, a01);
-  pv_store(o + kFChunk, a10);
-  pv_store(o + kFChunk + kVW, a11);
-  pv_store(o + 2 * kFChunk, a20);
-  pv_store(o + 2 * kFChunk + kVW, a21);
-  pv_store(o + 3 * kFChunk, a30);
-  pv_store(o + 3 * kFChunk + kVW, a31);
+  pv_store(o + kChunk, a10);
+  pv_store(o + kChunk + kVW, a11);
+  pv_store(o + 2 * kChunk, a20);
+  pv_store(o + 2 * kChunk + kVW, a21);
+  pv_store(o + 3 * kChunk, a30);
+  pv_store(o + 3 * kChunk + kVW, a31);
 }
 
 // O[r0 .. r0 + kPvRows, v0 * kVW .. + CB * kVW) = O * alpha + P[rows, 0 .. n) V[c0 .. c0 + n).
@@ -521,7 +508,7 @@ inline void f32_pv(const float* pb, const float* vp, const float* alpha, int64_t
     pv v[CB];
     for (int c = 0; c < CB; ++c) v[c] = pv_load(vrow + c * kVW);
     for (int64_t r = 0; r < kPvRows; ++r) {
-      const pv p = pv_set(pb[(r0 + r) * kFChunk + j]);
+      const pv p = pv_set(pb[(r0 + r) * kChunk + j]);
       for (int c = 0; c < CB; ++c) acc[r][c] = pv_fma(p, v[c], acc[r][c]);
     }
   }
@@ -536,7 +523,7 @@ struct F32Scratch {
   std::vector<float> q, s, o, mx, sum, alpha;
   void size(int64_t M, int64_t D) {
     q.assign(M * D, 0.f);
-    s.assign(M * kFChunk, 0.f);
+    s.assign(M * kChunk, 0.f);
     o.assign(M * D, 0.f);
     mx.assign(M, 0.f);
     sum.assign(M, 0.f);
@@ -544,45 +531,33 @@ struct F32Scratch {
   }
 };
 
-void f32_run_item(const F32Item& it, const F32Pack& pk, const float* query, const int32_t* starts,
-                  const int32_t* lens, const F32Shape& sh, const float* kbuf, const float* vbuf, float* out,
+void f32_run_item(const Item& it, const Pack& pk, const float* query, const int32_t* starts,
+                  const int32_t* lens, const Shape& sh, const float* kbuf, const float* vbuf, float* out,
                   F32Scratch& sc) {
-  const int64_t D = sh.D, g = sh.g, M = g * kFQ;
-  const int64_t q_start = starts[pk.seq], q_len = starts[pk.seq + 1] - q_start;
-  const int64_t ctx = lens[pk.seq] - q_len;
-  const int64_t nq = std::min<int64_t>(kFQ, q_len - it.i0);
-  const int64_t first = pk.lo / kFStep * kFStep;
-  const float* kp = kbuf + pk.off;
-  const float* vp = vbuf + pk.off;
+  const int64_t D = sh.D, g = sh.g, M = g * kQ;
+  const ItemRows rows(it, pk, starts, lens, sh.window);
+  const int64_t q_start = rows.q_start, nq = rows.nq, ctx = rows.ctx, first = rows.first;
+  const int64_t last_pos = rows.last_pos, lo = rows.lo;
+  const float* kp = kbuf + pk.k_off;
+  const float* vp = vbuf + pk.v_off;
   float* qb = sc.q.data();
   float* sb = sc.s.data();
   float* ob = sc.o.data();
   float* mx = sc.mx.data();
   float* sum = sc.sum.data();
   float* alpha = sc.alpha.data();
-  for (int64_t h = 0; h < g; ++h) {
-    for (int64_t i = 0; i < kFQ; ++i) {
-      float* dst = qb + (h * kFQ + i) * D;
-      if (i < nq) {
-        std::memcpy(dst, query + (q_start + it.i0 + i) * sh.q_row_stride + (pk.kvh * g + h) * D, D * 4);
-      } else {
-        std::memset(dst, 0, D * 4);
-      }
-    }
-  }
+  gather_rows(qb, query, sh, it, pk, q_start, nq);
   std::fill(ob, ob + M * D, 0.f);
-  std::fill(mx, mx + M, kMaskedF);
+  std::fill(mx, mx + M, kMasked);
   std::fill(sum, sum + M, 0.f);
-  const int64_t first_pos = ctx + it.i0, last_pos = ctx + it.i0 + nq - 1;
-  const int64_t lo = sh.window > 0 ? std::max<int64_t>(0, first_pos - sh.window + 1) : 0;
-  const float sl = sh.scale * kFLog2e;
-  for (int64_t c0 = (lo - first) / kFStep * kFStep; c0 <= last_pos - first; c0 += kFChunk) {
-    const int64_t n = std::min<int64_t>(kFChunk, (last_pos - first - c0) / kFStep * kFStep + kFStep);
+  const float sl = sh.scale * kLog2e;
+  for (int64_t c0 = (lo - first) / kStep * kStep; c0 <= last_pos - first; c0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kStep * kStep + kStep);
     for (int64_t r0 = 0; r0 < M; r0 += 4)
       for (int64_t j = 0; j < n; j += 2 * kVW) f32_scores4(qb, kp, D, r0, c0 + j, j, sb);
     for (int64_t m = 0; m < M; ++m) {
-      const int64_t i = m % kFQ;
-      float* row = sb + m * kFChunk;
+      const int64_t i = m % kQ;
+      float* row = sb + m * kChunk;
       const int64_t pos = ctx + it.i0 + i;
       const int64_t rlo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1) : 0;
       const int64_t a = std::clamp<int64_t>(rlo - first - c0, 0, n);
@@ -592,15 +567,15 @@ void f32_run_item(const F32Item& it, const F32Pack& pk, const float* query, cons
         alpha[m] = 1.f;
         continue;
       }
-      float bmax = kMaskedF;
+      float bmax = kMasked;
       int64_t j = a;
       for (; j < b && j % kVW; ++j) bmax = std::max(bmax, row[j]);
-      pv vmax = pv_set(kMaskedF);
+      pv vmax = pv_set(kMasked);
       for (; j + kVW <= b; j += kVW) vmax = pv_max(vmax, pv_load(row + j));
       for (; j < b; ++j) bmax = std::max(bmax, row[j]);
       bmax = std::max(bmax, pv_hmax(vmax));
       const float m_new = std::max(mx[m], bmax * sl);  // in log2 units
-      const float al = mx[m] < kMaskedFBelow ? 0.f : std::exp2(mx[m] - m_new);
+      const float al = mx[m] < kMaskedBelow ? 0.f : std::exp2(mx[m] - m_new);
       const pv vsl = pv_set(sl), vm = pv_set(m_new);
       for (int64_t c = 0; c < n; c += kVW) pv_store(row + c, pv_exp2(pv_fms(pv_load(row + c), vsl, vm)));
       for (int64_t c = 0; c < a; ++c) row[c] = 0.f;
@@ -622,7 +597,7 @@ void f32_run_item(const F32Item& it, const F32Pack& pk, const float* query, cons
   }
   for (int64_t h = 0; h < g; ++h) {
     for (int64_t i = 0; i < nq; ++i) {
-      const int64_t m = h * kFQ + i;
+      const int64_t m = h * kQ + i;
       const pv inv = pv_set(sum[m] > 0.f ? 1.f / sum[m] : 0.f);
       float* dst = out + ((q_start + it.i0 + i) * sh.H + pk.kvh * g + h) * D;
       for (int64_t d = 0; d < D; d += kVW) pv_store(dst + d, pv_fma(pv_load(ob + m * D + d), inv, pv_zero()));
@@ -683,12 +658,15 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const uint8_t* skips = skip.numel() ? skip.data_ptr<uint8_t>() : nullptr;
   const int64_t block_size = key_cache.size(1), max_blocks = block_tables.size(1);
-  // (sequence, KV head) packs of keys from a 32-aligned first key, and the items reading them: 16 positions each,
-  // heaviest first.
-  struct Pack { int64_t seq, kvh, lo, keys; };
-  struct Item { int64_t pack, i0, work; };
+  Shape sh{H, Hkv, D, H / Hkv, block_size, query.stride(0),
+           key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+           value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+           max_blocks, static_cast<float>(scale), window};
+  // (sequence, KV head) packs of keys from a 32-aligned first key, and the items reading them, heaviest first.
+  // K packs hold D / 2 pairs a key in bf16 (uint32 elements) and D floats in fp32; V packs D elements a key.
   std::vector<Pack> packs;
   std::vector<Item> items;
+  int64_t k_total = 0, v_total = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
     if (q_len <= 0 || (skips != nullptr && skips[s])) continue;
@@ -696,12 +674,14 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
                 "seq_lens: at least the query rows and within the block table");
     const int64_t ctx = lens[s] - q_len;
     const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window + 1) : 0;
-    const int64_t keys = (lens[s] - lo / 32 * 32 + 31) / 32 * 32;
+    const int64_t keys = (lens[s] - lo / kStep * kStep + kStep - 1) / kStep * kStep;
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t pack = static_cast<int64_t>(packs.size());
-      packs.push_back({s, h, lo, keys});
-      for (int64_t i0 = 0; i0 < q_len; i0 += 16) {
-        const int64_t last = ctx + std::min<int64_t>(q_len, i0 + 16) - 1;
+      packs.push_back({s, h, lo, keys, k_total, v_total});
+      k_total += keys * (bf16 ? D / 2 : D);
+      v_total += keys * D;
+      for (int64_t i0 = 0; i0 < q_len; i0 += kQ) {
+        const int64_t last = ctx + std::min<int64_t>(q_len, i0 + kQ) - 1;
         const int64_t first = window > 0 ? std::max<int64_t>(0, ctx + i0 - window + 1) : 0;
         items.push_back({pack, i0, last - first + 1});
       }
@@ -711,22 +691,9 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   if (bf16) {
 #ifdef TANDEM_PREFILL_AMX
-    PfShape sh{H, Hkv, D, H / Hkv, block_size, query.stride(0),
-               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-               value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-               max_blocks, static_cast<float>(scale), window};
-    std::vector<PfPack> pf_packs;
-    std::vector<PfItem> pf_items;
-    int64_t k_total = 0, v_total = 0;
-    for (const Pack& p : packs) {
-      pf_packs.push_back({p.seq, p.kvh, p.lo, p.keys, k_total, v_total});
-      k_total += p.keys * D / 2;
-      v_total += p.keys * D;
-    }
-    for (const Item& it : items) pf_items.push_back({it.pack, it.i0, it.work});
     std::vector<uint32_t> kbuf(k_total + 16);
     std::vector<uint16_t> vbuf(v_total + 32);
-    pf_run_all(pf_packs, pf_items, reinterpret_cast<const uint16_t*>(query.data_ptr()),
+    pf_run_all(packs, items, reinterpret_cast<const uint16_t*>(query.data_ptr()),
                reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
                reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), tables, starts, lens, sh, align64(kbuf),
                align64(vbuf), reinterpret_cast<uint16_t*>(out.data_ptr()));
@@ -734,34 +701,23 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
     return out;
   }
 #ifdef TANDEM_PREFILL_F32
-  F32Shape sh{H, Hkv, D, H / Hkv, block_size, query.stride(0),
-              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-              value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-              max_blocks, static_cast<float>(scale), window};
-  std::vector<F32Pack> f_packs;
-  int64_t total = 0;
-  for (const Pack& p : packs) {
-    f_packs.push_back({p.seq, p.kvh, p.lo, p.keys, total});
-    total += p.keys * D;
-  }
-  std::vector<float> kbuf(total), vbuf(total);
+  std::vector<float> kbuf(k_total), vbuf(v_total);
   const float* q = query.data_ptr<float>();
   const float* kc = key_cache.data_ptr<float>();
   const float* vc = value_cache.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const int64_t n_packs = static_cast<int64_t>(f_packs.size()), n_items = static_cast<int64_t>(items.size());
+  const int64_t n_packs = static_cast<int64_t>(packs.size()), n_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, n_packs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) f32_pack(f_packs[i], kc, vc, tables, lens, sh, kbuf.data(), vbuf.data());
+    for (int64_t i = begin; i < end; ++i) f32_pack(packs[i], kc, vc, tables, lens, sh, kbuf.data(), vbuf.data());
   });
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     F32Scratch sc;
-    sc.size(sh.g * kFQ, D);
+    sc.size(sh.g * kQ, D);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-        const F32Item it{items[i].pack, items[i].i0, items[i].work};
-        f32_run_item(it, f_packs[it.pack], q, starts, lens, sh, kbuf.data(), vbuf.data(), o, sc);
+        f32_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf.data(), vbuf.data(), o, sc);
       }
     }
   });
