@@ -105,6 +105,20 @@ def test_sliding_window_never_reads_freed_blocks(dtype: torch.dtype, isa: str | 
 
 
 @pytest.mark.parametrize(("dtype", "isa"), KERNELS)
+def test_block_tables_may_be_a_view_of_a_wider_buffer(dtype: torch.dtype, isa: str | None) -> None:
+    # An engine's persistent table buffer, sliced to this step's rows and width: rows a buffer's width apart.
+    kernel = _kernel(isa)
+    cache, meta, query, _ = _batch([30, 7], [20, 50], 9, 3, 64, dtype=dtype)
+    assert meta.block_tables is not None
+    wide = torch.full((4, meta.block_tables.shape[1] + 9), -7, dtype=torch.int32)
+    wide[:2, : meta.block_tables.shape[1]] = meta.block_tables
+    view = wide[:2, : meta.block_tables.shape[1]]
+    args = (meta.query_start_loc, meta.seq_lens, NO_SKIP, 0.125, 0)
+    assert torch.equal(kernel.paged_prefill(query, *cache.layer(1), view, *args),
+                       kernel.paged_prefill(query, *cache.layer(1), meta.block_tables, *args))
+
+
+@pytest.mark.parametrize(("dtype", "isa"), KERNELS)
 def test_skipped_sequences_are_left_to_the_caller(dtype: torch.dtype, isa: str | None) -> None:
     kernel = _kernel(isa)
     cache, meta, query, _ = _batch([20, 1, 33], [5, 40, 0], 9, 3, 64, dtype=dtype)

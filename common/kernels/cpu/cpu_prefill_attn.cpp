@@ -63,7 +63,7 @@ struct Shape {
   int64_t q_row_stride;  // elements between query rows (a view of the qkv projection's output)
   int64_t k_block_stride, k_row_stride, k_head_stride;  // elements
   int64_t v_block_stride, v_row_stride, v_head_stride;
-  int64_t max_blocks;
+  int64_t table_stride;  // elements between block-table rows (a view of a wider buffer)
   float scale;
   int64_t window;  // 0: the whole sequence
 };
@@ -237,7 +237,7 @@ struct PfScratch {
 void pf_pack(const Pack& pk, const uint16_t* kc, const uint16_t* vc, const int32_t* tables, const int32_t* lens,
              const Shape& sh, uint32_t* kbuf, uint16_t* vbuf) {
   const int64_t D = sh.D, first = pk.lo / kStep * kStep, seq_len = lens[pk.seq];
-  const int32_t* table = tables + pk.seq * sh.max_blocks;
+  const int32_t* table = tables + pk.seq * sh.table_stride;
   uint32_t* kp = kbuf + pk.k_off;
   uint16_t* vp = vbuf + pk.v_off;
   for (int64_t j = 0; j < pk.keys; ++j) {
@@ -443,7 +443,7 @@ void pf_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, 
 void f32_pack(const Pack& pk, const float* kc, const float* vc, const int32_t* tables, const int32_t* lens,
               const Shape& sh, float* kbuf, float* vbuf) {
   const int64_t D = sh.D, first = pk.lo / kStep * kStep, seq_len = lens[pk.seq];
-  const int32_t* table = tables + pk.seq * sh.max_blocks;
+  const int32_t* table = tables + pk.seq * sh.table_stride;
   float* kp = kbuf + pk.k_off;
   float* vp = vbuf + pk.v_off;
   for (int64_t j = 0; j < pk.keys; ++j) {
@@ -661,7 +661,7 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
   Shape sh{H, Hkv, D, H / Hkv, block_size, query.stride(0),
            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-           max_blocks, static_cast<float>(scale), window};
+           block_tables.stride(0), static_cast<float>(scale), window};
   // (sequence, KV head) packs of keys from a 32-aligned first key, and the items reading them, heaviest first.
   // K packs hold D / 2 pairs a key in bf16 (uint32 elements) and D floats in fp32; V packs D elements a key.
   std::vector<Pack> packs;
