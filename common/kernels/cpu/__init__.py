@@ -35,6 +35,7 @@ _QUANT_FILES = ("cpu_base.cpp", "cpu_quant.cpp", "cpu_quant_a8.cpp", "cpu_quant_
 # The headers, then each kernel file in its own namespace (their vector helpers share names), then the step.
 SOURCES: list[Source] = [
     _HERE / "cpu_step_includes.h",
+    _HERE / "amx_tiles.h",
     *(("tq", _HERE / name) for name in _QUANT_FILES),
     ("tf", _HERE / "cpu_fused.cpp"),
     ("tf", _HERE / "cpu_kv_write.cpp"),
@@ -57,7 +58,8 @@ _BUILDS = OptionalModules(
 # -ffast-math (compile only, never at link, so the process keeps IEEE denormals): vectorised exp and
 # reassociated fp32 sums; scores are finite (only rows < seq_len are read), so finite-math assumptions hold.
 _DECODE = OptionalModules(
-    "tandem_cpu_decode", [_HERE / "cpu_decode.cpp", _HERE / "cpu_kv_write.cpp", _HERE / "cpu_prefill_attn.cpp"],
+    "tandem_cpu_decode",
+    [_HERE / "amx_tiles.h", _HERE / "cpu_decode.cpp", _HERE / "cpu_kv_write.cpp", _HERE / "cpu_prefill_attn.cpp"],
     ["paged_decode", "write_kv", "decode_rows_address", "decode_splits_heads", "paged_prefill", "prefill_amx_ready",
      "prefill_f32_ready"],
     ["-O3", "-fopenmp", "-ffast-math"],

@@ -19,13 +19,7 @@
 // the AVX-512 loops. Each thread of ``at::parallel_for`` loads the tile configuration itself and releases
 // it at the end (tile state is per thread).
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__) && defined(__GNUC__) && \
-    (__GNUC__ >= 11 || defined(__clang__))
-#define TANDEM_HAVE_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+// TANDEM_HAVE_AMX, tandem_amx::ready() and TileConfig: amx_tiles.h, included before this file.
 
 namespace {
 
@@ -36,28 +30,12 @@ constexpr int64_t kAmxPanel = 16;  // output rows per panel (common/quant/panels
 constexpr int64_t kAmxPrefetch = 4096;  // bytes ahead of a panel's tile that its first pass prefetches
 constexpr int64_t kAmxChunkBytes = 256 << 10;  // weights a thread holds in L2 while every row group passes
 
-bool amx_ready() {
-  static const bool ready = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;  // CPUID.(7,0):EDX AMX-TILE, AMX-BF16
-    if (!tile || !bf16) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
+bool amx_ready() { return tandem_amx::ready(); }
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using tandem_amx::TileConfig;
 
 // The output: bf16 [M, N] rounded from the tiles' fp32 sums (round to nearest even, as ``Out::finish``),
 // or fp32 [M, N] as they are; rows from ``rows`` on (the padding of the last group) are dropped.

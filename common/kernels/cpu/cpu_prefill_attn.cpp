@@ -39,13 +39,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__) && defined(__GNUC__) && \
-    (__GNUC__ >= 11 || defined(__clang__))
-#define TANDEM_PREFILL_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+// TANDEM_HAVE_AMX, tandem_amx::ready() and TileConfig: amx_tiles.h, included before this file.
 
 namespace {
 
@@ -189,32 +183,10 @@ inline pv pv_exp2(pv t) {
 #endif
 #endif  // fp32 vectors
 
-#ifdef TANDEM_PREFILL_AMX
-
-// cpu_amx.cpp's amx_ready(), for this module (the attention module is compiled apart from the linears').
-bool pf_amx_ready() {
-  static const bool ready = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;  // CPUID.(7,0):EDX AMX-TILE, AMX-BF16
-    if (!tile || !bf16) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
+#ifdef TANDEM_HAVE_AMX
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512bf16")
-
-
-struct alignas(64) PfTileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 struct PfScratch {
   std::vector<uint16_t> q;  // [M, D] bf16 query rows (row m = head-in-group * 16 + position)
@@ -406,7 +378,7 @@ void pf_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, 
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    PfTileConfig cfg;
+    tandem_amx::TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
       cfg.rows[t] = 16;
       cfg.colsb[t] = 64;
@@ -425,7 +397,7 @@ void pf_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, 
 
 #pragma GCC pop_options
 
-#endif  // TANDEM_PREFILL_AMX
+#endif  // TANDEM_HAVE_AMX
 
 
 // ---- fp32: the same items, packs and chunks in AVX-512 / AVX2 FMA registers ----
@@ -609,8 +581,8 @@ void f32_run_item(const Item& it, const Pack& pk, const float* query, const int3
 }  // namespace
 
 bool prefill_amx_ready() {
-#ifdef TANDEM_PREFILL_AMX
-  return pf_amx_ready();
+#ifdef TANDEM_HAVE_AMX
+  return tandem_amx::ready();
 #else
   return false;
 #endif
@@ -690,7 +662,7 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.work > b.work; });
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   if (bf16) {
-#ifdef TANDEM_PREFILL_AMX
+#ifdef TANDEM_HAVE_AMX
     std::vector<uint32_t> kbuf(k_total + 16);
     std::vector<uint16_t> vbuf(v_total + 32);
     pf_run_all(packs, items, reinterpret_cast<const uint16_t*>(query.data_ptr()),
