@@ -71,6 +71,14 @@ class KVCache:
             self.segment = SharedSegment.create(num_blocks * spec.bytes_per_block(dtype.itemsize), num_slots=num_blocks)
             self.data = self.segment.data().view(dtype).view(shape)
             return
+        if torch.device(device).type == "cpu" and not shared:
+            from common.kernels.host_malloc import huge_pages
+
+            # Huge pages asked for before the zeros are written (common/kernels/host_malloc.py).
+            self.data = torch.empty(shape, dtype=dtype, device=device)
+            huge_pages(self.data)
+            self.data.zero_()
+            return
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         if shared:
             self.share_memory()  # raises ValueError: not on CPU

@@ -61,3 +61,38 @@ def test_a_mode_that_is_not_a_choice_is_refused_naming_the_variable(monkeypatch:
     monkeypatch.setenv("TANDEM_CPU_MALLOC", "sometimes")
     with pytest.raises(ValueError, match="TANDEM_CPU_MALLOC"):
         keep_step_buffers()
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "none"
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "none"
+
+
+def _huge_kb(start: int, size: int) -> int:
+    """AnonHugePages (kB) of this process's mappings over [start, start + size)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        parts = line.split()
+        if "-" in parts[0] and len(parts) > 4:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            inside = lo < start + size and hi > start
+        elif inside and parts[0] == "AnonHugePages:":
+            total += int(parts[1])
+    return total
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages off on this kernel")
+def test_a_cpu_kv_cache_lies_on_huge_pages_and_starts_zeroed() -> None:
+    import torch
+
+    from common.kernels.host_malloc import HUGE_PAGE, huge_pages
+    from common.kv.kv_cache import KVCache, KVCacheSpec
+
+    cache = KVCache(KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype_name="float32"), 512)
+    size = cache.data.numel() * cache.data.element_size()  # 32 MiB
+    assert _huge_kb(cache.data.data_ptr(), size) * 1024 >= size - 2 * HUGE_PAGE
+    assert not cache.data.any()
+    assert huge_pages(torch.empty(1000)) == 0  # below one huge page: nothing to advise

@@ -342,10 +342,28 @@ void attention_part(const Plan& p, const Layer& ly, const T* q, T* out, const in
        p.Hkv);
     return;
   }
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t s = i / p.Hkv, h = i % p.Hkv;
-    fn(qa, kc, vc, kstride, vstride, tables, table_stride, lens, oa, p.Hq, p.Hkv, p.D, block_size, scale, s, s + 1, h,
-       h + 1);
+  // Items are (sequence, KV head): a sequence split between threads gets its share of heads, and the whole
+  // sequences between go in one call, as the op-by-op kernel runs them (a sequence's blocks hold every head's
+  // rows side by side, so one sweep prefetches them once, and the next sequence's first blocks are prefetched
+  // during this one). One call per (sequence, head) prefetched each block once per head, never the next
+  // sequence (with the prefetch into L1 and the cache on huge pages, session 31: 48 sequences of 384-512 tokens,
+  // SmolLM2 bf16, 2 Xeon threads, the step's attention 33.3-36.8 -> 28.1-29.9 ms).
+  int64_t i = i0;
+  if (i % p.Hkv != 0) {  // the tail of a sequence begun by the thread before
+    const int64_t s = i / p.Hkv, h1 = std::min(i1 - s * p.Hkv, p.Hkv);
+    fn(qa, kc, vc, kstride, vstride, tables, table_stride, lens, oa, p.Hq, p.Hkv, p.D, block_size, scale, s, s + 1,
+       i % p.Hkv, h1);
+    i = s * p.Hkv + h1;
+  }
+  const int64_t s_begin = i / p.Hkv, s_end = i1 / p.Hkv;
+  if (i < i1 && s_begin < s_end) {
+    fn(qa, kc, vc, kstride, vstride, tables, table_stride, lens, oa, p.Hq, p.Hkv, p.D, block_size, scale, s_begin,
+       s_end, 0, p.Hkv);
+    i = s_end * p.Hkv;
+  }
+  if (i < i1) {  // the head of a sequence the next thread finishes
+    fn(qa, kc, vc, kstride, vstride, tables, table_stride, lens, oa, p.Hq, p.Hkv, p.D, block_size, scale, i / p.Hkv,
+       i / p.Hkv + 1, 0, i1 - i);
   }
 }
 
