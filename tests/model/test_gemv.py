@@ -333,6 +333,32 @@ def test_a_tied_head_as_panels_is_read_by_the_lookup_too(tiny_model_factory: Cal
     assert model.weight_bytes == loaded.weight_bytes
 
 
+def test_a_loss_between_wins_is_timed_again_before_it_sets_the_crossover() -> None:
+    # session 31's start-up: oneDNN (second) won at 256 and 2,048 rows, "lost" at 1,024 in one burst
+    first = {256: (1.08, 0.93), 512: (2.14, 1.85), 1024: (6.70, 9.66), 2048: (13.55, 9.56)}
+    asked: list[tuple[int, ...]] = []
+
+    def race(probes: tuple[int, ...]) -> dict[int, tuple[float, float]]:
+        asked.append(probes)
+        return {m: (4.68, 3.36) for m in probes}
+
+    settled = gemv.retime_losses_between_wins(first, race)
+    assert asked == [(1024,)]  # only the doubtful probe, once: the second look settled it
+    assert settled[1024] == (4.68, 3.36) and settled[2048] == first[2048]
+    assert gemv.onednn_from_rows(first) == 2048 and gemv.onednn_from_rows(settled) == 256
+    # a loss that holds is kept (the best of every timing), and one at the largest probe is never doubted
+    def slow(probes: tuple[int, ...]) -> dict[int, tuple[float, float]]:
+        asked.append(probes)
+        return {m: (7.0, 9.0) for m in probes}
+
+    asked.clear()
+    held = gemv.retime_losses_between_wins(first, slow, tries=2)
+    assert asked == [(1024,), (1024,)] and held[1024] == (6.70, 9.0)
+    assert gemv.onednn_from_rows(held) == 2048
+    lost_last = {256: (2.0, 1.0), 1024: (1.0, 2.0)}
+    assert gemv.retime_losses_between_wins(lost_last, race) == lost_last
+
+
 def test_onednn_takes_bf16_amx_panels_from_the_measured_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     # the rule: from the smallest probe where oneDNN (second) was no slower at it and every larger probe
     assert gemv.onednn_from_rows({256: (1, 2), 512: (2, 1), 1024: (2, 1)}) == 512
