@@ -9,7 +9,7 @@
 // Into L1 (prefetcht0), not L2: the sweep then waits on the prefetches rather than on its own loads, and
 // every later sweep over the block (the other query heads, pass 2) hits L1 or L2. 2-core Xeon (Sapphire
 // Rapids class), 48 sequences x 484 tokens x 30 layers, bf16: shuffled tables 39-40 -> 28-30 ms, contiguous
-// 35.3-36.1 -> 28.9-29.3; fp32 56-60 -> 48-50 (session 31; unmeasured on an AVX2-only CPU).
+// 35.3-36.1 -> 28.9-29.3; fp32 59.6-60.3 -> 50.1-55.4 (session 31; unmeasured on an AVX2-only CPU).
 // Sharing each K row's load among a group's query heads (as pass 2 shares V) was measured slower
 // (contiguous 14.9 -> 16.5 ms: the partial sums spill). The generic loop serves other head sizes and plain
 // builds.
