@@ -359,6 +359,34 @@ def test_a_loss_between_wins_is_timed_again_before_it_sets_the_crossover() -> No
     assert gemv.retime_losses_between_wins(lost_last, race) == lost_last
 
 
+def test_fp32_onednn_is_not_turned_off_by_one_burst(monkeypatch: pytest.MonkeyPatch) -> None:
+    # onednn_pays: oneDNN (first) must win at every probe; a lone loss is timed again first
+    calls: list[tuple[int, ...]] = []
+
+    def race(dtype: torch.dtype, probes: tuple[int, ...], *rest: object) -> dict[int, tuple[float, float]]:
+        calls.append(probes)
+        if len(calls) == 1:
+            return {m: ((3.0, 2.0) if m == probes[-1] else (1.0, 2.0)) for m in probes}
+        return {m: (1.5, 2.0) for m in probes}
+
+    monkeypatch.setattr(gemv, "_race", race)
+    monkeypatch.setattr(gemv, "_limits", {})
+    monkeypatch.setenv("TANDEM_CPU_ONEDNN", "auto")
+    monkeypatch.setattr(gemv, "onednn_available", lambda: True)
+    assert gemv.onednn_pays(torch.float32)
+    assert calls == [gemv.ONEDNN_PROBES, (gemv.ONEDNN_PROBES[-1],)]
+    # lost everywhere: nothing to doubt, oneDNN stays off
+    calls.clear()
+    monkeypatch.setattr(gemv, "_limits", {})
+    def slower(dtype: torch.dtype, probes: tuple[int, ...], *rest: object) -> dict[int, tuple[float, float]]:
+        calls.append(probes)
+        return {m: (3.0, 2.0) for m in probes}
+
+    monkeypatch.setattr(gemv, "_race", slower)
+    assert not gemv.onednn_pays(torch.float32)
+    assert calls == [gemv.ONEDNN_PROBES]
+
+
 def test_onednn_takes_bf16_amx_panels_from_the_measured_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     # the rule: from the smallest probe where oneDNN (second) was no slower at it and every larger probe
     assert gemv.onednn_from_rows({256: (1, 2), 512: (2, 1), 1024: (2, 1)}) == 512
