@@ -203,17 +203,68 @@ inline bool cpu_has_avx512bf16() {
 }
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
+// exp(x) as 2^n * 2^f, n = round(x log2 e): f from one fused multiply-subtract and log2 e's low part (~1e-7
+// absolute), 2^f by a degree-6 polynomial (its Taylor terms in f ln 2: within 1.2e-7 on [-0.5, 0.5]), 2^n by
+// `vscalefps`: 13 instructions where v_exp takes 17; above 88.3 clamped as v_exp is (1 / (1 + e) stays finite).
+inline vf v_exp_scalef(vf x) {
+  x = _mm512_min_ps(x, v_set(88.3f));
+  const vf n = _mm512_roundscale_ps(v_mul(x, v_set(1.44269502f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf f = _mm512_fmsub_ps(x, v_set(1.44269502f), n);
+  f = v_fma(x, v_set(1.92596299e-8f), f);  // log2 e - 1.44269502f
+  vf p = v_set(1.5403530393381608e-4f);
+  p = v_fma(p, f, v_set(1.3333558146428443e-3f));
+  p = v_fma(p, f, v_set(9.6181291076284772e-3f));
+  p = v_fma(p, f, v_set(5.5504108664821580e-2f));
+  p = v_fma(p, f, v_set(2.4022650695910071e-1f));
+  p = v_fma(p, f, v_set(6.9314718055994531e-1f));
+  p = v_fma(p, f, v_set(1.f));
+  return _mm512_scalef_ps(p, n);
+}
 // One row's vector part (16 columns at a time); returns where the scalar tail starts.
 inline int64_t silu_mul_row_bf16_native(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t inter) {
   const vf one = v_set(1.f), zero = v_set(0.f);
   int64_t i = 0;
   for (; i + kW <= inter; i += kW) {
     const vf gv = v_load(g + i);
-    const vf silu = v_mul(gv, v_recip(v_add(one, v_exp(v_sub(zero, gv)))));
+    const vf silu = v_mul(gv, v_recip(v_add(one, v_exp_scalef(v_sub(zero, gv)))));
     const __m256i s16 = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(silu));
     const vf s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s16), 16));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v_mul(s, v_load(u + i)))));
+  }
+  return i;
+}
+// The same rounding for add + RMSNorm and rotary, whose software rounding was most of their work too (2,048 x 576
+// bf16 rows, 2 threads: add + RMSNorm 0.35 ms, a copy of x 0.08 ms).
+inline vf v_rnd_native(vf v) {
+  const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+inline void v_store_native(uint16_t* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+// One row of add_rms_norm_impl for h a multiple of kW.
+inline void add_rms_row_bf16_native(const uint16_t* xr, uint16_t* res, const uint16_t* w, uint16_t* o, int64_t h,
+                                    float eps, bool add) {
+  vf acc = v_set(0.f);
+  for (int64_t i = 0; i < h; i += kW) {
+    vf sv = v_load(res + i);
+    if (add) {
+      sv = v_rnd_native(v_add(v_load(xr + i), sv));
+      v_store_native(res + i, sv);
+    }
+    acc = v_fma(sv, sv, acc);
+  }
+  const vf vinv = v_set(1.f / std::sqrt(v_sum(acc) / static_cast<float>(h) + eps));
+  for (int64_t i = 0; i < h; i += kW) v_store_native(o + i, v_mul(v_load(w + i), v_rnd_native(v_mul(v_load(res + i), vinv))));
+}
+// rotary_impl's vector part of one head; returns where the scalar tail starts.
+inline int64_t rotary_row_bf16_native(uint16_t* x1, uint16_t* x2, const uint16_t* c, const uint16_t* s, int64_t half) {
+  int64_t i = 0;
+  for (; i + kW <= half; i += kW) {
+    const vf a = v_load(x1 + i), b = v_load(x2 + i), cv = v_load(c + i), sv = v_load(s + i);
+    v_store_native(x1 + i, v_sub(v_rnd_native(v_mul(a, cv)), v_rnd_native(v_mul(b, sv))));
+    v_store_native(x2 + i, v_add(v_rnd_native(v_mul(b, cv)), v_rnd_native(v_mul(a, sv))));
   }
   return i;
 }
@@ -227,11 +278,22 @@ constexpr int64_t kGrain = 16;
 // x, residual, out: [n, h] contiguous rows; weight [h]. With add=false residual is only read.
 template <typename C, typename T = typename C::storage>
 void add_rms_norm_impl(const T* x, T* residual, const T* w, T* out, int64_t n, int64_t h, float eps, bool add) {
+#if defined(TF_BF16_NATIVE)
+  const bool native = std::is_same_v<C, BF16> && h % kW == 0 && cpu_has_avx512bf16();
+#endif
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* res = residual + r * h;
       const T* xr = x + r * h;
       T* o = out + r * h;
+#if defined(TF_BF16_NATIVE)
+      if constexpr (std::is_same_v<C, BF16>) {
+        if (native) {
+          add_rms_row_bf16_native(xr, res, w, o, h, eps, add);
+          continue;
+        }
+      }
+#endif
       float ss = 0.f;
       int64_t i = 0;
 #if defined(TF_VEC)
@@ -318,6 +380,9 @@ template <typename C, typename T = typename C::storage>
 void rotary_impl(T* x, int64_t n, int64_t heads, int64_t D, int64_t row_stride, const T* cos_sin,
                  const int64_t* positions) {
   const int64_t half = D / 2;
+#if defined(TF_BF16_NATIVE)
+  const bool native = std::is_same_v<C, BF16> && cpu_has_avx512bf16();
+#endif
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* c = cos_sin + positions[r] * D;
@@ -326,6 +391,11 @@ void rotary_impl(T* x, int64_t n, int64_t heads, int64_t D, int64_t row_stride, 
         T* x1 = x + r * row_stride + hd * D;
         T* x2 = x1 + half;
         int64_t i = 0;
+#if defined(TF_BF16_NATIVE)
+        if constexpr (std::is_same_v<C, BF16>) {
+          if (native) i = rotary_row_bf16_native(x1, x2, c, s, half);
+        }
+#endif
 #if defined(TF_VEC)
         if constexpr (kVec<C>) {
           for (; i + kW <= half; i += kW) {
