@@ -68,9 +68,9 @@ class SchedulerConfig:
     # A single prefill chunk takes at most this many tokens, so one long prompt cannot hold decodes back
     # for a whole step (Sarathi-Serve's stall-free batching). None: limited by the step budget only.
     max_prefill_chunk: int | None = knob(512, "tokens per prefill chunk")
-    # Load-aware: (tokens per step, prefill chunk) for the steps that find more than that many prompt tokens
-    # still to prefill (queued or part-done). A backlog waits in the queue whatever the step size, and larger
-    # steps drain it faster (bigger matmuls); a light load keeps the small steps its streams' TPOT needs.
+    # Load-aware: (tokens per step, prefill chunk) for the steps that find more prompt tokens still to prefill
+    # (queued or part-done) than max_num_batched_tokens. A backlog waits in the queue whatever the step size, and
+    # larger steps drain it faster (bigger matmuls); a light load keeps the small steps its streams' TPOT needs.
     # A step in which no running request decodes takes the backlog's tokens with no chunk limit (nothing to keep
     # short: a prompt alone goes whole). None: the budget above, always.
     backlog_budget: tuple[int, int] | None = None
@@ -128,8 +128,13 @@ DEVICE_STEP_BUDGETS: dict[str, tuple[int, int]] = {"cpu": (512, 256)}
 # ... and while a backlog of prompt tokens waits (SchedulerConfig.backlog_budget), a larger one: with 48
 # requests of 384 -> 128 tokens at once (SmolLM2 fp32, 2 AVX2 cores, vLLM's client), 2,048 / 512 served more
 # output tokens a second than 512 / 256 (2026-12-03: benchmarks/results/2026-12-03-serve-vllm/RESULTS.md,
-# benchmarks/results/figures-from-code.md). A budget that is set is used as it is, whatever the load.
-DEVICE_BACKLOG_BUDGETS: dict[str, tuple[int, int]] = {"cpu": (2048, 512)}
+# benchmarks/results/figures-from-code.md). Its chunk limit is the step (a prompt of up to 2,048 tokens goes
+# whole, as in vLLM's 2,048-token steps): 512-token chunks split a long prompt over four steps, each paying the
+# running decodes again, and under vLLM's client at 4 req/s (SmolLM2 bf16, 2-core Xeon, alternating, 2 rounds)
+# 2,048 / 2,048 against 2,048 / 512 took the mixed workload's TTFT p99 from 1.88x to 1.31x vLLM's, 384 -> 128's
+# TTFT p50 from 1.20x to 0.99x and its TPOT p50 from 0.90x to 0.76x (benchmarks/results/2026-12-06-fused-rounding).
+# A budget that is set is used as it is, whatever the load.
+DEVICE_BACKLOG_BUDGETS: dict[str, tuple[int, int]] = {"cpu": (2048, 2048)}
 # ... and a prompt of up to 512 tokens (the light step) is not split by its 256-token chunk limit
 # (SchedulerConfig.whole_prefill): with 384 -> 128 tokens at 0.6 req/s under vLLM's client (SmolLM2 fp32, 2-core
 # Xeon, alternating runs) a prompt took 1.96-2.04 steps and its prefill 522-546 ms in the engine, against 1.12-1.17

@@ -62,7 +62,7 @@ def test_max_prefill_chunk_caps_a_long_prompt() -> None:
 
 
 def test_a_prefill_backlog_or_an_idle_decode_gets_the_backlog_budget_and_a_light_load_the_small_one() -> None:
-    # Small steps of 8 tokens (chunks of 4); while more than 12 prompt tokens wait, 12 tokens (chunks of 6).
+    # Small steps of 8 tokens (chunks of 4); while more than 8 prompt tokens wait, 12 tokens (chunks of 6).
     s = make(max_num_batched_tokens=8, max_prefill_chunk=4, backlog_budget=(12, 6), num_blocks=48)
     s.add_request(req("a", 3))
     assert step(s) == [("a", 0, 3)]  # nothing decodes: the backlog's 12 tokens, no chunk limit
@@ -74,8 +74,9 @@ def test_a_prefill_backlog_or_an_idle_decode_gets_the_backlog_budget_and_a_light
     s = make(max_num_batched_tokens=8, max_prefill_chunk=4, backlog_budget=(12, 6), num_blocks=32)
     s.add_request(req("d", 12))  # backlog 11, but nothing decodes: no TPOT to protect, the larger step, whole
     assert step(s) == [("d", 0, 12)]
-    s.add_request(req("e", 12, first=50))  # backlog 11 beside d's decode: the small budget
-    assert step(s) == [("d", 12, 1), ("e", 0, 4)]
+    s.add_request(req("e", 12, first=50))  # backlog 11 beside d's decode: more than the small step, the larger one
+    assert step(s) == [("d", 12, 1), ("e", 0, 6)]
+    assert step(s) == [("d", 13, 1), ("e", 6, 4)]  # backlog 5 (its last token is never counted): the small budget
     s = make(max_num_batched_tokens=8, max_prefill_chunk=4, backlog_budget=(12, 6), num_blocks=32)
     s.add_request(req("f", 20))  # nothing decodes: the backlog's 12 tokens in one chunk, then the rest
     assert step(s) == [("f", 0, 12)]

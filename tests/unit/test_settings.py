@@ -31,7 +31,7 @@ def test_a_serving_node_s_step_budget_defaults_by_device() -> None:
         scheduler = engine_configs(node, device)[1]
         return scheduler.max_num_batched_tokens, scheduler.max_prefill_chunk, scheduler.backlog_budget
 
-    assert budget(NodeSettings(), "cpu") == (512, 256, (2048, 512))  # by device: load-aware on CPU
+    assert budget(NodeSettings(), "cpu") == (512, 256, (2048, 2048))  # by device: load-aware on CPU
     assert budget(NodeSettings(), "cuda:0") == (2048, 512, None)
     assert budget(NodeSettings(max_num_batched_tokens=4096), "cpu") == (4096, 256, None)  # set: kept, as set
     assert budget(NodeSettings(max_prefill_chunk=16), "cuda:1") == (2048, 16, None)
@@ -40,7 +40,7 @@ def test_a_serving_node_s_step_budget_defaults_by_device() -> None:
     node = load_settings(NodeSettings, environ=env)
     assert (node.max_num_batched_tokens, node.num_blocks) == (None, None)
     cache, scheduler = engine_configs(node, "cpu")
-    assert scheduler.prefill_order == "fcfs" and scheduler.backlog_budget == (2048, 512)
+    assert scheduler.prefill_order == "fcfs" and scheduler.backlog_budget == (2048, 2048)
     assert cache.num_blocks is None
     # every entry point resolves the budget in one function: the offline LLM and the planner call it too
     assert engine_configs(NodeSettings(), "cpu")[1] == scheduler_config("cpu")
@@ -92,7 +92,7 @@ def test_the_offline_llm_reads_the_engine_knobs_as_a_node_does() -> None:
     env = {"TANDEM_KV_CACHE_MEMORY_GB": "0.5", "TANDEM_MAX_NUM_SEQS": "8", "TANDEM_PORT": "not a port"}
     cache, scheduler = load_settings(EngineSettings, environ=env).configs("cpu")
     assert (cache.kv_cache_memory_gb, scheduler.max_num_seqs) == (0.5, 8)  # the node's variables, not its port
-    assert (scheduler.max_num_batched_tokens, scheduler.backlog_budget) == (512, (2048, 512))
+    assert (scheduler.max_num_batched_tokens, scheduler.backlog_budget) == (512, (2048, 2048))
     assert EngineSettings().configs("cuda")[0] == NodeSettings().configs("cuda")[0]
 
 
