@@ -40,7 +40,7 @@ import torch
 from common.config.settings import kernel_setting
 from common.kernels.cpu import NO_AMX, amx_enabled
 from common.model.linear import LinearMethod, StepWeights, TorchMethod
-from common.model.row_buckets import bucket_rows
+from common.model.row_buckets import bucket_rows, on_bucketed_rows
 from common.quant.cpu_linear import GEMV_MAX_ROWS, TILE_ELEMENTS  # one limit for float and packed weights
 from common.quant.panels import PANEL_ROWS
 
@@ -436,7 +436,14 @@ class PanelMethod(LinearMethod):
         panels = self._panels
         blocked = self._onednn
         if blocked is not None and x.shape[0] >= self._onednn_rows and x.dtype == torch.bfloat16:
-            return onednn_linear(x if x.is_contiguous() else x.contiguous(), blocked, layer.bias)
+            xc = x if x.is_contiguous() else x.contiguous()
+            if not self.bucketed:
+                return onednn_linear(xc, blocked, layer.bias)
+
+            def gemm(rows: torch.Tensor, packed: torch.Tensor = blocked) -> torch.Tensor:
+                return onednn_linear(rows, packed, layer.bias)
+
+            return on_bucketed_rows(gemm, xc)  # oneDNN builds kernels per row count (common/model/row_buckets.py)
         if x.dtype in _FLOATS and x.shape[0] <= self._max_rows:
             y = self._ops.dense_matmul_panel(x if x.is_contiguous() else x.contiguous(), panels, self._amx_rows,
                                              layer.float_out)

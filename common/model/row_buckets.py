@@ -10,11 +10,16 @@ multiple of 2^(bits(M)-4)): 56 shapes up to 512, at most 1/8 of the rows wasted 
 same 400 shapes then grew the process once, by a fraction of that (the figures the soak page lacks:
 benchmarks/results/figures-from-code.md).
 
-The float linear methods (``TorchMethod``, ``GemvMethod``, ``PanelMethod``'s tiles) pad their rows so on CPU
-for 16-bit activations (``wanted``); ``TANDEM_ROW_BUCKETS=off`` turns it off, ``on`` forces it.
+The float linear methods (``TorchMethod``, ``GemvMethod``, ``PanelMethod``'s tiles and its calls to oneDNN's GEMM on
+a prepacked copy) pad their rows so on CPU for 16-bit activations (``wanted``); ``TANDEM_ROW_BUCKETS=off`` turns it
+off, ``on`` forces it. (The prepacked path was unpadded until session 32: a served prefill step's row count, its
+prompt tokens plus the decoding rows, is new almost every step, and each new one cost 20-60 ms of kernel building
+across SmolLM2's four projection shapes, a 1,400-token prompt's step 340 -> 360-420 ms.)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,16 +35,22 @@ def bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` over ``x`` [m, k] padded to ``bucket_rows(m)`` rows (the padding's output dropped)."""
+def on_bucketed_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` over ``x`` [m, k] padded with zero rows to ``bucket_rows(m)`` (the padding's
+    output rows dropped: a view of the first m)."""
     m = x.shape[0]
     padded = bucket_rows(m)
     if padded == m or x.dim() != 2:
-        return nn.functional.linear(x, weight, bias)
+        return fn(x)
     xp = x.new_empty((padded, x.shape[1]))
     xp[:m] = x
     xp[m:] = 0
-    return nn.functional.linear(xp, weight, bias)[:m]
+    return fn(xp)[:m]
+
+
+def linear_bucketed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` over ``x`` [m, k] padded to ``bucket_rows(m)`` rows (the padding's output dropped)."""
+    return on_bucketed_rows(lambda rows: nn.functional.linear(rows, weight, bias), x)
 
 
 def wanted(device: torch.device, dtype: torch.dtype) -> bool:

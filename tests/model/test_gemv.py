@@ -14,6 +14,7 @@ from common.kernels.cpu import quant_kernels
 from common.kernels.isa import cpu_flags, runnable_isas
 from common.model import gemv
 from common.model.linear import Linear, TiedEmbedding, TorchMethod
+from common.model.row_buckets import bucket_rows
 from common.quant.registry import float_method
 
 ISAS = runnable_isas()[:2]
@@ -427,6 +428,21 @@ def test_onednn_takes_bf16_amx_panels_from_the_measured_rows(monkeypatch: pytest
         want = nn.functional.linear(x.float(), weight.float(), bias.float())
         torch.testing.assert_close(y.float(), want, rtol=1.6e-2, atol=5e-2)
     assert calls == [8, 40]
+    # bucketed (16-bit activations on CPU): oneDNN sees bucketed row counts only, the caller its own rows
+    padded = Linear(64, 48, bias=True)
+    padded.weight.data = weight.clone()
+    padded.bias.data = bias.clone()  # type: ignore[union-attr]
+    bucketed = gemv.PanelMethod(ops, bucketed=True)
+    padded.method = bucketed
+    bucketed.process_weights_after_loading(padded, None)
+    calls.clear()
+    for m in (37, 40, 45):
+        x = torch.randn(m, 64, generator=gen).to(torch.bfloat16)
+        y = bucketed.apply(padded, x)
+        assert y.shape == (m, 48) and y.is_contiguous()
+        want = nn.functional.linear(x.float(), weight.float(), bias.float())
+        torch.testing.assert_close(y.float(), want, rtol=1.6e-2, atol=5e-2)
+    assert calls == [bucket_rows(37), 40, bucket_rows(45)] == [40, 40, 48]
     float_out = Linear(64, 48, bias=False)
     float_out.weight.data = weight.clone()
     float_out.float_out = True
