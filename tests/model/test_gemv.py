@@ -412,12 +412,17 @@ def test_onednn_takes_bf16_amx_panels_from_the_measured_rows(monkeypatch: pytest
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(48, 64, generator=gen).to(torch.bfloat16)
     bias = torch.randn(48, generator=gen).to(torch.bfloat16)
-    layer = Linear(64, 48, bias=True)
-    layer.weight.data = weight.clone()
-    layer.bias.data = bias.clone()  # type: ignore[union-attr]
-    method = gemv.PanelMethod(ops, bucketed=False)
-    layer.method = method
-    method.process_weights_after_loading(layer, None)
+
+    def loaded(bucketed: bool) -> tuple[Linear, gemv.PanelMethod]:
+        layer = Linear(64, 48, bias=True)
+        layer.weight.data = weight.clone()
+        layer.bias.data = bias.clone()  # type: ignore[union-attr]
+        method = gemv.PanelMethod(ops, bucketed=bucketed)
+        layer.method = method
+        method.process_weights_after_loading(layer, None)
+        return layer, method
+
+    layer, method = loaded(bucketed=False)
     assert "onednn_weight" in layer._buffers and "oneDNN from 8 rows" in method.describe()
     calls: list[int] = []
     real = gemv.onednn_linear
@@ -429,12 +434,7 @@ def test_onednn_takes_bf16_amx_panels_from_the_measured_rows(monkeypatch: pytest
         torch.testing.assert_close(y.float(), want, rtol=1.6e-2, atol=5e-2)
     assert calls == [8, 40]
     # bucketed (16-bit activations on CPU): oneDNN sees bucketed row counts only, the caller its own rows
-    padded = Linear(64, 48, bias=True)
-    padded.weight.data = weight.clone()
-    padded.bias.data = bias.clone()  # type: ignore[union-attr]
-    bucketed = gemv.PanelMethod(ops, bucketed=True)
-    padded.method = bucketed
-    bucketed.process_weights_after_loading(padded, None)
+    padded, bucketed = loaded(bucketed=True)
     calls.clear()
     for m in (37, 40, 45):
         x = torch.randn(m, 64, generator=gen).to(torch.bfloat16)

@@ -203,6 +203,15 @@ inline bool cpu_has_avx512bf16() {
 }
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
+// C::in(C::out(v)) and a store rounding as C::out, by `vcvtneps2bf16`: SiLU x up's, add + RMSNorm's and rotary's
+// rows (their software rounding was half or more of their work: 2,048 x 576 add + RMSNorm 0.35 ms, a copy of x 0.08).
+inline vf v_rnd_native(vf v) {
+  const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+inline void v_store_native(uint16_t* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
 // exp(x) as 2^n * 2^f, n = round(x log2 e): f from one fused multiply-subtract and log2 e's low part (~1e-7
 // absolute), 2^f by a degree-6 polynomial (its Taylor terms in f ln 2: within 1.2e-7 on [-0.5, 0.5]), 2^n by
 // `vscalefps`: 13 instructions where v_exp takes 17; above 88.3 clamped as v_exp is (1 / (1 + e) stays finite).
@@ -226,22 +235,10 @@ inline int64_t silu_mul_row_bf16_native(const uint16_t* g, const uint16_t* u, ui
   int64_t i = 0;
   for (; i + kW <= inter; i += kW) {
     const vf gv = v_load(g + i);
-    const vf silu = v_mul(gv, v_recip(v_add(one, v_exp_scalef(v_sub(zero, gv)))));
-    const __m256i s16 = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(silu));
-    const vf s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s16), 16));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v_mul(s, v_load(u + i)))));
+    const vf silu = v_rnd_native(v_mul(gv, v_recip(v_add(one, v_exp_scalef(v_sub(zero, gv))))));
+    v_store_native(o + i, v_mul(silu, v_load(u + i)));
   }
   return i;
-}
-// The same rounding for add + RMSNorm and rotary, whose software rounding was most of their work too (2,048 x 576
-// bf16 rows, 2 threads: add + RMSNorm 0.35 ms, a copy of x 0.08 ms).
-inline vf v_rnd_native(vf v) {
-  const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-inline void v_store_native(uint16_t* p, vf v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 // One row of add_rms_norm_impl for h a multiple of kW.
 inline void add_rms_row_bf16_native(const uint16_t* xr, uint16_t* res, const uint16_t* w, uint16_t* o, int64_t h,
@@ -256,7 +253,9 @@ inline void add_rms_row_bf16_native(const uint16_t* xr, uint16_t* res, const uin
     acc = v_fma(sv, sv, acc);
   }
   const vf vinv = v_set(1.f / std::sqrt(v_sum(acc) / static_cast<float>(h) + eps));
-  for (int64_t i = 0; i < h; i += kW) v_store_native(o + i, v_mul(v_load(w + i), v_rnd_native(v_mul(v_load(res + i), vinv))));
+  for (int64_t i = 0; i < h; i += kW) {
+    v_store_native(o + i, v_mul(v_load(w + i), v_rnd_native(v_mul(v_load(res + i), vinv))));
+  }
 }
 // rotary_impl's vector part of one head; returns where the scalar tail starts.
 inline int64_t rotary_row_bf16_native(uint16_t* x1, uint16_t* x2, const uint16_t* c, const uint16_t* s, int64_t half) {
