@@ -334,7 +334,7 @@ def test_a_tied_head_as_panels_is_read_by_the_lookup_too(tiny_model_factory: Cal
     assert model.weight_bytes == loaded.weight_bytes
 
 
-def test_a_loss_between_wins_is_timed_again_before_it_sets_the_crossover() -> None:
+def test_a_loss_beside_wins_is_timed_again_before_it_sets_the_crossover() -> None:
     # session 31's start-up: oneDNN (second) won at 256 and 2,048 rows, "lost" at 1,024 in one burst
     first = {256: (1.08, 0.93), 512: (2.14, 1.85), 1024: (6.70, 9.66), 2048: (13.55, 9.56)}
     asked: list[tuple[int, ...]] = []
@@ -343,21 +343,33 @@ def test_a_loss_between_wins_is_timed_again_before_it_sets_the_crossover() -> No
         asked.append(probes)
         return {m: (4.68, 3.36) for m in probes}
 
-    settled = gemv.retime_losses_between_wins(first, race)
+    settled = gemv.retime_losses_beside_wins(first, race)
     assert asked == [(1024,)]  # only the doubtful probe, once: the second look settled it
     assert settled[1024] == (4.68, 3.36) and settled[2048] == first[2048]
     assert gemv.onednn_from_rows(first) == 2048 and gemv.onednn_from_rows(settled) == 256
-    # a loss that holds is kept (the best of every timing), and one at the largest probe is never doubted
+
+    # a loss that holds is kept (the best of every timing of each side), after every try
     def slow(probes: tuple[int, ...]) -> dict[int, tuple[float, float]]:
         asked.append(probes)
         return {m: (7.0, 9.0) for m in probes}
 
     asked.clear()
-    held = gemv.retime_losses_between_wins(first, slow, tries=2)
-    assert asked == [(1024,), (1024,)] and held[1024] == (6.70, 9.0)
+    held = gemv.retime_losses_beside_wins(first, slow, tries=3)
+    assert asked == [(1024,)] * 3 and held[1024] == (6.70, 9.0)
     assert gemv.onednn_from_rows(held) == 2048
-    lost_last = {256: (2.0, 1.0), 1024: (1.0, 2.0)}
-    assert gemv.retime_losses_between_wins(lost_last, race) == lost_last
+
+    # session 33's start-ups: oneDNN won at every probe but the largest, which set "panels at every size"
+    lost_last = {256: (0.57, 0.55), 512: (1.13, 1.00), 1024: (2.33, 1.93), 2048: (4.87, 6.95)}
+    asked.clear()
+    settled = gemv.retime_losses_beside_wins(lost_last, lambda probes: asked.append(probes) or {
+        m: (4.70, 3.40) for m in probes})
+    assert asked == [(2048,)] and gemv.onednn_from_rows(lost_last) == gemv.NO_AMX
+    assert gemv.onednn_from_rows(settled) == 256
+
+    # a loss at every probe is nothing to doubt: no second look
+    lost_everywhere = {256: (1.0, 2.0), 1024: (1.0, 2.0)}
+    asked.clear()
+    assert gemv.retime_losses_beside_wins(lost_everywhere, race) == lost_everywhere and asked == []
 
 
 def test_fp32_onednn_is_not_turned_off_by_one_burst(monkeypatch: pytest.MonkeyPatch) -> None:
