@@ -361,8 +361,12 @@ def test_a_loss_beside_wins_is_timed_again_before_it_sets_the_crossover() -> Non
     # session 33's start-ups: oneDNN won at every probe but the largest, which set "panels at every size"
     lost_last = {256: (0.57, 0.55), 512: (1.13, 1.00), 1024: (2.33, 1.93), 2048: (4.87, 6.95)}
     asked.clear()
-    settled = gemv.retime_losses_beside_wins(lost_last, lambda probes: asked.append(probes) or {
-        m: (4.70, 3.40) for m in probes})
+
+    def calm(probes: tuple[int, ...]) -> dict[int, tuple[float, float]]:
+        asked.append(probes)
+        return {m: (4.70, 3.40) for m in probes}
+
+    settled = gemv.retime_losses_beside_wins(lost_last, calm)
     assert asked == [(2048,)] and gemv.onednn_from_rows(lost_last) == gemv.NO_AMX
     assert gemv.onednn_from_rows(settled) == 256
 
