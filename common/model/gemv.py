@@ -137,17 +137,20 @@ def _gemv_max_rows(ops: ModuleType, dtype: torch.dtype) -> int:
     key = f"gemv_{dtype}"
     if key not in _limits:
         onednn = onednn_pays(dtype)
-        _limits[key] = crossover_rows(measure_gemv(ops, dtype, onednn))
+        timings = retime_out_of_order(measure_gemv(ops, dtype, onednn),
+                                      lambda probes: measure_gemv(ops, dtype, onednn, probes))
+        _limits[key] = crossover_rows(timings)
         log.info("row-major %s weights: Tandem's GEMV up to %d rows here; %s above", dtype, _limits[key],
                  "oneDNN's GEMM on prepacked weights" if onednn else "torch's GEMM")
     return _limits[key]
 
 
-def measure_gemv(ops: ModuleType, dtype: torch.dtype, onednn: bool = False) -> dict[int, tuple[float, float]]:
+def measure_gemv(ops: ModuleType, dtype: torch.dtype, onednn: bool = False,
+                 probes: tuple[int, ...] = GEMV_PROBES) -> dict[int, tuple[float, float]]:
     """Per probed row count, the best of a few timings of (``dense_matmul``, the GEMM: oneDNN's on the weight
     prepacked with ``onednn``, else torch's) on one row-major weight (the panels' probe shape)."""
     versus = (onednn_pack, onednn_linear) if onednn else None
-    return _race(dtype, GEMV_PROBES, lambda w: w, lambda x, w: ops.dense_matmul(x, w), versus)
+    return _race(dtype, probes, lambda w: w, lambda x, w: ops.dense_matmul(x, w), versus)
 
 
 # oneDNN's GEMM on weights prepacked in its blocked layout (the path vLLM's CPU backend takes for float weights).
@@ -270,6 +273,20 @@ def retime_losses_beside_wins(timings: dict[int, tuple[float, float]],
                                                  and any(t[n][1] <= t[n][0] for n in t if n != m)), tries)
 
 
+def retime_out_of_order(timings: dict[int, tuple[float, float]],
+                        race: Callable[[tuple[int, ...]], dict[int, tuple[float, float]]],
+                        tries: int = 2) -> dict[int, tuple[float, float]]:
+    """``timings`` (rows -> (kernel s, GEMM s)) of a kernel that should win below a crossover and lose above it
+    (``crossover_rows``), with each probe that breaks that order timed again, up to ``tries`` more times (the
+    best of all kept): a loss below a larger win, or a win above a smaller loss. One burst elsewhere during a
+    probe's five timings would otherwise set the crossover for the process's life, as it did to the bf16 GEMM's
+    (``retime_losses_beside_wins``)."""
+    return retime(timings, race, lambda t: tuple(
+        m for m in sorted(t)
+        if (t[m][0] > t[m][1] and any(t[n][0] <= t[n][1] for n in t if n > m))
+        or (t[m][0] <= t[m][1] and any(t[n][0] > t[n][1] for n in t if n < m))), tries)
+
+
 def retime(timings: dict[int, tuple[float, float]], race: Callable[[tuple[int, ...]], dict[int, tuple[float, float]]],
            doubtful: Callable[[dict[int, tuple[float, float]]], tuple[int, ...]],
            tries: int = 2) -> dict[int, tuple[float, float]]:
@@ -317,7 +334,9 @@ def _panel_max_rows(ops: ModuleType, dtype: torch.dtype = torch.bfloat16) -> int
         return NO_AMX
     key = f"measured_{dtype}"
     if key not in _limits:
-        _limits[key] = crossover_rows(measure_crossover(ops, dtype))
+        timings = retime_out_of_order(measure_crossover(ops, dtype),
+                                      lambda probes: measure_crossover(ops, dtype, probes))
+        _limits[key] = crossover_rows(timings)
         log.info("%s panels multiply up to %d rows here; torch's GEMM above", dtype, _limits[key])
     return _limits[key]
 
@@ -329,9 +348,10 @@ CROSSOVER_PROBES = (8, 16, 32, 64, 128, PANEL_MAX_ROWS)
 _PROBE_SHAPE = (2048, 1024)  # [N, K]: larger than L2, as the models' projections are
 
 
-def measure_crossover(ops: ModuleType, dtype: torch.dtype) -> dict[int, tuple[float, float]]:
+def measure_crossover(ops: ModuleType, dtype: torch.dtype,
+                      probes: tuple[int, ...] = CROSSOVER_PROBES) -> dict[int, tuple[float, float]]:
     """Per probed row count, the best of a few timings of (the panel kernel, torch's GEMM) on one weight."""
-    return _race(dtype, CROSSOVER_PROBES, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False))
+    return _race(dtype, probes, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False))
 
 
 Layout = Callable[[torch.Tensor], torch.Tensor]

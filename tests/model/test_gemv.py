@@ -179,6 +179,25 @@ def test_the_crossover_is_where_the_panels_first_lose() -> None:
     assert gemv.crossover_rows({8: (3, 2), 16: (3, 2)}) == 8  # the smallest probe when they always lose
 
 
+def test_a_crossover_out_of_order_is_timed_again() -> None:
+    # rows -> (kernel s, GEMM s): a loss at 16 below a win at 32 (and that win above it) is one burst's doing
+    first = {8: (1.0, 2.0), 16: (3.0, 2.0), 32: (1.0, 2.0), 64: (3.0, 2.0)}
+    asked: list[tuple[int, ...]] = []
+
+    def race(probes: tuple[int, ...]) -> dict[int, tuple[float, float]]:
+        asked.append(probes)
+        return {16: (1.5, 2.0), 32: (2.5, 0.9)}  # 32's GEMM ran in a burst the first time
+
+    settled = gemv.retime_out_of_order(first, race)
+    assert asked == [(16, 32)]  # both sides of the break, once: in order after it
+    assert settled[16] == (1.5, 2.0) and settled[32] == (1.0, 0.9)  # the best of each side's timings
+    assert gemv.crossover_rows(first) == 8 and gemv.crossover_rows(settled) == 16
+    # in order (wins, then losses): nothing timed again
+    asked.clear()
+    in_order = {8: (1.0, 2.0), 16: (1.0, 2.0), 32: (3.0, 2.0)}
+    assert gemv.retime_out_of_order(in_order, race) == in_order and asked == []
+
+
 def test_panels_are_held_only_where_they_pay(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
     from common.model.linear import Linear
     from common.quant.registry import float_method
