@@ -55,6 +55,9 @@ class AsyncEngine:
         engine.connector.finished.wake = lambda: self._commands.put(None)
         # Process-wide: every engine thread wants it; never raised above what the process already set.
         sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
+        from common.kernels.openmp import hand_over_openmp
+
+        hand_over_openmp()  # TANDEM_CPU_OMP_HANDOFF: one libgomp team in the process, the engine thread's
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -1,0 +1,60 @@
+"""One OpenMP team in a serving process: the engine thread's.
+
+PyTorch's CPU ops run their parallel regions in libgomp, which keeps a team of worker threads per thread that
+starts a region. A serving process builds its model in the main thread (loading, and the start-up races that
+choose the linear methods, run parallel regions there), then steps the engine in its own thread: two teams,
+four libgomp threads on two cores. Past as many threads as CPUs, libgomp cuts the time a waiting worker spins
+before it sleeps from ~300,000 rounds to 100 ("throttled"), so the engine's worker slept between nearly every
+two kernels of a step and each region began by waking it: the engine thread's worker was busy 60-80% of a
+served step, and a 1,024-token prefill step of SmolLM2 (bf16, two Xeon cores, vLLM's client at 2 req/s) took
+434 ms on average against 380 ms with the main thread's team let go (session 33:
+benchmarks/results/2026-12-06-startup-races/RESULTS.md). Offline, where one thread does everything, the worker
+never sleeps.
+
+``hand_over_openmp`` (``TANDEM_CPU_OMP_HANDOFF``: auto, where PyTorch's OpenMP is libgomp with OpenMP 5's
+``omp_pause_resource_all``; on: that, or a start-up error; off: both teams stay) lets the calling thread's team
+go before the engine thread starts: its workers exit and libgomp counts only the engine's. A later parallel
+region in that thread builds a team again (threads that copy KV between nodes run their own; unmeasured).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+from common.config.settings import kernel_setting
+
+log = logging.getLogger(__name__)
+
+OMP_PAUSE_SOFT = 1  # omp.h: omp_pause_soft (the threads go; the library stays usable)
+
+
+def loaded_libgomp() -> list[str]:
+    """Paths of every libgomp mapped into this process (PyTorch's wheels carry their own); empty elsewhere."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return []
+    paths = {line.split(maxsplit=5)[5].strip() for line in maps.read_text().splitlines()
+             if "libgomp" in line and len(line.split(maxsplit=5)) == 6}
+    return sorted(p for p in paths if p.startswith("/"))
+
+
+def hand_over_openmp() -> bool:
+    """Let the calling thread's libgomp team go (see the module docstring); True when one was let go or none
+    existed. Call it from the thread that built the model, before the engine thread's first step."""
+    mode = str(kernel_setting("cpu_omp_handoff"))  # TANDEM_CPU_OMP_HANDOFF
+    if mode == "off":
+        return False
+    released = False
+    for path in loaded_libgomp():
+        pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        if pause is not None:
+            pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+            released = pause(OMP_PAUSE_SOFT) == 0 or released
+    if not released:
+        if mode == "on":
+            raise RuntimeError("TANDEM_CPU_OMP_HANDOFF=on, but this process has no libgomp with "
+                               "omp_pause_resource_all to let the start-up thread's OpenMP team go")
+        log.info("the start-up thread's OpenMP team stays: no libgomp with omp_pause_resource_all here")
+    return released
