@@ -198,3 +198,30 @@ def test_the_fp32_kernel_races_sdpa_once_per_head_shape(monkeypatch: pytest.Monk
     assert list(decided) == [(4, 2, 32)] and (chosen is kernel) == decided[(4, 2, 32)]
     decided[(4, 2, 32)] = not decided[(4, 2, 32)]  # decided once: the next call reads the record
     assert (TorchAttentionBackend()._prefill_kernel(query, cache.layer(1), meta, None) is kernel) == decided[(4, 2, 32)]
+
+
+def test_a_lost_fp32_race_is_looked_at_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in clock the stand-in kernels advance: the kernel takes 3 units in its first five runs (a burst
+    # elsewhere), then 0.5; SDPA always 1. The first look loses, the second wins, and no third look is taken.
+    import time
+    from types import SimpleNamespace
+
+    now = [0.0]
+    calls = {"kernel": 0, "sdpa": 0}
+
+    def kernel_run(*_: object) -> None:
+        calls["kernel"] += 1
+        now[0] += 3.0 if calls["kernel"] <= 5 else 0.5
+
+    def sdpa_run(*_: object, **__: object) -> None:
+        calls["sdpa"] += 1
+        now[0] += 1.0
+
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(torch_backend, "prefill_attention", sdpa_run)
+    assert torch_backend.f32_prefill_pays(SimpleNamespace(paged_prefill=kernel_run), 4, 2, 32) is True
+    assert calls == {"kernel": 10, "sdpa": 10}
+    # a kernel slower in every look: three looks, then SDPA
+    calls.update(kernel=-100, sdpa=0)
+    assert torch_backend.f32_prefill_pays(SimpleNamespace(paged_prefill=kernel_run), 4, 2, 32) is False
+    assert calls == {"kernel": -85, "sdpa": 15}
