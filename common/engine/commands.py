@@ -127,7 +127,8 @@ class ReserveKV(EngineCommand[None]):
 
 @dataclass(frozen=True)
 class PrepareKernels(EngineCommand[bool]):
-    """Build or load the compiled CPU decode kernel on the engine thread. Answers whether it is in use."""
+    """Build or load the compiled CPU decode kernel on the engine thread, and have oneDNN build its bf16 GEMM
+    kernels for every row bucket a step can reach. Answers whether the decode kernel is in use."""
 
 
 @dataclass(frozen=True)

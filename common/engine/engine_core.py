@@ -136,8 +136,23 @@ class EngineCore:
             case PrepareKernels():
                 from common.kernels.cpu import paged_decode_kernel
 
-                return paged_decode_kernel() is not None
+                ready = paged_decode_kernel() is not None
+                self._warm_gemm_buckets()
+                return ready
         raise TypeError(f"unknown engine command {command!r}")
+
+    def _warm_gemm_buckets(self) -> None:
+        """oneDNN's bf16 GEMM kernels for every row bucket a step can reach, built now (a first step at a new
+        bucket cost 15-20 ms more in session 33) on the thread that steps."""
+        from common.model.gemv import warm_onednn_buckets
+
+        config = self.scheduler.config
+        max_rows = max(config.max_num_batched_tokens, *(config.backlog_budget or (0,)))
+        started = time.perf_counter()
+        calls = warm_onednn_buckets(self.runner.model, max_rows)
+        if calls:
+            log.info("oneDNN's GEMM warmed at %d row counts up to %d rows in %.2f s", calls, max_rows,
+                     time.perf_counter() - started)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Caller mistakes become InvalidRequestError naming the field and the limit."""

@@ -39,13 +39,14 @@ import torch
 
 from common.config.settings import kernel_setting
 from common.kernels.cpu import NO_AMX, amx_enabled
-from common.model.linear import LinearMethod, StepWeights, TorchMethod
-from common.model.row_buckets import bucket_rows, on_bucketed_rows
+from common.model.linear import Linear, LinearMethod, StepWeights, TorchMethod
+from common.model.row_buckets import bucket_rows, bucket_values, on_bucketed_rows
 from common.quant.cpu_linear import GEMV_MAX_ROWS, TILE_ELEMENTS  # one limit for float and packed weights
 from common.quant.panels import PANEL_ROWS
 
 if TYPE_CHECKING:
-    from common.model.linear import Linear
+    from torch import nn
+
     from common.quant.formats import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -477,6 +478,17 @@ class PanelMethod(LinearMethod):
             y = self._tiled(layer, panels, x)
         return y if layer.bias is None else y + layer.bias
 
+    def warm_buckets(self, layer: Linear, max_rows: int) -> int:
+        """Run oneDNN's GEMM once at every row bucket from its first row count up to ``max_rows`` (zero rows), so
+        that it builds its kernels for them now and not in a served step (+15-20 ms a first step at a new bucket,
+        session 33); the number of calls."""
+        if self._onednn is None or not self.bucketed or self._onednn_rows > max_rows:
+            return 0
+        buckets = bucket_values(self._onednn_rows, max_rows)
+        for m in buckets:
+            self.apply(layer, torch.zeros(m, layer.in_features, dtype=torch.bfloat16))
+        return len(buckets)
+
     def _tiled(self, layer: Linear, panels: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         rows = bucket_rows(m) if self.bucketed else m
@@ -505,6 +517,22 @@ class PanelMethod(LinearMethod):
     def describe(self) -> str:
         onednn = f", oneDNN from {self._onednn_rows} rows" if self._onednn is not None else ""
         return f"panels of {PANEL_ROWS} rows{onednn}"
+
+
+def warm_onednn_buckets(model: nn.Module, max_rows: int) -> int:
+    """``PanelMethod.warm_buckets`` for one layer of each weight shape in ``model`` (layers of one shape share
+    oneDNN's kernels); the number of GEMM calls it took."""
+    seen: set[tuple[int, int, bool]] = set()
+    calls = 0
+    for layer in model.modules():
+        if isinstance(layer, Linear) and isinstance(layer.method, PanelMethod):
+            key = (layer.in_features, layer.out_features, layer.bias is not None)
+            if key not in seen:
+                warmed = layer.method.warm_buckets(layer, max_rows)
+                if warmed:
+                    seen.add(key)
+                    calls += warmed
+    return calls
 
 
 def panel_mode(dtype: torch.dtype) -> bool:

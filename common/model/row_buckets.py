@@ -35,6 +35,16 @@ def bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
+def bucket_values(lo: int, hi: int) -> list[int]:
+    """Every padded row count a call of ``lo`` to ``hi`` rows can take, ascending."""
+    values: list[int] = []
+    m = max(1, lo)
+    while m <= hi:
+        values.append(bucket_rows(m))
+        m = values[-1] + 1
+    return values
+
+
 def on_bucketed_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn(x)`` for a row-wise ``fn`` over ``x`` [m, k] padded with zero rows to ``bucket_rows(m)`` (the padding's
     output rows dropped: a view of the first m)."""

@@ -14,7 +14,7 @@ from common.kernels.cpu import quant_kernels
 from common.kernels.isa import cpu_flags, runnable_isas
 from common.model import gemv
 from common.model.linear import Linear, TiedEmbedding, TorchMethod
-from common.model.row_buckets import bucket_rows
+from common.model.row_buckets import bucket_rows, bucket_values
 from common.quant.registry import float_method
 
 ISAS = runnable_isas()[:2]
@@ -478,6 +478,12 @@ def test_onednn_takes_bf16_amx_panels_from_the_measured_rows(monkeypatch: pytest
         want = nn.functional.linear(x.float(), weight.float(), bias.float())
         torch.testing.assert_close(y.float(), want, rtol=1.6e-2, atol=5e-2)
     assert calls == [bucket_rows(37), 40, bucket_rows(45)] == [40, 40, 48]
+    # warmed at start-up: every bucket from the limit (8 here) to a step's most rows, once per weight shape
+    calls.clear()
+    model = nn.Sequential(layer, padded, loaded(bucketed=True)[0])  # unbucketed (not warmed), two of one shape
+    assert gemv.warm_onednn_buckets(model, 40) == len(calls) == 19
+    assert calls == bucket_values(8, 40) == [8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 20, 22, 24, 26, 28, 30, 32, 36, 40]
+    assert gemv.warm_onednn_buckets(model, 7) == 0  # no step reaches oneDNN's rows
     float_out = Linear(64, 48, bias=False)
     float_out.weight.data = weight.clone()
     float_out.float_out = True
