@@ -147,7 +147,7 @@ class EngineCore:
         from common.model.gemv import warm_onednn_buckets
 
         config = self.scheduler.config
-        max_rows = max(config.max_num_batched_tokens, *(config.backlog_budget or (0,)))
+        max_rows = max(config.max_num_batched_tokens, config.backlog_budget[0] if config.backlog_budget else 0)
         started = time.perf_counter()
         calls = warm_onednn_buckets(self.runner.model, max_rows)
         if calls:

@@ -35,8 +35,7 @@ def loaded_libgomp() -> list[str]:
     maps = Path("/proc/self/maps")
     if not maps.exists():
         return []
-    paths = {line.split(maxsplit=5)[5].strip() for line in maps.read_text().splitlines()
-             if "libgomp" in line and len(line.split(maxsplit=5)) == 6}
+    paths = {line.split(maxsplit=5)[-1].strip() for line in maps.read_text().splitlines() if "libgomp" in line}
     return sorted(p for p in paths if p.startswith("/"))
 
 

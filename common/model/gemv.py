@@ -482,7 +482,7 @@ class PanelMethod(LinearMethod):
         """Run oneDNN's GEMM once at every row bucket from its first row count up to ``max_rows`` (zero rows), so
         that it builds its kernels for them now and not in a served step (+15-20 ms a first step at a new bucket,
         session 33); the number of calls."""
-        if self._onednn is None or not self.bucketed or self._onednn_rows > max_rows:
+        if self._onednn is None or not self.bucketed:
             return 0
         buckets = bucket_values(self._onednn_rows, max_rows)
         for m in buckets:
