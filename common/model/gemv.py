@@ -6,9 +6,10 @@ figures), so Tandem multiplies float weights with its own kernels there (``commo
 
 - ``PanelMethod`` (where out_features is a multiple of 16): the weight held in 16-row panels
   (``pack_panels``), multiplied by ``dense_matmul_panel``: each thread streams whole panels, ``vdpbf16ps``
-  on AVX512-BF16. Above the rows where torch's GEMM measured faster here at start-up (``crossover_rows``, at
-  most ``PANEL_MAX_ROWS``; fp32 always, bf16 without AMX), tiles are unpacked for it; where that crossover is
-  below ``PANEL_MIN_CROSSOVER`` weights stay row-major (``GemvMethod``, ``panels_pay``). Where the CPU grants
+  on AVX512-BF16. Above the rows where tiles unpacked from the panels through torch's GEMM measured faster
+  here at start-up (``_panel_max_rows``; fp32 always, bf16 without AMX), tiles are unpacked for it; where
+  torch's GEMM on row-major weights beat the panels below ``PANEL_MIN_CROSSOVER`` rows (``gemm_crossover``)
+  weights stay row-major (``GemvMethod``, ``panels_pay``). Where the CPU grants
   AMX, from ``AMX_MIN_ROWS`` rows the bf16 panels go straight into AMX tiles
   (``common/kernels/cpu/cpu_amx.cpp``: the bf16 panel layout is the tile unit's B layout) at every row count, but
   from the prefill sizes where oneDNN's bf16 GEMM on a prepacked copy measured no slower here
@@ -329,16 +330,43 @@ def panel_max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
 
 
 def _panel_max_rows(ops: ModuleType, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Rows up to which ``dtype`` panels multiply as they lie: bf16 with AMX at any count (the tiles take the
-    panels as they are); otherwise as far as the panel kernel measured faster than torch's GEMM here."""
+    """Rows up to which ``dtype`` panels multiply as they lie: bf16 with AMX at any count; otherwise as far as the
+    panel kernel measured faster here than what takes the rows above it, tiles unpacked from the panels through
+    torch's GEMM (``tiled_matmul``; at every count where it won at the largest of ``TILED_PROBES``), and at
+    least as far as it beat torch's GEMM on row-major weights (``gemm_crossover``).
+
+    Session 34 (2-core AMD EPYC, Zen 4: AVX512-BF16, no AMX, one thread): the race against the row-major GEMM
+    alone read 32-256 rows from start to start (within 10% of the panels from 64 rows up: 4.25 vs 4.61 ms a
+    layer of SmolLM2's shapes at 99 rows), but above the limit the layer unpacks tiles, 2-3x the panels' time
+    up to 128 rows (99 rows 13.6 ms) and still 1.1-1.25x at 512-1,024: a server that read 64 prefilled a 99-token turn
+    in 420-550 ms where one that read 128 or 256 took ~240."""
     if dtype == torch.bfloat16 and _amx_min_rows(ops) < NO_AMX:
         return NO_AMX
+    key = f"panel_limit_{dtype}"
+    if key not in _limits:
+        gemm = gemm_crossover(ops, dtype)
+        limit = gemm
+        probes = tuple(m for m in TILED_PROBES if m > gemm)
+        if probes:
+            timings = retime_out_of_order(measure_tiled(ops, dtype, probes),
+                                          lambda again: measure_tiled(ops, dtype, again))
+            if timings[probes[0]][0] <= timings[probes[0]][1]:  # the panels beat the tiles past the GEMM's limit
+                tiled = crossover_rows(timings)
+                limit = NO_AMX if tiled == probes[-1] else tiled
+        _limits[key] = limit
+        log.info("%s panels multiply up to %s rows here (torch's GEMM on row-major weights from %d); unpacked "
+                 "tiles through torch's GEMM above", dtype, "any number of" if limit == NO_AMX else limit, gemm)
+    return _limits[key]
+
+
+def gemm_crossover(ops: ModuleType, dtype: torch.dtype) -> int:
+    """Rows up to which the panel kernel measured faster here than torch's GEMM on row-major weights (at most
+    ``PANEL_MAX_ROWS``): whether weights are worth holding in panels at all (``panels_pay``)."""
     key = f"measured_{dtype}"
     if key not in _limits:
         timings = retime_out_of_order(measure_crossover(ops, dtype),
                                       lambda probes: measure_crossover(ops, dtype, probes))
         _limits[key] = crossover_rows(timings)
-        log.info("%s panels multiply up to %d rows here; torch's GEMM above", dtype, _limits[key])
     return _limits[key]
 
 
@@ -346,6 +374,8 @@ def _panel_max_rows(ops: ModuleType, dtype: torch.dtype = torch.bfloat16) -> int
 # fp32 panels won up to 256 rows; on a 2-core AVX-512/AMX Xeon (session 25) MKL's fp32 GEMM won from 32 rows,
 # by 1.7x at 256-384 (a 384-token prefill 592 -> 370 ms): so the limit is measured where it runs.
 CROSSOVER_PROBES = (8, 16, 32, 64, 128, PANEL_MAX_ROWS)
+# The row counts probed for where the panels lose to the tiles unpacked from them (``_panel_max_rows``).
+TILED_PROBES = (128, 256, 512)
 _PROBE_SHAPE = (2048, 1024)  # [N, K]: larger than L2, as the models' projections are
 
 
@@ -353,6 +383,31 @@ def measure_crossover(ops: ModuleType, dtype: torch.dtype,
                       probes: tuple[int, ...] = CROSSOVER_PROBES) -> dict[int, tuple[float, float]]:
     """Per probed row count, the best of a few timings of (the panel kernel, torch's GEMM) on one weight."""
     return _race(dtype, probes, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False))
+
+
+def measure_tiled(ops: ModuleType, dtype: torch.dtype, probes: tuple[int, ...] = TILED_PROBES,
+                  ) -> dict[int, tuple[float, float]]:
+    """Per probed row count, the best of a few timings of (the panel kernel, ``tiled_matmul`` on the same panels:
+    what multiplies the rows above the panels' limit)."""
+    n = _PROBE_SHAPE[0]
+    return _race(dtype, probes, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False),
+                 (pack_panels, lambda x, p: tiled_matmul(p, x, n, bucketed=False)))
+
+
+def tiled_matmul(panels: torch.Tensor, x: torch.Tensor, out_features: int, bucketed: bool) -> torch.Tensor:
+    """``x`` times the weight in ``panels``, cache-sized tiles of them unpacked to row-major for torch's GEMM, in
+    the panels' dtype (``bucketed``: the rows padded to their bucket first, common/model/row_buckets.py)."""
+    m, k = x.shape
+    rows = bucket_rows(m) if bucketed else m
+    xs = x.to(panels.dtype)
+    if rows != m:
+        xs = torch.cat([xs, xs.new_zeros(rows - m, k)])
+    step = max(1, TILE_ELEMENTS // (k * PANEL_ROWS))  # panels per tile
+    out = torch.empty(rows, out_features, dtype=xs.dtype)
+    for p0 in range(0, panels.shape[0], step):
+        p1 = min(panels.shape[0], p0 + step)
+        torch.mm(xs, unpack_panels(panels, p0, p1).T, out=out[:, p0 * PANEL_ROWS : p1 * PANEL_ROWS])
+    return out[:m] if rows != m else out
 
 
 Layout = Callable[[torch.Tensor], torch.Tensor]
@@ -490,17 +545,8 @@ class PanelMethod(LinearMethod):
         return len(buckets)
 
     def _tiled(self, layer: Linear, panels: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        rows = bucket_rows(m) if self.bucketed else m
-        xs = x.to(panels.dtype)
-        if rows != m:
-            xs = torch.cat([xs, xs.new_zeros(rows - m, xs.shape[1])])
-        step = max(1, TILE_ELEMENTS // (layer.in_features * PANEL_ROWS))  # panels per tile
-        out = torch.empty(rows, layer.out_features, dtype=xs.dtype)
-        for p0 in range(0, panels.shape[0], step):
-            p1 = min(panels.shape[0], p0 + step)
-            torch.mm(xs, unpack_panels(panels, p0, p1).T, out=out[:, p0 * PANEL_ROWS : p1 * PANEL_ROWS])
-        return (out[:m] if rows != m else out).to(torch.float32 if layer.float_out else x.dtype)
+        out = tiled_matmul(panels, x, layer.out_features, self.bucketed)
+        return out.to(torch.float32 if layer.float_out else x.dtype)
 
     def step_weights(self, layer: Linear, dtype: torch.dtype) -> StepWeights | None:
         panels = self._panels
@@ -554,9 +600,11 @@ PANEL_MIN_CROSSOVER = 64
 
 
 def panels_pay(ops: ModuleType, dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` weights are worth holding in panels here: the panel kernel beats torch's GEMM up to
-    at least ``PANEL_MIN_CROSSOVER`` rows (bf16 with AMX always)."""
-    return _panel_max_rows(ops, dtype) >= PANEL_MIN_CROSSOVER
+    """Whether ``dtype`` weights are worth holding in panels here: the panel kernel beats torch's GEMM on
+    row-major weights up to at least ``PANEL_MIN_CROSSOVER`` rows (bf16 with AMX always)."""
+    if dtype == torch.bfloat16 and _amx_min_rows(ops) < NO_AMX:
+        return True
+    return gemm_crossover(ops, dtype) >= PANEL_MIN_CROSSOVER
 
 
 def wanted(device: torch.device) -> bool:

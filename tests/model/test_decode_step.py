@@ -42,8 +42,9 @@ def _panels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_CPU_PANELS", "on")
     # ... and multiply up to PANEL_MAX_ROWS rows as they lie, as where they win that far (a 40-row batch here)
     # (row-major fp32 weights, "rows" below: their GEMV up to 64 rows, past the 40-row batch)
-    monkeypatch.setattr(gemv, "_limits", {f"measured_{dtype}": gemv.PANEL_MAX_ROWS
-                                          for dtype in (torch.float32, torch.bfloat16)} | {f"gemv_{torch.float32}": 64})
+    monkeypatch.setattr(gemv, "_limits", {f"{what}_{dtype}": gemv.PANEL_MAX_ROWS
+                                          for dtype in (torch.float32, torch.bfloat16)
+                                          for what in ("measured", "panel_limit")} | {f"gemv_{torch.float32}": 64})
 
 
 def _model(factory: Callable[..., Path], shape: str, quantization: str, dtype: str = "float32") -> LlamaForCausalLM:

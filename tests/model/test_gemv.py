@@ -157,8 +157,9 @@ def test_the_amx_path_is_reported_and_its_mode_checked(ops: object, monkeypatch:
     monkeypatch.setattr(cpu_kernels, "_amx_state", {})
     monkeypatch.setenv("TANDEM_CPU_AMX", "off")
     assert gemv._amx_min_rows(ops) == NO_AMX  # type: ignore[arg-type]
-    # without AMX, bf16 panels multiply up to the crossover measured here (one of the probes)
-    assert gemv._panel_max_rows(ops) in gemv.CROSSOVER_PROBES  # type: ignore[arg-type]
+    # without AMX, bf16 panels multiply up to the crossover measured here (one of the probes, or every count)
+    limits = (*gemv.CROSSOVER_PROBES, *gemv.TILED_PROBES, NO_AMX)
+    assert gemv._panel_max_rows(ops) in limits  # type: ignore[arg-type]
     monkeypatch.setattr(gemv, "_limits", {})
     monkeypatch.setenv("TANDEM_CPU_AMX", "on")
     if path == "amx":
@@ -177,6 +178,53 @@ def test_the_crossover_is_where_the_panels_first_lose() -> None:
     assert gemv.crossover_rows({8: (1, 2), 16: (1, 2), 32: (3, 2), 64: (1, 2)}) == 16  # not past a loss
     assert gemv.crossover_rows({8: (1, 2), 256: (1, 1)}) == 256  # a tie keeps the panels
     assert gemv.crossover_rows({8: (3, 2), 16: (3, 2)}) == 8  # the smallest probe when they always lose
+
+
+def test_the_panels_limit_is_raced_against_the_tiles_that_take_the_rows_above_it(
+        ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above their limit a layer's panels are unpacked into tiles for torch's GEMM (``tiled_matmul``), which cost
+    2-3x the panels up to 128 rows on session 34's EPYC where torch's GEMM on row-major weights was at par: the
+    limit is where the panels lose to the tiles, from the row-major GEMM's crossover up, every count when they
+    never do. Stand-in races (rows -> (panels s, other s)); then the real one runs."""
+    races: list[tuple[str, tuple[int, ...]]] = []
+
+    def stand_in(tiled: dict[int, tuple[float, float]]) -> None:
+        def crossover(_ops: object, _dtype: torch.dtype, probes: tuple[int, ...] = gemv.CROSSOVER_PROBES,
+                      ) -> dict[int, tuple[float, float]]:
+            races.append(("gemm", probes))
+            return {m: (1.0, 2.0) if m <= 64 else (2.0, 1.0) for m in probes}  # the row-major GEMM from 128
+
+        def against_tiles(_ops: object, _dtype: torch.dtype, probes: tuple[int, ...] = gemv.TILED_PROBES,
+                          ) -> dict[int, tuple[float, float]]:
+            races.append(("tiled", probes))
+            return {m: tiled[m] for m in probes}
+
+        monkeypatch.setattr(gemv, "measure_crossover", crossover)
+        monkeypatch.setattr(gemv, "measure_tiled", against_tiles)
+        monkeypatch.setattr(gemv, "_limits", {})
+
+    stand_in({128: (1.0, 3.0), 256: (1.0, 1.5), 512: (1.0, 1.1)})  # the panels win at every probe
+    assert gemv._panel_max_rows(ops, torch.float32) == NO_AMX  # type: ignore[arg-type]
+    assert races == [("gemm", gemv.CROSSOVER_PROBES), ("tiled", (128, 256, 512))]  # the tiles above 64 only
+    assert gemv.panels_pay(ops, torch.float32)  # type: ignore[arg-type]
+    stand_in({128: (1.0, 3.0), 256: (1.0, 1.5), 512: (1.2, 1.1)})
+    assert gemv._panel_max_rows(ops, torch.float32) == 256  # type: ignore[arg-type]
+    stand_in({128: (1.2, 1.1), 256: (1.2, 1.1), 512: (1.2, 1.1)})  # the tiles win past the GEMM's crossover
+    assert gemv._panel_max_rows(ops, torch.float32) == 64  # type: ignore[arg-type]
+    # whether panels pay at all is the row-major GEMM's race alone
+    races.clear()
+    monkeypatch.setattr(gemv, "_limits", {})
+    assert gemv.panels_pay(ops, torch.float32) and races == [("gemm", gemv.CROSSOVER_PROBES)]  # type: ignore[arg-type]
+    monkeypatch.undo()
+    # the real race: both sides timed at every probe, and the tiles give the panels' products
+    timings = gemv.measure_tiled(ops, torch.float32, (8, 32))  # type: ignore[arg-type]
+    assert sorted(timings) == [8, 32] and all(min(t) > 0 for t in timings.values())
+    w = torch.randn(48, 64)
+    x = torch.randn(37, 64)
+    for bucketed in (False, True):
+        out = gemv.tiled_matmul(gemv.pack_panels(w), x, 48, bucketed)
+        assert out.shape == (37, 48)
+        torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 def test_a_crossover_out_of_order_is_timed_again() -> None:
