@@ -5,14 +5,15 @@ following the reservation; relay the tokens.
                              ├─ Decode.Generate ──> decode node: Reservation, then TokenDeltas
                              └─ Prefill.PrefillStream ──> prefill node: the request (computes at once), then the
                                                           reservation as its destination (pushes KV into it);
-                                                          answers with the first token
+                                                          answers with the first token, then the transfer's end
 As vLLM's and Dynamo's routers do, the prefill does not wait for the decode node's reservation (which waits
 for its engine's step, or for free blocks): the prompt computes meanwhile and its KV is held on the prefill
 node until the destination comes.
 With conditional disaggregation (``gateway.prefill_policy``) a short prompt skips the prefill node: the decode
 node computes it itself (``prefill_locally``) and its first TokenDelta carries the first token.
-The first token goes to the client as soon as the prefill answers; the decode stream is read by its own
-task into a queue, so the decode node never waits for a slow client, and each client message carries
+The first token goes to the client as soon as the prefill node sampled it, before the KV transfer's acks (a
+transfer that fails after it continues the request elsewhere, as a lost node's does); the decode stream is read
+by its own task into a queue, so the decode node never waits for a slow client, and each client message carries
 everything that queued up since the previous one. Whatever ends the request (its end, a stop string,
 a failure, the client's cancel, a deadline) cancels whichever leg is still running.
 """
@@ -74,8 +75,10 @@ class NodeLostError(UnavailableError):
 
 # A reserved decode leg, the queue its stream is read into and the reader.
 _Reserved: TypeAlias = tuple[DecodeLeg, asyncio.Queue[QueueItem], Reader]
-# The prefill node that answered, its answer, and when it was called.
-_Prefilled: TypeAlias = tuple[NodeState, prefill_pb2.PrefillResponse, float]
+# The prefill node that answered, its first answer (the first token), when it was called, and the task that
+# reads the rest of its call (the transfer's end: its bytes and seconds, or the failure).
+_Prefilled: TypeAlias = tuple[NodeState, prefill_pb2.PrefillResponse, float,
+                              asyncio.Task[prefill_pb2.PrefillResponse]]
 
 
 @dataclass
@@ -94,12 +97,16 @@ class _Run:
 
     def prefilled(self, reply: prefill_pb2.PrefillResponse, node_id: str, waited_s: float, now: float) -> None:
         """A prefill node answered with a first token ``waited_s`` after the request arrived."""
-        self.kv_seconds += reply.transfer_seconds
-        self.kv_bytes += reply.transfer_bytes
+        self.transferred(reply)
         if self.first_token_time is None:
             self.first_token_time, self.prefill_node = now, node_id
             self.queue_seconds = waited_s + reply.queue_seconds
             self.cached_tokens = reply.num_cached_tokens
+
+    def transferred(self, reply: prefill_pb2.PrefillResponse) -> None:
+        """A prefill's KV transfer ended (a first answer with ``kv_pending`` counts nothing)."""
+        self.kv_seconds += reply.transfer_seconds
+        self.kv_bytes += reply.transfer_bytes
 
     def prefilled_locally(self, decode: DecodeLeg, now: float) -> None:
         """A decode node prefilled the prompt itself and sent its first token."""
@@ -211,10 +218,13 @@ class Coordinator:
                 span.add_event("local_prefill", {spans.DECODE_NODE: decode.node_id})
             queue, reader = start_reading(decode, attempt.request_id)
         # out.source_finished: the decode node sent its finish reason, so its call ends by itself.
+        transfer: asyncio.Task[prefill_pb2.PrefillResponse] | None = None
         try:
             first: OutputChunk | None = None
             if prefilled is not None:
-                prefill_node, reply, prefill_started = prefilled
+                prefill_node, reply, prefill_started, transfer = prefilled
+                # The KV may still be landing: a transfer that fails now ends the attempt through the decode queue.
+                transfer.add_done_callback(functools.partial(_queue_failure, queue))
                 first = OutputChunk()
                 out.add(first, [reply.first_token], [reply.first_logprob] if reply.HasField("first_logprob") else [])
                 decode.first_token_time = time.monotonic()
@@ -229,6 +239,8 @@ class Coordinator:
                 if out.finished:
                     if not out.source_finished:  # a stop string ended it: abort the rest on the decode node now
                         decode.call.cancel()
+                    elif transfer is not None:
+                        await _transfer_ended(transfer, run, req.request_id)
                     # The decode node's prefix cache now holds the conversation so far (every token but the last,
                     # whose K/V no step computed): its next turn is routed there (Router.pick_decode).
                     history = (*req.prompt_token_ids, *out.token_ids[:-1])
@@ -247,6 +259,8 @@ class Coordinator:
                 yield chunk
         finally:
             # Runs on success, failure, client cancel and deadline alike: nothing is left running.
+            if transfer is not None:
+                transfer.cancel()  # a no-op once it ended; else the prefill node aborts its transfer
             decode.release(reader, running=not out.source_finished)
 
     async def _remote_prefill(self, req: GatewayRequest, attempt: GatewayRequest, run: _Run, deadline: float,
@@ -296,6 +310,8 @@ class Coordinator:
         return decode, queue, reader
 
     def _delta(self, item: QueueItem, decode: DecodeLeg, run: _Run) -> Delta:
+        if isinstance(item, ServiceError):  # the prefill's KV transfer failed after its first token
+            raise item
         if isinstance(item, grpc.aio.AioRpcError):
             raise self._node_error("decode", decode.node, item)
         if isinstance(item, StreamEnd) or not item.HasField("delta"):
@@ -405,8 +421,13 @@ class Coordinator:
             node.begin_prefill(backlog)
             started = time.monotonic()
             call = self._pool.prefill(node.target).PrefillStream(timeout=_remaining(deadline))
+            rest: asyncio.Task[prefill_pb2.PrefillResponse] | None = None
             try:
-                return node, await self._stream_prefill(call, request, reserving), started
+                reply = await self._stream_prefill(call, request, reserving)
+                # The call goes on until the transfer ended: its task owns it (and the node's count) from here.
+                rest = asyncio.ensure_future(self._transfer_end(call, node))
+                rest.add_done_callback(functools.partial(_end_prefill_call, call, node))
+                return node, reply, started, rest
             except grpc.aio.AioRpcError as exc:
                 if (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not reserving.done() and not waited
                         and time.monotonic() < deadline):
@@ -427,15 +448,16 @@ class Coordinator:
                     raise
                 raise self._node_error("prefill", node, cancelled_under_us()) from None
             finally:
-                call.cancel()  # a no-op once it answered; else the prefill node aborts and frees its blocks
-                node.end_prefill(backlog)
-                node.end()
+                node.end_prefill(backlog)  # its compute is done (or failed)
+                if rest is None:
+                    call.cancel()  # the prefill node aborts and frees its blocks
+                    node.end()
 
-    async def _stream_prefill(self, call: grpc.aio.StreamUnaryCall, request: prefill_pb2.PrefillRequest,
+    async def _stream_prefill(self, call: grpc.aio.StreamStreamCall, request: prefill_pb2.PrefillRequest,
                               reserving: asyncio.Future[_Reserved]) -> prefill_pb2.PrefillResponse:
-        """Write the request, then (once reserved) its destination, and await the answer; give up as soon as the
-        decode stream fails."""
-        answer: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.ensure_future(_response(call))
+        """Write the request, then (once reserved) its destination, and await the first answer (the first token);
+        give up as soon as the decode stream fails."""
+        answer: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.ensure_future(_first_answer(call))
         try:
             await _write(call, answer, prefill_pb2.PrefillMessage(request=request))
             # The call may fail (its node unreachable) before the reservation comes: that is seen at once.
@@ -468,6 +490,26 @@ class Coordinator:
         finally:
             task.cancel()
 
+    async def _transfer_end(self, call: grpc.aio.StreamStreamCall, node: NodeState) -> prefill_pb2.PrefillResponse:
+        """The prefill call's second answer: its KV transfer ended. A failure is a ``ServiceError``; one the decode
+        node could have recomputed (--kv-load-failure-policy recompute) comes after the client saw the first
+        token, so the request continues elsewhere from it (``NodeLostError``: ``generate`` migrates it)."""
+        try:
+            final = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            error = self._node_error("prefill", node, exc)
+            if (self._recompute_on_kv_failure and exc.code() in _RECOMPUTED
+                    and not isinstance(error, NodeLostError)):
+                raise NodeLostError(str(error), "prefill", node.target) from None
+            raise error from None
+        except asyncio.CancelledError:
+            if cancelling():
+                raise  # the attempt ended
+            raise self._node_error("prefill", node, cancelled_under_us()) from None
+        if final is grpc.aio.EOF or final.kv_pending:
+            raise ServiceError(f"prefill node {node.target} ended its call without the KV transfer's end")
+        return final
+
     def _never_reached(self, node: NodeState, exc: grpc.aio.AioRpcError) -> bool:
         return exc.code() == grpc.StatusCode.UNAVAILABLE and not self._pool.is_connected(node.target)
 
@@ -485,7 +527,7 @@ class Coordinator:
         return ServiceError(f"{what} failed: {code.name}: {exc.details()}")
 
 
-async def _write(call: grpc.aio.StreamUnaryCall, answer: asyncio.Future[prefill_pb2.PrefillResponse],
+async def _write(call: grpc.aio.StreamStreamCall, answer: asyncio.Future[prefill_pb2.PrefillResponse],
                  message: prefill_pb2.PrefillMessage | None) -> None:
     """Write ``message`` to the prefill call (None: close its sending side); a call that ended meanwhile raises
     its own failure. A write racing the node's own failure may raise grpc's "RPC already finished", or an
@@ -497,9 +539,34 @@ async def _write(call: grpc.aio.StreamUnaryCall, answer: asyncio.Future[prefill_
         raise ServiceError("the prefill node answered before its KV destination was sent") from None
 
 
-async def _response(call: grpc.aio.StreamUnaryCall) -> prefill_pb2.PrefillResponse:
-    response: prefill_pb2.PrefillResponse = await call
+async def _first_answer(call: grpc.aio.StreamStreamCall) -> prefill_pb2.PrefillResponse:
+    """The prefill call's first answer, the first token (``kv_pending``); a call that failed raises its status."""
+    response = await call.read()
+    if response is grpc.aio.EOF:
+        raise ServiceError(f"the prefill node ended its call without an answer ({(await call.code()).name})")
+    if not response.kv_pending:
+        raise ServiceError("the prefill node's first answer did not come before its KV transfer ended")
     return response
+
+
+def _end_prefill_call(call: grpc.aio.StreamStreamCall, node: NodeState, _: object) -> None:
+    call.cancel()  # a no-op once it ended; else the prefill node aborts its transfer
+    node.end()
+
+
+def _queue_failure(queue: asyncio.Queue[QueueItem], transfer: asyncio.Task[prefill_pb2.PrefillResponse]) -> None:
+    """A prefill's transfer that failed after its first token: its error goes where the attempt reads."""
+    if not transfer.cancelled() and (error := transfer.exception()) is not None:
+        queue.put_nowait(error if isinstance(error, ServiceError) else ServiceError(f"the prefill failed: {error!r}"))
+
+
+async def _transfer_ended(transfer: asyncio.Task[prefill_pb2.PrefillResponse], run: _Run, request_id: str) -> None:
+    """The request's tokens are all out: its KV landed (the decode node generated from it), so the prefill
+    call's end only adds the transfer's bytes and seconds; a failure to report them is logged, not raised."""
+    try:
+        run.transferred(await transfer)
+    except Exception as exc:
+        log.warning("%s: the prefill's transfer did not report its end: %s", request_id, exc)
 
 
 def _failed(reserving: asyncio.Future[_Reserved]) -> bool:

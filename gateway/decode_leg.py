@@ -9,6 +9,7 @@ from typing import TypeAlias
 
 import grpc
 
+from common.serving.errors import ServiceError
 from gateway.router import NodeState
 from tandem.v1 import decode_pb2
 
@@ -17,7 +18,8 @@ class StreamEnd:
     """Queued after the decode stream's last message."""
 
 
-QueueItem: TypeAlias = decode_pb2.DecodeResponse | StreamEnd | grpc.aio.AioRpcError
+# ServiceError: the request's prefill failed after its first token (its KV transfer), queued by the coordinator.
+QueueItem: TypeAlias = decode_pb2.DecodeResponse | StreamEnd | grpc.aio.AioRpcError | ServiceError
 Reader: TypeAlias = asyncio.Task[grpc.aio.AioRpcError | None]  # the decode stream's reader: the error that ended it
 
 

@@ -13,7 +13,7 @@ import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING
 
 import grpc
@@ -64,24 +64,26 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def PrefillStream(
         self, request_iterator: AsyncIterator[prefill_pb2.PrefillMessage], context: grpc.aio.ServicerContext
-    ) -> prefill_pb2.PrefillResponse:
+    ) -> None:
         """``Prefill`` started before its destination is known: the first message is the request, the second
-        its destination (none when the request carries one). Compute starts at once; see ``_prefill``."""
+        its destination (none when the request carries one). Compute starts at once; see ``_prefill``. Answers
+        twice: the first token once it is sampled (``kv_pending``), the whole answer once the transfer ended."""
         first = await _next_message(request_iterator)
         if first is None or first.WhichOneof("message") != "request":
             raise InvalidRequestError("request", "the stream's first message must be the PrefillRequest")
         request = first.request
         later = None if request.HasField("destination") else _destination_from(request_iterator, context)
-        return await self._serve(request, context, later)
+        await context.write(await self._serve(request, context, later, early=context.write))
 
     async def _serve(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
                      later: Coroutine[object, object, prefill_pb2.KVDestination] | None,
+                     early: Callable[[prefill_pb2.PrefillResponse], Awaitable[None]] | None = None,
                      ) -> prefill_pb2.PrefillResponse:
         with (_tracer.start_as_current_span(spans.PREFILL, kind=spans.SERVER, record_exception=False,
                                             set_status_on_exception=False) as span,
               request_scope(request.request_id)):
             try:
-                reply = await self._prefill(request, context, span, later)
+                reply = await self._prefill(request, context, span, later, early)
             except BaseException as exc:
                 spans.record_failure(span, exc, self._status_for, log, "prefill failed")
                 raise
@@ -93,10 +95,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
                        span: trace.Span, later: Coroutine[object, object, prefill_pb2.KVDestination] | None,
+                       early: Callable[[prefill_pb2.PrefillResponse], Awaitable[None]] | None = None,
                        ) -> prefill_pb2.PrefillResponse:
         """Prefill the prompt and push its KV into the destination: ``request.destination``, or, with ``later``,
         the one it reads (the prompt computes meanwhile, its KV held here; it is aborted when none comes within
-        the KV timeout). Then sample the first token, tell the decode node and wait for the transfer's end."""
+        the KV timeout). Then sample the first token, tell the decode node (``early``: and the caller, with
+        ``kv_pending`` set) and wait for the transfer's end."""
         arrival = time.monotonic()
         arrival_ns = time.time_ns()
         params = sampling_from_proto(request.sampling, resumed_output_tokens=request.resumed_output_tokens)
@@ -150,7 +154,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             # The first token is out, so every block of the prompt has been pushed but those cached there or
             # outside the decode node's window.
             num_blocks = max(-(-len(prompt) // self.block_size) - _unsent_blocks(dest, self.block_size), 0)
-            stats = await self._transfer(handle, rid, reply, num_blocks, send_span)
+            stats = await self._transfer(handle, rid, reply, num_blocks, send_span, early)
         except BaseException as exc:
             if send_span is not None:
                 spans.set_error(send_span, exc, spans.failure_code(exc, self._status_for))
@@ -223,14 +227,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return reply, counters
 
     async def _transfer(self, handle: TransferHandle, rid: str, reply: prefill_pb2.PrefillResponse,
-                        num_blocks: int, send_span: trace.Span) -> TransferStats:
-        """Tell the decode node the first token and wait until every send ended. The blocks held for the
-        transfer are freed by the engine once it ends (its connector hears it from the handle); a failed one's
-        request is aborted here."""
+                        num_blocks: int, send_span: trace.Span,
+                        early: Callable[[prefill_pb2.PrefillResponse], Awaitable[None]] | None = None,
+                        ) -> TransferStats:
+        """Tell the decode node the first token (then ``early`` the answer so far) and wait until every send
+        ended. The blocks held for the transfer are freed by the engine once it ends (its connector hears it from
+        the handle); a failed one's request is aborted here."""
         finished = False
         try:
             first_logprob = reply.first_logprob if reply.HasField("first_logprob") else None
             handle.complete(reply.first_token, first_logprob, reply.num_cached_tokens)
+            if early is not None:
+                pending = prefill_pb2.PrefillResponse()
+                pending.CopyFrom(reply)
+                pending.kv_pending = True
+                await early(pending)
             stats = await handle.wait(self.transfer_timeout_s)
             finished = True
         except BaseException as exc:

@@ -1,7 +1,8 @@
 """``Prefill.PrefillStream`` on a real prefill and decode node (processes on 127.0.0.1), called directly: the prefill
 starts before its KV destination is known (as the gateway starts it before the decode node has reserved), holds
 the prompt's KV, and pushes it once the destination comes. A destination that never comes, or a bad one, aborts
-the request and frees every block; the node keeps serving."""
+the request and frees every block; the node keeps serving. The node answers twice: the first token once it is
+sampled (``kv_pending``), then the transfer's end."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def _run_with_late_destination(launcher: Launcher, request_id: str, prompt: list
     request = _request(request_id, prompt)
     messages = _Messages(request)
     with grpc.insecure_channel(prefill) as p_channel, grpc.insecure_channel(decode) as d_channel:
-        answer = prefill_pb2_grpc.PrefillStub(p_channel).PrefillStream.future(iter(messages), timeout=WAIT_S)
+        answers = prefill_pb2_grpc.PrefillStub(p_channel).PrefillStream(iter(messages), timeout=WAIT_S)
         try:
             _wait_until(lambda: _prompt_done_and_held(prefill), "the prompt computed before its destination")
             stream = decode_pb2_grpc.DecodeStub(d_channel).Generate(decode_pb2.DecodeRequest(
@@ -106,12 +107,13 @@ def _run_with_late_destination(launcher: Launcher, request_id: str, prompt: list
             first = next(stream)
             assert first.HasField("reservation")
             messages.send(_destination(first.reservation))
-            reply = answer.result(timeout=WAIT_S)
+            early, reply = list(answers)  # the first token, then the transfer's end
             rest = [t for m in stream for t in m.delta.token_ids]
         finally:
             messages.send(None)
-            answer.cancel()
-    assert reply.transfer_bytes > 0
+            answers.cancel()
+    assert early.kv_pending and (early.transfer_bytes, early.transfer_seconds) == (0, 0)
+    assert not reply.kv_pending and reply.transfer_bytes > 0 and reply.first_token == early.first_token
     return [reply.first_token, *rest]
 
 
@@ -131,17 +133,17 @@ def test_a_destination_that_never_comes_aborts_and_frees_every_block(pair: Launc
     free_before = _stats(prefill).free_blocks
     messages = _Messages(_request(f"never-{ending}", [5 + i for i in range(40)]))
     with grpc.insecure_channel(prefill) as channel:
-        answer = prefill_pb2_grpc.PrefillStub(channel).PrefillStream.future(iter(messages), timeout=WAIT_S)
+        answers = prefill_pb2_grpc.PrefillStub(channel).PrefillStream(iter(messages), timeout=WAIT_S)
         try:
             _wait_until(lambda: _prompt_done_and_held(prefill), "the prompt computed, its KV held")
             started = time.monotonic()
             if ending == "stream_ends":
                 messages.send(None)
             elif ending == "cancelled":
-                answer.cancel()
+                answers.cancel()
             if ending != "cancelled":
                 with pytest.raises(grpc.RpcError) as info:
-                    answer.result(timeout=WAIT_S)
+                    next(answers)
                 if ending == "stream_ends":
                     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                     assert "destination" in (info.value.details() or "")
@@ -151,7 +153,7 @@ def test_a_destination_that_never_comes_aborts_and_frees_every_block(pair: Launc
                     assert time.monotonic() - started < KV_TIMEOUT_S + 10
         finally:
             messages.send(None)
-            answer.cancel()
+            answers.cancel()
     _wait_until(lambda: _stats(prefill).used_blocks == 0, "every block freed")
     assert _stats(prefill).free_blocks == free_before
 
@@ -163,16 +165,16 @@ def test_an_invalid_destination_is_refused_naming_the_field_and_the_node_keeps_s
     prompt = [7 + i for i in range(40)]
     messages = _Messages(_request("bad-dest", prompt))
     with grpc.insecure_channel(prefill) as channel:
-        answer = prefill_pb2_grpc.PrefillStub(channel).PrefillStream.future(iter(messages), timeout=WAIT_S)
+        answers = prefill_pb2_grpc.PrefillStub(channel).PrefillStream(iter(messages), timeout=WAIT_S)
         try:
             # one block too few for the prompt
             messages.send(prefill_pb2.KVDestination(kv_endpoint="127.0.0.1:1", node_id="nobody", transfer_id="bad",
                                                     block_ids=[0]))
             with pytest.raises(grpc.RpcError) as info:
-                answer.result(timeout=WAIT_S)
+                next(answers)
         finally:
             messages.send(None)
-            answer.cancel()
+            answers.cancel()
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "destination.block_ids" in (info.value.details() or "")
     _wait_until(lambda: _stats(prefill).used_blocks == 0, "every block freed")

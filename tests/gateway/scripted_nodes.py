@@ -169,8 +169,12 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):
         self.node_id, self.board, self.script = node_id, board, script
         self.record = Record()
         self.delay_before_push_s = 0.0
-        self.delay_after_push_s = 0.0
+        self.answer_delay_s = 0.0  # from the push to the first answer (the first token)
+        self.delay_after_push_s = 0.0  # from the first answer to the transfer's end (its acks)
         self.fail_with: grpc.StatusCode | None = None
+        # When set, the next transfer fails with this status after the first answer, once (its decode node waits
+        # for a KV that never comes, until the gateway cancels it).
+        self.transfer_fails_with: grpc.StatusCode | None = None
         self.num_cached_tokens = 0
         self.last_request: prefill_pb2.PrefillRequest | None = None
         self.destinations: dict[str, float] = {}  # request id -> when its destination came (monotonic)
@@ -183,16 +187,19 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):
         return await self._serve(request, context, None)
 
     async def PrefillStream(self, request_iterator: AsyncIterator[prefill_pb2.PrefillMessage],
-                            context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
-        """As the real node's: the request first (recorded at once), its destination once the gateway has it."""
+                            context: grpc.aio.ServicerContext) -> None:
+        """As the real node's: the request first (recorded at once), its destination once the gateway has it;
+        two answers, the first token (``kv_pending``) and the transfer's end."""
         first = await anext(request_iterator)
         request = first.request
         self.record.requests.append(request.request_id)
         self.last_request = request
-        return await self._serve(request, context, request_iterator)
+        await context.write(await self._serve(request, context, request_iterator, early=context.write))
 
     async def _serve(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext,
-                     later: AsyncIterator[prefill_pb2.PrefillMessage] | None) -> prefill_pb2.PrefillResponse:
+                     later: AsyncIterator[prefill_pb2.PrefillMessage] | None,
+                     early: Callable[[prefill_pb2.PrefillResponse], Coroutine[Any, Any, None]] | None = None,
+                     ) -> prefill_pb2.PrefillResponse:
         rid = request.request_id
         try:
             if self.fail_with is not None:
@@ -208,14 +215,25 @@ class ScriptedPrefill(prefill_pb2_grpc.PrefillServicer):
                 self.destinations[rid] = time.monotonic()
             await asyncio.sleep(self.delay_before_push_s)
             k = request.resumed_output_tokens  # a migrated request goes on at tokens[k]
-            self.board.push(request.destination.transfer_id, self.script.tokens[k])
-            await asyncio.sleep(self.delay_after_push_s)
-            self.record.completed.append(rid)
             first = self.script.tokens[k]
             reply = prefill_pb2.PrefillResponse(first_token=first, num_cached_tokens=self.num_cached_tokens,
-                                                transfer_bytes=1234, transfer_seconds=0.01, queue_seconds=0.001)
+                                                queue_seconds=0.001)
             if request.sampling.HasField("logprobs"):
                 reply.first_logprob.CopyFrom(logprob(first, k))
+            if self.transfer_fails_with is None:
+                self.board.push(request.destination.transfer_id, first)
+            await asyncio.sleep(self.answer_delay_s)
+            if early is not None:
+                pending = prefill_pb2.PrefillResponse()
+                pending.CopyFrom(reply)
+                pending.kv_pending = True
+                await early(pending)
+            await asyncio.sleep(self.delay_after_push_s)
+            if (code := self.transfer_fails_with) is not None:
+                self.transfer_fails_with = None
+                await context.abort(code, f"scripted transfer failure on {self.node_id}")
+            self.record.completed.append(rid)
+            reply.transfer_bytes, reply.transfer_seconds = 1234, 0.01
             return reply
         except asyncio.CancelledError:
             self.record.cancelled.append(rid)

@@ -267,6 +267,59 @@ def test_prefill_deaths_mid_transfer_rerun_on_other_prefills(served_model: Serve
     run_async(scenario())
 
 
+def test_a_transfer_failing_after_the_first_token_continues_from_it(served_model: ServedModel,
+                                                                      smollm2_dir: Path) -> None:
+    """The prefill node answers with the first token before its KV transfer ends, and the gateway hands it to the
+    client at once; a transfer that then fails continues the request from that token (a migration), so the
+    client's stream has every token once. Past the migration budget the request ends with the failure's status."""
+    tokens = script(served_model)
+    metrics_port = free_port()
+
+    async def scenario() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, tokens, stats_interval_s=60,
+                                    metrics_port=metrics_port) as c:
+            c.prefills[0].delay_after_push_s = 0.3  # the transfer's acks come well after the first answer
+            started = time.monotonic()
+            call = c.stub.Generate(G(text="Hi", request_id="early", sampling=S(max_tokens=6),
+                                     stream=generate_pb2.StreamOptions(include_token_ids=True)))
+            first = await call.read()
+            assert list(first.token_ids) == tokens[:1] and time.monotonic() - started < 0.3
+            rest = await read_rest(call)
+            assert [t for m in [first, *rest] for t in m.token_ids] == tokens[:6]
+            assert rest[-1].timings.kv_transfer_bytes == 1234  # the transfer's end, counted once
+
+            c.prefills[0].transfer_fails_with = grpc.StatusCode.UNAVAILABLE  # after the first answer, once
+            call = c.stub.Generate(G(text="Hi", request_id="lost", sampling=S(max_tokens=6),
+                                     stream=generate_pb2.StreamOptions(include_token_ids=True)))
+            messages = await read_rest(call)
+            assert [t for m in messages for t in m.token_ids] == tokens[:6]
+            prefill = c.prefills[0].last_request  # the continuation: the prompt and the token the client has
+            prompt = served_model.tokenizer.encode("Hi")
+            assert prefill is not None and list(prefill.prompt_token_ids) == prompt + tokens[:1]
+            assert prefill.resumed_output_tokens == 1
+            assert c.prefills[0].record.completed == ["early", "lost"]
+            await eventually(lambda: c.decodes[0].record.cancelled == ["lost"])  # the first reservation freed
+            assert c.board.open_transfers == 0
+            assert migrations_metric(metrics_port) == {"prefill": 1.0}
+
+    run_async(scenario())
+
+    async def past_the_budget() -> None:
+        async with scripted_cluster(served_model, smollm2_dir, tokens, stats_interval_s=60, migration_limit=0) as c:
+            c.prefills[0].transfer_fails_with = grpc.StatusCode.UNAVAILABLE
+            call = c.stub.Generate(G(text="Hi", sampling=S(max_tokens=6),
+                                     stream=generate_pb2.StreamOptions(include_token_ids=True)))
+            first = await call.read()
+            assert list(first.token_ids) == tokens[:1]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await read_rest(call)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "scripted transfer failure on prefill-0" in (err.value.details() or "")
+            await eventually(lambda: c.board.open_transfers == 0 and len(c.decodes[0].record.cancelled) == 1)
+
+    run_async(past_the_budget())
+
+
 def test_migrations_are_marked_on_the_request_span(served_model: ServedModel, smollm2_dir: Path) -> None:
     """The coordinator alone over the scripted nodes, under a real SDK tracer of the test's own (the process-wide
     provider stays untouched): a ``migrated`` event per migration and the count as an attribute."""

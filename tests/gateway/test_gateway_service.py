@@ -112,9 +112,9 @@ def test_tokens_that_queue_up_behind_a_slow_writer_go_out_as_one_message(served_
 
     async def scenario() -> None:
         async with scripted_cluster(served_model, smollm2_dir, tokens) as c:
-            # The decode streams all its deltas as soon as the KV lands; the prefill's answer comes 0.3 s
+            # The decode streams all its deltas as soon as the KV lands; the prefill's first answer comes 0.3 s
             # later, so by the time the first token is written the other nine are all waiting.
-            c.prefills[0].delay_after_push_s = 0.3
+            c.prefills[0].answer_delay_s = 0.3
             messages = await generate(c, G(text="Hi", stream=generate_pb2.StreamOptions(include_token_ids=True)))
             assert [list(m.token_ids) for m in messages] == [tokens[:1], tokens[1:]]
             assert [m.text for m in messages] == [" The", TEXT.removeprefix(" The")]
