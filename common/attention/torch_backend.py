@@ -113,7 +113,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill_kernel(self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
                         meta: AttentionMetadata, softcap: float | None) -> ModuleType | None:
         """The compiled prefill / extend kernel (cpu_prefill_attn.cpp) where it serves this call: bf16 on a CPU
-        with AMX or fp32 on an AVX-512 / AVX2 build, a paged cache of the query's dtype with block tables, no
+        with AMX, or fp32 (and bf16 widened to fp32 without AMX) on an AVX-512 / AVX2 build where it measured
+        faster than SDPA here (``prefill_pays``), a paged cache of the query's dtype with block tables, no
         softcap, head_dim a multiple of 32 up to 256; else None (PyTorch's SDPA per sequence)."""
         if (not self.compiled_decode or query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float32)
                 or softcap is not None or kv_cache is None or meta.block_tables is None
@@ -124,14 +125,14 @@ class TorchAttentionBackend(AttentionBackend):
         kernel = paged_decode_kernel()
         if kernel is None:
             return None
-        if query.dtype == torch.bfloat16:
-            return kernel if kernel.prefill_amx_ready() else None
+        if query.dtype == torch.bfloat16 and kernel.prefill_amx_ready():
+            return kernel
         if not kernel.prefill_f32_ready():
             return None
-        key = (query.shape[1], kv_cache[0].shape[2], query.shape[2])
-        if key not in _F32_PREFILL_PAYS:
-            _F32_PREFILL_PAYS[key] = f32_prefill_pays(kernel, *key)
-        return kernel if _F32_PREFILL_PAYS[key] else None
+        key = (query.shape[1], kv_cache[0].shape[2], query.shape[2], query.dtype)
+        if key not in _PREFILL_PAYS:
+            _PREFILL_PAYS[key] = prefill_pays(kernel, *key)
+        return kernel if _PREFILL_PAYS[key] else None
 
     @staticmethod
     def _prefill_compiled(kernel: ModuleType, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -186,23 +187,27 @@ class TorchAttentionBackend(AttentionBackend):
                                       self.decode_chunk_bytes, self.workspace, window, softcap)
 
 
-# (heads, KV heads, head_dim) -> whether the compiled fp32 prefill kernel measured faster than SDPA here.
-_F32_PREFILL_PAYS: dict[tuple[int, int, int], bool] = {}
+# (heads, KV heads, head_dim, dtype) -> whether the compiled prefill kernel's fp32 vectors measured faster than
+# SDPA here.
+_PREFILL_PAYS: dict[tuple[int, int, int, torch.dtype], bool] = {}
 F32_PREFILL_PROBE_TOKENS = 256
 
 
-def f32_prefill_pays(kernel: ModuleType, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Race the compiled fp32 prefill kernel against PyTorch's SDPA once per head shape (a 256-token prompt, best
-    of five, alternating; a loss looked at twice more): its AVX-512 build measured 1.5-1.8x faster on two Xeon
-    cores (session 30), its AVX2 build has no measurement on an AVX2-only CPU yet, so the CPU it runs on
-    decides."""
+def prefill_pays(kernel: ModuleType, heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32) -> bool:
+    """Race the compiled prefill kernel in fp32 vectors (a bf16 query and cache widened to fp32: CPUs without
+    AMX) against PyTorch's SDPA in ``dtype`` once per head shape (a 256-token prompt, best of five,
+    alternating; a loss looked at twice more): its AVX-512 build measured 1.5-1.8x faster in fp32 on two Xeon
+    cores (session 30), bf16 widened 1.9x faster than SDPA's bf16 for a 99-token turn over 496 cached tokens
+    on a Zen 4 EPYC (session 34), its AVX2 build has no measurement on an AVX2-only CPU yet, so the CPU it runs
+    on decides."""
     import time
 
     gen = torch.Generator().manual_seed(0)
     n, bs = F32_PREFILL_PROBE_TOKENS, 16
-    q = torch.randn(n, heads, head_dim, generator=gen)
-    k_cache = torch.randn(n // bs, bs, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(n // bs, bs, kv_heads, head_dim, generator=gen)
+    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(n // bs, bs, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(n // bs, bs, kv_heads, head_dim, generator=gen).to(dtype)
     meta = AttentionMetadata.build([n], [0], [list(range(n // bs))], bs)
     assert meta.block_tables is not None
     k, v = k_cache.view(n, kv_heads, head_dim), v_cache.view(n, kv_heads, head_dim)
@@ -221,8 +226,8 @@ def f32_prefill_pays(kernel: ModuleType, heads: int, kv_heads: int, head_dim: in
     from common.model.gemv import retime  # a loss timed again, as the GEMMs' races are
 
     best = retime(race((n,)), race, lambda t: tuple(m for m in t if t[m][0] > t[m][1]))[n]
-    log.info("fp32 prefill attention, %d heads / %d KV heads of %d, %d tokens: compiled %.2f ms, SDPA %.2f ms",
-             heads, kv_heads, head_dim, n, best[0] * 1e3, best[1] * 1e3)
+    log.info("%s prefill attention, %d heads / %d KV heads of %d, %d tokens: compiled (fp32 vectors) %.2f ms, "
+             "SDPA %.2f ms", dtype, heads, kv_heads, head_dim, n, best[0] * 1e3, best[1] * 1e3)
     return best[0] <= best[1]
 
 

@@ -1,10 +1,11 @@
 """The compiled prefill / extend attention kernel (common/kernels/cpu/cpu_prefill_attn.cpp) against the float64 oracle,
 and the torch backend's use of it: bf16 in AMX tiles (skipped where the CPU, the OS or the build has no AMX), fp32 in
-FMA vectors (on this CPU's widest build and the next: AVX-512 and AVX2 on an AVX-512 machine)."""
+FMA vectors, and bf16 widened to fp32 vectors (the path of CPUs without AMX), on this CPU's widest build and the next
+(AVX-512 and AVX2 on an AVX-512 machine)."""
 
 from __future__ import annotations
 
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,16 +22,22 @@ _module: ModuleType | None = paged_decode_kernel()
 AMX = _module is not None and bool(_module.prefill_amx_ready())
 NO_SKIP = torch.empty(0, dtype=torch.uint8)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# (dtype, build): bf16 on the widest build where AMX runs; fp32 on the two widest vector builds.
+# (dtype, build): bf16 on the widest build where AMX runs; fp32, and bf16 widened to fp32 ("widened-ISA"), on the
+# two widest vector builds.
+_VECTOR_ISAS = [isa for isa in runnable_isas()[:2] if isa != "generic"]
 KERNELS = [pytest.param(torch.bfloat16, None, marks=pytest.mark.skipif(not AMX, reason="no AMX here")),
-           *(pytest.param(torch.float32, isa, id=f"float32-{isa}") for isa in runnable_isas()[:2] if isa != "generic")]
+           *(pytest.param(torch.float32, isa, id=f"float32-{isa}") for isa in _VECTOR_ISAS),
+           *(pytest.param(torch.bfloat16, f"widened-{isa}", id=f"bfloat16-widened-{isa}") for isa in _VECTOR_ISAS)]
 
 
 def _kernel(isa: str | None) -> Any:
+    widened = isa is not None and isa.startswith("widened-")
+    if widened:
+        isa = isa.removeprefix("widened-")
     module = _module if isa is None else _DECODE.get(isa, ISA_FLAGS[isa])
     if module is None:
         pytest.skip("the compiled attention module does not build here")
-    return module
+    return SimpleNamespace(paged_prefill=module.paged_prefill_widened) if widened else module
 
 
 def _batch(query_lens: list[int], context_lens: list[int], heads: int, kv_heads: int, dim: int, bs: int = 16,
@@ -147,14 +154,14 @@ def test_bad_shapes_are_refused_with_the_field_named(dtype: torch.dtype, isa: st
                              meta.seq_lens, NO_SKIP, 0.125, 0)
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not AMX, reason="no AMX")),
-                                   torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_backend_runs_prefill_and_extend_steps_through_the_kernel(dtype: torch.dtype,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = _kernel(None)
-    if dtype == torch.float32 and not kernel.prefill_f32_ready():
+    if not kernel.prefill_f32_ready() and not (dtype == torch.bfloat16 and AMX):
         pytest.skip("a build without AVX-512 / AVX2")
-    monkeypatch.setattr(torch_backend, "_F32_PREFILL_PAYS", {(9, 3, 64): True})  # as if it won its race here
+    # as if the fp32 vectors won their race here (bf16 in AMX tiles needs none; without AMX, widened, it does)
+    monkeypatch.setattr(torch_backend, "_PREFILL_PAYS", {(9, 3, 64, dtype): True})
     # A step of a whole prompt, a chunk over a prefix and decode rows, on a strided view of a qkv output (as
     # the layer passes it): the backend's result is the kernel's for the long rows and the decode kernel's for
     # the one-token rows; softcapped calls and fp16 keep PyTorch's path.
@@ -183,24 +190,29 @@ def test_the_backend_runs_prefill_and_extend_steps_through_the_kernel(dtype: tor
     half = TorchAttentionBackend()._prefill_kernel(q.half(), (k16, v16), meta, None)
     capped = TorchAttentionBackend()._prefill_kernel(q, cache.layer(1), meta, 30.0)
     assert half is None and capped is None
-    monkeypatch.setattr(torch_backend, "_F32_PREFILL_PAYS", {(9, 3, 64): False})  # lost its race: SDPA serves
-    assert TorchAttentionBackend()._prefill_kernel(q.float(), cache.layer(1), meta, None) is None
+    monkeypatch.setattr(torch_backend, "_PREFILL_PAYS", {(9, 3, 64, dtype): False})  # lost its race: SDPA serves
+    lost = TorchAttentionBackend()._prefill_kernel(q, cache.layer(1), meta, None)
+    assert lost is (kernel if dtype == torch.bfloat16 and AMX else None)
 
 
-def test_the_fp32_kernel_races_sdpa_once_per_head_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vector_kernel_races_sdpa_once_per_head_shape(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = _kernel(None)
     if not kernel.prefill_f32_ready():
         pytest.skip("a build without AVX-512 / AVX2")
-    decided: dict[tuple[int, int, int], bool] = {}
-    monkeypatch.setattr(torch_backend, "_F32_PREFILL_PAYS", decided)
-    cache, meta, query, _ = _batch([40], [0], 4, 2, 32, dtype=torch.float32)
+    if dtype == torch.bfloat16 and AMX:
+        pytest.skip("bf16 runs AMX tiles here, without a race")
+    decided: dict[tuple[int, int, int, torch.dtype], bool] = {}
+    monkeypatch.setattr(torch_backend, "_PREFILL_PAYS", decided)
+    cache, meta, query, _ = _batch([40], [0], 4, 2, 32, dtype=dtype)
     chosen = TorchAttentionBackend()._prefill_kernel(query, cache.layer(1), meta, None)
-    assert list(decided) == [(4, 2, 32)] and (chosen is kernel) == decided[(4, 2, 32)]
-    decided[(4, 2, 32)] = not decided[(4, 2, 32)]  # decided once: the next call reads the record
-    assert (TorchAttentionBackend()._prefill_kernel(query, cache.layer(1), meta, None) is kernel) == decided[(4, 2, 32)]
+    key = (4, 2, 32, dtype)
+    assert list(decided) == [key] and (chosen is kernel) == decided[key]
+    decided[key] = not decided[key]  # decided once: the next call reads the record
+    assert (TorchAttentionBackend()._prefill_kernel(query, cache.layer(1), meta, None) is kernel) == decided[key]
 
 
-def test_a_lost_fp32_race_is_looked_at_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lost_race_is_looked_at_again(monkeypatch: pytest.MonkeyPatch) -> None:
     # A stand-in clock the stand-in kernels advance: the kernel takes 3 units in its first five runs (a burst
     # elsewhere), then 0.5; SDPA always 1. The first look loses, the second wins, and no third look is taken.
     import time
@@ -219,9 +231,9 @@ def test_a_lost_fp32_race_is_looked_at_again(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(torch_backend, "prefill_attention", sdpa_run)
-    assert torch_backend.f32_prefill_pays(SimpleNamespace(paged_prefill=kernel_run), 4, 2, 32) is True
+    assert torch_backend.prefill_pays(SimpleNamespace(paged_prefill=kernel_run), 4, 2, 32) is True
     assert calls == {"kernel": 10, "sdpa": 10}
     # a kernel slower in every look: three looks, then SDPA
     calls.update(kernel=-100, sdpa=0)
-    assert torch_backend.f32_prefill_pays(SimpleNamespace(paged_prefill=kernel_run), 4, 2, 32) is False
+    assert torch_backend.prefill_pays(SimpleNamespace(paged_prefill=kernel_run), 4, 2, 32) is False
     assert calls == {"kernel": -85, "sdpa": 15}

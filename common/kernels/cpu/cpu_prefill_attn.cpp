@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -411,8 +412,18 @@ void pf_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, 
 #ifdef TANDEM_PREFILL_F32
 
 
-// K: [keys / kVW][D][kVW] (each vector of keys transposed); V: [keys][D]. Zero outside [lo, seq_len).
-void f32_pack(const Pack& pk, const float* kc, const float* vc, const int32_t* tables, const int32_t* lens,
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {  // bf16 bits -> fp32 (exact)
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// K: [keys / kVW][D][kVW] (each vector of keys transposed); V: [keys][D]. Zero outside [lo, seq_len). A bf16 cache
+// (C = uint16_t: CPUs without AMX) is widened to fp32 here, once per key, for the fp32 products.
+template <typename C>
+void f32_pack(const Pack& pk, const C* kc, const C* vc, const int32_t* tables, const int32_t* lens,
               const Shape& sh, float* kbuf, float* vbuf) {
   const int64_t D = sh.D, first = pk.lo / kStep * kStep, seq_len = lens[pk.seq];
   const int32_t* table = tables + pk.seq * sh.table_stride;
@@ -428,10 +439,14 @@ void f32_pack(const Pack& pk, const float* kc, const float* vc, const int32_t* t
       continue;
     }
     const int64_t blk = table[key / sh.block_size], off = key % sh.block_size;
-    const float* krow = kc + blk * sh.k_block_stride + off * sh.k_row_stride + pk.kvh * sh.k_head_stride;
-    const float* vrow = vc + blk * sh.v_block_stride + off * sh.v_row_stride + pk.kvh * sh.v_head_stride;
-    for (int64_t d = 0; d < D; ++d) kt[d * kVW] = krow[d];
-    std::memcpy(vr, vrow, D * 4);
+    const C* krow = kc + blk * sh.k_block_stride + off * sh.k_row_stride + pk.kvh * sh.k_head_stride;
+    const C* vrow = vc + blk * sh.v_block_stride + off * sh.v_row_stride + pk.kvh * sh.v_head_stride;
+    for (int64_t d = 0; d < D; ++d) kt[d * kVW] = widen(krow[d]);
+    if constexpr (std::is_same_v<C, float>) {
+      std::memcpy(vr, vrow, D * 4);
+    } else {
+      for (int64_t d = 0; d < D; ++d) vr[d] = widen(vrow[d]);
+    }
   }
 }
 
@@ -596,14 +611,19 @@ bool prefill_f32_ready() {
 #endif
 }
 
-torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                            torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                            torch::Tensor skip, double scale, int64_t window) {
+namespace {
+
+torch::Tensor prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                      torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                      torch::Tensor skip, double scale, int64_t window, bool widened) {
   const bool bf16 = query.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || query.scalar_type() == at::kFloat, "paged_prefill: query must be bf16 or fp32, not ",
               query.scalar_type());
-  TORCH_CHECK(!bf16 || prefill_amx_ready(), "paged_prefill: bf16 needs AMX, which this CPU, OS or build lacks");
-  TORCH_CHECK(bf16 || prefill_f32_ready(), "paged_prefill: fp32 needs an AVX-512 or AVX2 build");
+  // bf16 in AMX tiles where the CPU grants them, else (or when asked) in fp32 vectors, the caches widened as
+  // they are packed and the output rounded to bf16 once.
+  const bool amx = bf16 && !widened && prefill_amx_ready();
+  TORCH_CHECK(amx || prefill_f32_ready(), "paged_prefill: ", bf16 ? "bf16 needs AMX or " : "fp32 needs ",
+              "an AVX-512 or AVX2 build");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be a [T, H, D] tensor with unit stride over D and heads adjacent");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, "caches must be [blocks, block_size, H_kv, D]");
@@ -625,12 +645,14 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && key_cache.size(3) == D && value_cache.size(3) == D,
               "head counts or head_dim do not match");
   TORCH_CHECK(D % 32 == 0 && D <= 256, "paged_prefill: head_dim a multiple of 32 up to 256, not ", D);
-  auto out = torch::empty({query.size(0), H, D}, query.options());
+  // The fp32 kernel reads fp32 query rows: a bf16 query is widened (a [T, H, D] copy, small beside the caches).
+  const torch::Tensor q32 = bf16 && !amx ? query.to(at::kFloat) : query;
+  auto out = torch::empty({query.size(0), H, D}, q32.options());
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const uint8_t* skips = skip.numel() ? skip.data_ptr<uint8_t>() : nullptr;
   const int64_t block_size = key_cache.size(1), max_blocks = block_tables.size(1);
-  Shape sh{H, Hkv, D, H / Hkv, block_size, query.stride(0),
+  Shape sh{H, Hkv, D, H / Hkv, block_size, q32.stride(0),
            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
            block_tables.stride(0), static_cast<float>(scale), window};
@@ -650,7 +672,7 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t pack = static_cast<int64_t>(packs.size());
       packs.push_back({s, h, lo, keys, k_total, v_total});
-      k_total += keys * (bf16 ? D / 2 : D);
+      k_total += keys * (amx ? D / 2 : D);
       v_total += keys * D;
       for (int64_t i0 = 0; i0 < q_len; i0 += kQ) {
         const int64_t last = ctx + std::min<int64_t>(q_len, i0 + kQ) - 1;
@@ -661,7 +683,7 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.work > b.work; });
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  if (bf16) {
+  if (amx) {
 #ifdef TANDEM_HAVE_AMX
     std::vector<uint32_t> kbuf(k_total + 16);
     std::vector<uint16_t> vbuf(v_total + 32);
@@ -674,13 +696,20 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
   }
 #ifdef TANDEM_PREFILL_F32
   std::vector<float> kbuf(k_total), vbuf(v_total);
-  const float* q = query.data_ptr<float>();
-  const float* kc = key_cache.data_ptr<float>();
-  const float* vc = value_cache.data_ptr<float>();
+  const float* q = q32.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t n_packs = static_cast<int64_t>(packs.size()), n_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, n_packs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) f32_pack(packs[i], kc, vc, tables, lens, sh, kbuf.data(), vbuf.data());
+    for (int64_t i = begin; i < end; ++i) {
+      if (bf16) {
+        f32_pack(packs[i], reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
+                 reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), tables, lens, sh, kbuf.data(),
+                 vbuf.data());
+      } else {
+        f32_pack(packs[i], key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), tables, lens, sh,
+                 kbuf.data(), vbuf.data());
+      }
+    }
   });
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
@@ -694,5 +723,20 @@ torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch:
     }
   });
 #endif
-  return out;
+  return bf16 ? out.to(at::kBFloat16) : out;
+}
+
+}  // namespace
+
+torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                            torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                            torch::Tensor skip, double scale, int64_t window) {
+  return prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, skip, scale, window, false);
+}
+
+// bf16 in fp32 vectors even where AMX runs (the path of CPUs without it, tested on every CPU).
+torch::Tensor paged_prefill_widened(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                    torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                                    torch::Tensor skip, double scale, int64_t window) {
+  return prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, skip, scale, window, true);
 }
