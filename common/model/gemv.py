@@ -390,8 +390,10 @@ def measure_tiled(ops: ModuleType, dtype: torch.dtype, probes: tuple[int, ...] =
     """Per probed row count, the best of a few timings of (the panel kernel, ``tiled_matmul`` on the same panels:
     what multiplies the rows above the panels' limit)."""
     n = _PROBE_SHAPE[0]
+    # three timings a side, not five: its probes are the largest (every start-up of a node pays for them) and a
+    # probe out of order is timed again (retime_out_of_order)
     return _race(dtype, probes, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False),
-                 (pack_panels, lambda x, p: tiled_matmul(p, x, n, bucketed=False)))
+                 (pack_panels, lambda x, p: tiled_matmul(p, x, n, bucketed=False)), timings=3)
 
 
 def tiled_matmul(panels: torch.Tensor, x: torch.Tensor, out_features: int, bucketed: bool) -> torch.Tensor:
@@ -415,9 +417,9 @@ Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _race(dtype: torch.dtype, probes: tuple[int, ...], layout: Layout, kernel: Kernel,
-          versus: tuple[Layout, Kernel] | None = None) -> dict[int, tuple[float, float]]:
-    """Per row count in ``probes``: the best of five timings of (``kernel`` on the weight in ``layout``, the
-    ``versus`` kernel on the weight in its layout: ``F.linear`` on the row-major weight unless given),
+          versus: tuple[Layout, Kernel] | None = None, timings: int = 5) -> dict[int, tuple[float, float]]:
+    """Per row count in ``probes``: the best of ``timings`` timings of (``kernel`` on the weight in ``layout``,
+    the ``versus`` kernel on the weight in its layout: ``F.linear`` on the row-major weight unless given),
     alternating so that a neighbour's load falls on both."""
     import time
 
@@ -428,17 +430,17 @@ def _race(dtype: torch.dtype, probes: tuple[int, ...], layout: Layout, kernel: K
     laid = layout(w)
     other_layout, other = versus or ((lambda t: t), F.linear)
     other_laid = other_layout(w)
-    timings: dict[int, tuple[float, float]] = {}
+    out: dict[int, tuple[float, float]] = {}
     for rows in probes:
         x = torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(dtype)
         best = [float("inf"), float("inf")]
-        for _ in range(5):
+        for _ in range(timings):
             for i, fn in enumerate((lambda x=x: kernel(x, laid), lambda x=x: other(x, other_laid))):
                 start = time.perf_counter()
                 fn()
                 best[i] = min(best[i], time.perf_counter() - start)
-        timings[rows] = (best[0], best[1])
-    return timings
+        out[rows] = (best[0], best[1])
+    return out
 
 
 def crossover_rows(timings: dict[int, tuple[float, float]]) -> int:
