@@ -213,19 +213,23 @@ def onednn_pays(dtype: torch.dtype) -> bool:
 
 PANEL_MAX_ROWS = 256  # up to here the panel kernel; above, oneDNN / MKL on unpacked tiles (measured faster)
 
-# The row counts probed for bf16 panels in AMX tiles against oneDNN's bf16 GEMM on a prepacked copy (prefill sizes).
-# On a 2-core AVX-512/AMX Xeon (session 29) oneDNN took SmolLM2's four projections in 4.7 ms a layer at 1,536 rows
-# against the panels' 6.4 (384 rows: 1.43 vs 1.48), and calls above 256 rows sent to it prefilled 4 x 384 tokens
-# in 0.82x the panels' time; at decode sizes the panels stay (they stream the weights; oneDNN's GEMV does not).
+# The row counts probed for bf16 panels against oneDNN's bf16 GEMM on a prepacked copy (prefill sizes). On a 2-core
+# AVX-512/AMX Xeon (session 29) oneDNN took SmolLM2's four projections in 4.7 ms a layer at 1,536 rows against the
+# panels' 6.4 in AMX tiles (384 rows: 1.43 vs 1.48), and calls above 256 rows sent to it prefilled 4 x 384 tokens
+# in 0.82x the panels' time; at decode sizes the panels stay (they stream the weights; oneDNN's GEMV does not). On a
+# 2-core Zen 4 EPYC (session 34: AVX512-BF16, no AMX, two threads) against the panels' vdpbf16ps: 256 rows 4.49 vs
+# 4.87 ms a layer, 1,024 rows 17.6 vs 20.4, 2,048 rows 36.3 vs 46.2.
 AMX_ONEDNN_PROBES = (256, 512, 1024, 2048)
 
 
 def onednn_bf16_rows(ops: ModuleType) -> int:
     """Rows from which a bf16 ``PanelMethod`` layer multiplies with oneDNN's GEMM on a prepacked copy of its weight
-    (``TANDEM_CPU_ONEDNN``), where the panels run in AMX tiles: auto: the smallest of ``AMX_ONEDNN_PROBES`` from
-    which oneDNN measured no slower than the panels at it and every larger probe here (once); on: the smallest
-    probe; off, no AMX, no oneDNN, or oneDNN slower at the largest probe: ``NO_AMX`` (never)."""
-    mode = _onednn_mode() if _amx_min_rows(ops) < NO_AMX else "off"
+    (``TANDEM_CPU_ONEDNN``), where the panels run in AMX tiles or on AVX512-BF16 (``dense_panel_path``): auto: the
+    smallest of ``AMX_ONEDNN_PROBES`` from which oneDNN measured no slower than the panels at it and every larger
+    probe here (once); on: the smallest probe; off, neither path (AVX2's panels: no measurement), no oneDNN, or
+    oneDNN slower at the largest probe: ``NO_AMX`` (never)."""
+    native = _amx_min_rows(ops) < NO_AMX or ops.dense_panel_path() == "avx512bf16"
+    mode = _onednn_mode() if native else "off"
     if mode != "auto":
         return AMX_ONEDNN_PROBES[0] if mode == "on" else NO_AMX
     if "onednn_bf16_rows" not in _limits:
@@ -237,7 +241,7 @@ def onednn_bf16_rows(ops: ModuleType) -> int:
 
         timings = retime_losses_beside_wins(race(AMX_ONEDNN_PROBES), race)
         _limits["onednn_bf16_rows"] = onednn_from_rows(timings)
-        log.info("bf16 GEMM in AMX tiles on panels %s here (%s)",
+        log.info("bf16 GEMM %s on panels %s here (%s)", "in AMX tiles" if amx_rows < NO_AMX else "in AVX512-BF16",
                  "at every size" if _limits["onednn_bf16_rows"] >= NO_AMX
                  else f"below {_limits['onednn_bf16_rows']} rows, oneDNN's on a prepacked copy from there",
                  ", ".join(f"{m} rows {a * 1e3:.2f} vs {b * 1e3:.2f} ms" for m, (a, b) in sorted(timings.items())))

@@ -471,7 +471,7 @@ def test_fp32_onednn_is_not_turned_off_by_one_burst(monkeypatch: pytest.MonkeyPa
     assert calls == [gemv.ONEDNN_PROBES]
 
 
-def test_onednn_takes_bf16_amx_panels_from_the_measured_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_onednn_takes_bf16_panels_from_the_measured_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     # the rule: from the smallest probe where oneDNN (second) was no slower at it and every larger probe
     assert gemv.onednn_from_rows({256: (1, 2), 512: (2, 1), 1024: (2, 1)}) == 512
     assert gemv.onednn_from_rows({256: (2, 1), 512: (1, 2), 1024: (2, 1)}) == 1024  # not past a loss
@@ -482,9 +482,10 @@ def test_onednn_takes_bf16_amx_panels_from_the_measured_rows(monkeypatch: pytest
     monkeypatch.setenv("TANDEM_CPU_ONEDNN", "off")
     assert gemv.onednn_bf16_rows(ops) == gemv.NO_AMX
     monkeypatch.setenv("TANDEM_CPU_ONEDNN", "on")
-    if gemv._amx_min_rows(ops) >= gemv.NO_AMX or not gemv.onednn_available():  # type: ignore[arg-type]
+    native = gemv._amx_min_rows(ops) < gemv.NO_AMX or ops.dense_panel_path() == "avx512bf16"  # type: ignore[arg-type]
+    if not native or not gemv.onednn_available():
         assert gemv.onednn_bf16_rows(ops) == gemv.NO_AMX or not gemv.onednn_available()
-        pytest.skip("no AMX tiles or no oneDNN here: bf16 panels never hand calls to oneDNN")
+        pytest.skip("no AMX tiles or AVX512-BF16, or no oneDNN here: bf16 panels never hand calls to oneDNN")
     assert gemv.onednn_bf16_rows(ops) == gemv.AMX_ONEDNN_PROBES[0]
     monkeypatch.setenv("TANDEM_CPU_ONEDNN", "auto")
     measured = gemv.onednn_bf16_rows(ops)  # measured once, then kept
