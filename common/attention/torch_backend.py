@@ -223,7 +223,7 @@ def prefill_pays(kernel: ModuleType, heads: int, kv_heads: int, head_dim: int,
                 best[i] = min(best[i], time.perf_counter() - start)
         return {m: (best[0], best[1]) for m in probes}
 
-    from common.model.gemv import retime  # a loss timed again, as the GEMMs' races are
+    from common.model.start_races import retime  # a loss timed again, as the GEMMs' races are
 
     best = retime(race((n,)), race, lambda t: tuple(m for m in t if t[m][0] > t[m][1]))[n]
     log.info("%s prefill attention, %d heads / %d KV heads of %d, %d tokens: compiled (fp32 vectors) %.2f ms, "

@@ -32,7 +32,6 @@ verification row can differ from the plain decode row in the last bit (fp32 pane
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -42,6 +41,15 @@ from common.config.settings import kernel_setting
 from common.kernels.cpu import NO_AMX, amx_enabled
 from common.model.linear import Linear, LinearMethod, StepWeights, TorchMethod
 from common.model.row_buckets import bucket_rows, bucket_values, on_bucketed_rows
+from common.model.start_races import (  # the races' timing and reading rules (re-exported for callers)
+    PROBE_SHAPE,
+    crossover_rows,
+    onednn_from_rows,
+    retime,
+    retime_losses_beside_wins,
+    retime_out_of_order,
+)
+from common.model.start_races import race as _race
 from common.quant.cpu_linear import GEMV_MAX_ROWS, TILE_ELEMENTS  # one limit for float and packed weights
 from common.quant.panels import PANEL_ROWS
 
@@ -248,66 +256,6 @@ def onednn_bf16_rows(ops: ModuleType) -> int:
     return _limits["onednn_bf16_rows"]
 
 
-def onednn_from_rows(timings: dict[int, tuple[float, float]]) -> int:
-    """The smallest probed row count from which the other GEMM was no slower than Tandem's kernel at every larger
-    probe too (timings: rows -> (kernel s, other s)); ``NO_AMX`` where it lost at the largest."""
-    rows = NO_AMX
-    for m in sorted(timings, reverse=True):
-        kernel, other = timings[m]
-        if other > kernel:
-            break
-        rows = m
-    return rows
-
-
-def retime_losses_beside_wins(timings: dict[int, tuple[float, float]],
-                              race: Callable[[tuple[int, ...]], dict[int, tuple[float, float]]],
-                              tries: int = 3) -> dict[int, tuple[float, float]]:
-    """``timings`` (rows -> (kernel s, other s)) with each probe where the other GEMM lost although it won at
-    another probe timed again, up to ``tries`` more times (the best of all kept): a neighbour's burst during one
-    probe's five timings otherwise sets the crossover for the process's life. Session 31 (2-core Xeon): one
-    start-up read oneDNN 9.66 ms against the panels' 6.70 at 1,024 rows, between oneDNN's wins at 256 (0.93 vs
-    1.08) and 2,048 (9.56 vs 13.55; another start-up: 3.36 vs 4.68 at 1,024), and kept the panels up to 2,047
-    rows: a full queue's ~1,920-row prefill steps, where the panels take ~1.4x oneDNN's time. Session 33: two of
-    seven servers started by the serving benchmark read oneDNN slower at the largest probe only (2,048 rows 6.95
-    vs 4.87 ms, 5.90 vs 4.95; 1,024 rows 1.93 vs 2.33), a loss the rule above never doubted, and prefilled in
-    the panels at every size: 2,048-token steps of a full queue of 1,024-token prompts 0.8-1.1 s against
-    0.40-0.57 s in a server on oneDNN. Run alone, 40 races of this one (28 in a bare process, four of them
-    beside a process spinning on one of the two cores, 12 in freshly started servers) read oneDNN faster at
-    2,048 rows every time."""
-    return retime(timings, race, lambda t: tuple(m for m in sorted(t) if t[m][1] > t[m][0]
-                                                 and any(t[n][1] <= t[n][0] for n in t if n != m)), tries)
-
-
-def retime_out_of_order(timings: dict[int, tuple[float, float]],
-                        race: Callable[[tuple[int, ...]], dict[int, tuple[float, float]]],
-                        tries: int = 2) -> dict[int, tuple[float, float]]:
-    """``timings`` (rows -> (kernel s, GEMM s)) of a kernel that should win below a crossover and lose above it
-    (``crossover_rows``), with each probe that breaks that order timed again, up to ``tries`` more times (the
-    best of all kept): a loss below a larger win, or a win above a smaller loss. One burst elsewhere during a
-    probe's five timings would otherwise set the crossover for the process's life, as it did to the bf16 GEMM's
-    (``retime_losses_beside_wins``)."""
-    return retime(timings, race, lambda t: tuple(
-        m for m in sorted(t)
-        if (t[m][0] > t[m][1] and any(t[n][0] <= t[n][1] for n in t if n > m))
-        or (t[m][0] <= t[m][1] and any(t[n][0] > t[n][1] for n in t if n < m))), tries)
-
-
-def retime(timings: dict[int, tuple[float, float]], race: Callable[[tuple[int, ...]], dict[int, tuple[float, float]]],
-           doubtful: Callable[[dict[int, tuple[float, float]]], tuple[int, ...]],
-           tries: int = 2) -> dict[int, tuple[float, float]]:
-    """``timings`` with the probes ``doubtful`` names timed again by ``race``, up to ``tries`` times, keeping the
-    best of every timing of each side (a start-up race's verdict holds for the process's life)."""
-    best = dict(timings)
-    for _ in range(tries):
-        probes = doubtful(best)
-        if not probes:
-            break
-        for m, (first, second) in race(probes).items():
-            best[m] = (min(best[m][0], first), min(best[m][1], second))
-    return best
-
-
 # from 2 rows AMX tiles (where the CPU has them) beat vdpbf16ps (measured: benchmarks/results/2026-12-01-amx/RESULTS.md)
 AMX_MIN_ROWS = 2
 
@@ -380,7 +328,6 @@ def gemm_crossover(ops: ModuleType, dtype: torch.dtype) -> int:
 CROSSOVER_PROBES = (8, 16, 32, 64, 128, PANEL_MAX_ROWS)
 # The row counts probed for where the panels lose to the tiles unpacked from them (``_panel_max_rows``).
 TILED_PROBES = (128, 256, 512)
-_PROBE_SHAPE = (2048, 1024)  # [N, K]: larger than L2, as the models' projections are
 
 
 def measure_crossover(ops: ModuleType, dtype: torch.dtype,
@@ -393,7 +340,7 @@ def measure_tiled(ops: ModuleType, dtype: torch.dtype, probes: tuple[int, ...] =
                   ) -> dict[int, tuple[float, float]]:
     """Per probed row count, the best of a few timings of (the panel kernel, ``tiled_matmul`` on the same panels:
     what multiplies the rows above the panels' limit)."""
-    n = _PROBE_SHAPE[0]
+    n = PROBE_SHAPE[0]
     # three timings a side, not five: its probes are the largest (every start-up of a node pays for them) and a
     # probe out of order is timed again (retime_out_of_order)
     return _race(dtype, probes, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False),
@@ -414,50 +361,6 @@ def tiled_matmul(panels: torch.Tensor, x: torch.Tensor, out_features: int, bucke
         p1 = min(panels.shape[0], p0 + step)
         torch.mm(xs, unpack_panels(panels, p0, p1).T, out=out[:, p0 * PANEL_ROWS : p1 * PANEL_ROWS])
     return out[:m] if rows != m else out
-
-
-Layout = Callable[[torch.Tensor], torch.Tensor]
-Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _race(dtype: torch.dtype, probes: tuple[int, ...], layout: Layout, kernel: Kernel,
-          versus: tuple[Layout, Kernel] | None = None, timings: int = 5) -> dict[int, tuple[float, float]]:
-    """Per row count in ``probes``: the best of ``timings`` timings of (``kernel`` on the weight in ``layout``,
-    the ``versus`` kernel on the weight in its layout: ``F.linear`` on the row-major weight unless given),
-    alternating so that a neighbour's load falls on both."""
-    import time
-
-    import torch.nn.functional as F
-
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(*_PROBE_SHAPE, generator=gen).to(dtype)
-    laid = layout(w)
-    other_layout, other = versus or ((lambda t: t), F.linear)
-    other_laid = other_layout(w)
-    out: dict[int, tuple[float, float]] = {}
-    for rows in probes:
-        x = torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(dtype)
-        best = [float("inf"), float("inf")]
-        for _ in range(timings):
-            for i, fn in enumerate((lambda x=x: kernel(x, laid), lambda x=x: other(x, other_laid))):
-                start = time.perf_counter()
-                fn()
-                best[i] = min(best[i], time.perf_counter() - start)
-        out[rows] = (best[0], best[1])
-    return out
-
-
-def crossover_rows(timings: dict[int, tuple[float, float]]) -> int:
-    """The largest probed row count up to which Tandem's kernel was never slower than torch's GEMM (its
-    timings: rows -> (kernel s, GEMM s)); the smallest probe if it lost there too (a decode row still streams
-    the weights, which is what the kernels are for)."""
-    rows = min(timings)
-    for m in sorted(timings):
-        kernel, gemm = timings[m]
-        if kernel > gemm:
-            break
-        rows = m
-    return rows
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
