@@ -13,7 +13,7 @@ from common.config.settings import ModelSettings, NodeSettings, SecuritySettings
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
-from common.engine.node_setup import engine_configs, load_draft_model, load_node_model, prepare_decode_attention
+from common.engine.node_setup import engine_configs, load_draft_model, load_node_model, prepare_kernels
 from common.serving.channel import format_address
 from common.serving.registrar import register_node
 from common.serving.security import ChannelFactory, internal_auth, server_credentials
@@ -45,7 +45,7 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
                       draft_model=load_draft_model(speculative, model_settings, loaded.model_dir),
                       parallel=loaded.parallel)
     engine = AsyncEngine(core, name="decode-engine")
-    await prepare_decode_attention(model_settings, engine)
+    await prepare_kernels(model_settings, engine)
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
     node_id = node.node_id or f"decode-{node.port}"
     # Same-host transport: the receiver moves the KV tensor into shared memory (before the engine's first step).

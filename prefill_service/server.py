@@ -12,7 +12,7 @@ from common.config.settings import ModelSettings, NodeSettings, SecuritySettings
 from common.engine.async_engine import AsyncEngine
 from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
-from common.engine.node_setup import engine_configs, load_node_model
+from common.engine.node_setup import engine_configs, load_node_model, prepare_kernels
 from common.serving.channel import format_address
 from common.serving.registrar import register_node
 from common.serving.security import ChannelFactory, internal_auth, server_credentials
@@ -40,6 +40,7 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
     core = EngineCore(loaded.model, cache, scheduler, connector=KVProducer(cache.block_size),
                       parallel=loaded.parallel)
     engine = AsyncEngine(core, name="prefill-engine")
+    await prepare_kernels(model_settings, engine, decode=False)
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
     node_id = node.node_id or f"prefill-{node.port}"
     sender = KVSender(core.runner.kv_cache, layout, node_id, group_timeout_s=node.kv_timeout_s,

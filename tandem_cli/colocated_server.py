@@ -123,7 +123,7 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
         engine_configs,
         load_draft_model,
         load_node_model,
-        prepare_decode_attention,
+        prepare_kernels,
     )
 
     loaded = load_node_model(model_settings)
@@ -132,7 +132,7 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
                            draft_model=load_draft_model(speculative, model_settings, loaded.model_dir),
                            parallel=loaded.parallel)
     engine = AsyncEngine(core, name="colocated-engine")
-    await prepare_decode_attention(model_settings, engine)
+    await prepare_kernels(model_settings, engine)
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     max_model_len = min(settings.max_model_len or core.max_model_len, core.max_model_len)
     model = ServedModel.load(loaded.model_dir, settings.served_model_name, max_model_len, dtype)

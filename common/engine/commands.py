@@ -127,8 +127,11 @@ class ReserveKV(EngineCommand[None]):
 
 @dataclass(frozen=True)
 class PrepareKernels(EngineCommand[bool]):
-    """Build or load the compiled CPU decode kernel on the engine thread, and have oneDNN build its bf16 GEMM
-    kernels for every row bucket a step can reach. Answers whether the decode kernel is in use."""
+    """Have oneDNN build its bf16 GEMM kernels for every row bucket a step can reach, and (``decode``) build or
+    load the compiled CPU decode kernel, on the engine thread. Answers whether the decode kernel is in use
+    (False on a node that does not decode)."""
+
+    decode: bool = True
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ class EngineCore:
             case PrepareKernels():
                 from common.kernels.cpu import paged_decode_kernel
 
-                ready = paged_decode_kernel() is not None
+                ready = command.decode and paged_decode_kernel() is not None
                 self._warm_gemm_buckets()
                 return ready
         raise TypeError(f"unknown engine command {command!r}")

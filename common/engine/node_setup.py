@@ -66,18 +66,20 @@ def load_node_model(settings: ModelSettings) -> LoadedModel:
     return LoadedModel(model, model_dir, model_dir.name)
 
 
-async def prepare_decode_attention(settings: ModelSettings, engine: AsyncEngine) -> None:
-    """Build (first start on a machine; the time it took: benchmarks/results/figures-from-code.md) or load the
-    CPU decode kernel on the engine thread, where it runs, before the node serves: not inside the first
-    request's decode step."""
+async def prepare_kernels(settings: ModelSettings, engine: AsyncEngine, decode: bool = True) -> None:
+    """Before the node serves, on the engine thread: oneDNN's bf16 GEMM for every row bucket a step can reach
+    (a first step at a new bucket cost 15-20 ms more in session 33; a prefill node's steps reach them all), and
+    on a node that decodes the CPU decode kernel, built (first start on a machine; the time it took:
+    benchmarks/results/figures-from-code.md) or loaded: not inside the first request's step."""
     import torch
 
     if settings.attention_backend != "torch" or torch.device(settings.device).type != "cpu":
         return
     from common.engine.commands import PrepareKernels
 
-    compiled = await engine.call(PrepareKernels())
-    log.info("CPU decode attention: %s", "compiled kernel" if compiled else "PyTorch path")
+    compiled = await engine.call(PrepareKernels(decode=decode))
+    if decode:
+        log.info("CPU decode attention: %s", "compiled kernel" if compiled else "PyTorch path")
 
 
 def engine_configs(node: NodeSettings, device: str) -> tuple[CacheConfig, SchedulerConfig]:
