@@ -42,6 +42,7 @@ from gateway.decode_leg import DecodeLeg, QueueItem, Reader, StreamEnd, cancelle
 from gateway.model import ServedModel
 from gateway.node_pool import NodePool
 from gateway.output import Delta, OutputChunk, OutputProcessor, Timings, Usage, coalesced_chunks, visible
+from gateway.prefill_call import FirstStatus, first_answer, write
 from gateway.prefill_policy import LocalPrefillPolicy, prefill_locally
 from gateway.request import GatewayRequest
 from gateway.router import NodeState, Router
@@ -457,9 +458,10 @@ class Coordinator:
                               reserving: asyncio.Future[_Reserved]) -> prefill_pb2.PrefillResponse:
         """Write the request, then (once reserved) its destination, and await the first answer (the first token);
         give up as soon as the decode stream fails."""
-        answer: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.ensure_future(_first_answer(call))
+        first = FirstStatus(call)
+        answer: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.ensure_future(first_answer(call, first))
         try:
-            await _write(call, answer, prefill_pb2.PrefillMessage(request=request))
+            await write(call, answer, prefill_pb2.PrefillMessage(request=request), first)
             # The call may fail (its node unreachable) before the reservation comes: that is seen at once.
             legs: set[asyncio.Future[Any]] = {reserving, answer}
             await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
@@ -469,10 +471,10 @@ class Coordinator:
             decode, _, reader = reserving.result()  # raises the reservation's failure
             r = decode.reservation
             assert r is not None, "a local prefill has no prefill leg"
-            await _write(call, answer, prefill_pb2.PrefillMessage(destination=prefill_pb2.KVDestination(
+            await write(call, answer, prefill_pb2.PrefillMessage(destination=prefill_pb2.KVDestination(
                 kv_endpoint=r.kv_endpoint, node_id=r.node_id, transfer_id=r.transfer_id, block_ids=r.block_ids,
-                num_cached_tokens=r.num_cached_tokens, first_block=r.first_block)))
-            await _write(call, answer, None)
+                num_cached_tokens=r.num_cached_tokens, first_block=r.first_block)), first)
+            await write(call, answer, None, first)
             return await self._unless_decode_fails(answer, reader, decode)
         finally:
             answer.cancel()
@@ -525,28 +527,6 @@ class Coordinator:
         if code in _PASSED_ON:
             return ServiceError(f"{what}: {exc.details()}", code)
         return ServiceError(f"{what} failed: {code.name}: {exc.details()}")
-
-
-async def _write(call: grpc.aio.StreamStreamCall, answer: asyncio.Future[prefill_pb2.PrefillResponse],
-                 message: prefill_pb2.PrefillMessage | None) -> None:
-    """Write ``message`` to the prefill call (None: close its sending side); a call that ended meanwhile raises
-    its own failure. A write racing the node's own failure may raise grpc's "RPC already finished", or an
-    INTERNAL "Internal error from Core", in place of the status the node sent: the call's status says why."""
-    try:
-        await (call.write(message) if message is not None else call.done_writing())
-    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
-        await answer
-        raise ServiceError("the prefill node answered before its KV destination was sent") from None
-
-
-async def _first_answer(call: grpc.aio.StreamStreamCall) -> prefill_pb2.PrefillResponse:
-    """The prefill call's first answer, the first token (``kv_pending``); a call that failed raises its status."""
-    response = await call.read()
-    if response is grpc.aio.EOF:
-        raise ServiceError(f"the prefill node ended its call without an answer ({(await call.code()).name})")
-    if not response.kv_pending:
-        raise ServiceError("the prefill node's first answer did not come before its KV transfer ended")
-    return response
 
 
 def _end_prefill_call(call: grpc.aio.StreamStreamCall, node: NodeState, _: object) -> None:
