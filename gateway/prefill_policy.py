@@ -9,13 +9,13 @@ produced their first token yet), and weighs them with ``local_cost_factor`` (f):
 - a prompt of at most ``max_tokens`` tokens prefills on its decode node: the node's scheduler gives prefill
   chunks shortest prompt first (``prefill_order``, common/engine/scheduler.py), so it goes ahead of every
   longer prompt the node is prefilling and gets its first token within a step or two, without a KV transfer;
-  unless the decode node has streams running (or prompts to prefill) and a prefill node is idle and would
-  prefill no more of the prompt than the decode node (it holds as much of it: a conversation's history in the
-  tier it shares with the decode node). Then the prefill node takes it: its first token does not wait for the
-  decode step under way nor share one, and the running streams' next tokens do not wait for its chunk. At a
-  light load this spreads a conversation's turns over both nodes' cores (the idle decode node takes a turn
-  itself, without the hops; a busy one leaves it to the idle prefill node), where the shortcut alone put every
-  turn on the decode node (issue 38: benchmarks/results/2026-12-06-turns/RESULTS.md);
+  unless the decode node is prefilling another prompt already and a prefill node is idle and would prefill no
+  more of it (it holds as much of it: a conversation's history in the tier it shares with the decode node): then
+  the prefill node takes it at once instead of after the other prompt's chunks. Not merely because the decode
+  node has streams running: a prefill node's step beside a decoding core took 21% longer than beside an idle one
+  (178 -> 215 ms p50 on a 2-core Zen 4), more than a local prompt waits for the decode step under way, and
+  sending a conversation's turns to the idle prefill node whenever the decode node had streams read 1.04x
+  colocated's TTFT p50 against the shortcut's 0.96x (issue 38: benchmarks/results/2026-12-06-turns/RESULTS.md);
 - a longer one goes to a prefill node unless the decode node would give it its first token sooner:
   local when ``f * (local backlog + n) < remote backlog + n``, the decode node's side weighted because its
   decode steps share the core and wait behind the prompt's chunks, and the decode node has free blocks for
@@ -67,20 +67,19 @@ class LocalPrefillPolicy:
 
 
 def local_wins(policy: LocalPrefillPolicy, num_prompt_tokens: int, local_backlog: int,
-               remote: Iterable[tuple[int, int]], local_cached: int = 0, local_running: int = 0) -> bool:
+               remote: Iterable[tuple[int, int]], local_cached: int = 0) -> bool:
     """Whether the decode node prefills a prompt itself, comparing the backlogs (the rules above).
 
     ``local_backlog``: the decode node's prefill backlog in tokens; ``remote``: (backlog, cached prompt
-    tokens) of each reachable prefill node; ``local_cached``: the prompt's leading tokens the decode node holds;
-    ``local_running``: the requests the decode node serves now (its streams, whichever node prefills them).
+    tokens) of each reachable prefill node; ``local_cached``: the prompt's leading tokens the decode node holds.
     """
     n, f = num_prompt_tokens, policy.local_cost_factor
     local_new = n - local_cached
     remote = list(remote)
     if local_new <= policy.max_tokens:
-        if local_running == 0 and local_backlog == 0:
-            return True  # an idle decode node: nothing to stall, no transfer, no hops
-        # a busy decode node leaves it to an idle prefill node that prefills no more of it
+        if local_backlog == 0:
+            return True  # the decode node starts it in its next step, without a transfer or hops
+        # a decode node prefilling another prompt leaves it to an idle prefill node that prefills no more of it
         return not any(backlog == 0 and n - cached <= local_new for backlog, cached in remote)
     remote_cost = min(backlog + n - cached for backlog, cached in remote)
     return f * (local_backlog + local_new) < remote_cost
@@ -115,4 +114,4 @@ def prefill_locally(policy: LocalPrefillPolicy, num_prompt_tokens: int, decode: 
     queued = queued_remote_tokens // len(reachable)
     return local_wins(policy, num_prompt_tokens, decode.prefill_tokens + queued_local_tokens,
                       ((n.prefill_tokens + queued, min(cached.get(n.target, 0), num_prompt_tokens - 1))
-                       for n in reachable), local_cached, decode.queue_depth)
+                       for n in reachable), local_cached)

@@ -265,8 +265,7 @@ class _Simulation:
             return False
         return local_wins(self._policy, len(prompt), decode.prefill_backlog,
                           [(p.prefill_backlog, p.cached_tokens(prompt)) for p in self.prefill_nodes],
-                          local_cached=min(decode.cached_tokens(prompt), len(prompt) - 1),
-                          local_running=decode.outstanding - 1)  # (counted this request already)
+                          local_cached=min(decode.cached_tokens(prompt), len(prompt) - 1))
 
     def _send_prefill(self, leg: _Leg, num_cached_tokens: int) -> None:
         """The decode node reserved blocks for ``leg`` (its first ``num_cached_tokens`` cached there): prefill it."""

@@ -6,7 +6,7 @@ another: a single run compares each system with another window of the machine (s
 then C B A), and every system's turns 3+ are pooled over the rounds; a system from another checkout (the
 routing before this session's change) runs inside each round beside them.
 
-    python interleave.py OUT_DIR --seeds 0,1 --rounds 2 [--baseline CHECKOUT]   # runs, then summarizes
+    python interleave.py OUT_DIR --seeds 0,1 --rounds 2 [--systems A,B] [--baseline CHECKOUT]   # runs, summarizes
     python interleave.py OUT_DIR --summarize                                    # the summary of OUT_DIR's runs
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,7 @@ def run_all(args: argparse.Namespace, out: Path) -> None:
     for seed in args.seeds:
         for r in range(args.rounds):
             forward = r % 2 == 0
-            steps: list[tuple[Path, list[str], str]] = [(here, HERE_SYSTEMS if forward else HERE_SYSTEMS[::-1],
+            steps: list[tuple[Path, list[str], str]] = [(here, args.systems if forward else args.systems[::-1],
                                                          f"seed{seed}-r{r}")]
             if args.baseline:
                 base = (Path(args.baseline), [BASELINE], f"seed{seed}-r{r}-baseline")
@@ -56,29 +57,54 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def p50_ratio_interval(a: list[float], b: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A 90% bootstrap interval of median(a) / median(b), each resampled on its own (seeded)."""
+    rng = random.Random(0)
+    ratios = sorted(statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
+                    for _ in range(draws))
+    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws)]
+
+
+def median_interval(values: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A 90% bootstrap interval of the median (seeded)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.05 * draws)], medians[int(0.95 * draws)]
+
+
 def summarize(out: Path) -> str:
     pooled: dict[tuple[int, str], list[dict[str, float]]] = {}
     rounds: dict[tuple[int, str], list[float]] = {}
+    by_round: dict[tuple[int, int, str], dict[int, float]] = {}  # (seed, round, system) -> request index -> TTFT
     for path in sorted(out.glob("seed*.json")):
         seed = int(path.name.removeprefix("seed").split("-")[0])
+        round_ = int(path.stem.split("-")[1].removeprefix("r"))
         baseline = path.stem.endswith("-baseline")
         for system in json.loads(path.read_text())["systems"]:
             name = system["system"] + (" (before)" if baseline else "")
             turns = [r for r in system["records"] if r["ok"] and r["kind"] not in ("turn 1", "turn 2")]
             pooled.setdefault((seed, name), []).extend(turns)
+            by_round[(seed, round_, name)] = {int(r["index"]): r["ttft_s"] for r in turns}
             rounds.setdefault((seed, name), []).append(statistics.median(r["ttft_s"] for r in turns) * 1000)
-    lines = ["| seed | system | turns 3+ | TTFT p50 / p90 / p99 (ms) | vs colocated (p50) | each round's p50 (ms) "
-             "| TPOT p50 / p99 (ms) |", "|---|---|---:|---:|---:|---|---:|"]
+    lines = ["| seed | system | turns 3+ | TTFT p50 / p90 / p99 (ms) | vs colocated: p50s [90% interval] "
+             "| vs colocated: paired, median [90% interval] | each round's p50 (ms) | TPOT p50 / p99 (ms) |",
+             "|---|---|---:|---:|---:|---:|---|---:|"]
     for seed in sorted({s for s, _ in pooled}):
-        colocated = statistics.median(r["ttft_s"] for r in pooled[(seed, "colocated+shared")]) * 1000
+        base = [r["ttft_s"] * 1000 for r in pooled[(seed, "colocated+shared")]]
+        colocated = statistics.median(base)
         for (s, name), turns in sorted(pooled.items()):
             if s != seed:
                 continue
             ttft = [r["ttft_s"] * 1000 for r in turns]
             tpot = [r["tpot_s"] * 1000 for r in turns if r["tpot_s"]]
             p50 = statistics.median(ttft)
+            low, high = p50_ratio_interval(ttft, base)
+            paired = [mine[i] / theirs[i] for (sd, rd, n), mine in by_round.items() if sd == seed and n == name
+                      for theirs in [by_round.get((sd, rd, "colocated+shared"), {})] for i in mine if i in theirs]
+            p_low, p_high = median_interval(paired)
             lines.append(f"| {seed} | {name} | {len(turns)} | {p50:.0f} / {pct(ttft, 0.9):.0f} / "
-                         f"{pct(ttft, 0.99):.0f} | {p50 / colocated:.2f}x | "
+                         f"{pct(ttft, 0.99):.0f} | {p50 / colocated:.2f}x [{low:.2f}-{high:.2f}] | "
+                         f"{statistics.median(paired):.2f}x [{p_low:.2f}-{p_high:.2f}] | "
                          f"{', '.join(f'{v:.0f}' for v in rounds[(s, name)])} | "
                          f"{statistics.median(tpot):.1f} / {pct(tpot, 0.99):.1f} |")
     return "\n".join(lines)
@@ -89,6 +115,8 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--systems", type=lambda s: s.split(","), default=HERE_SYSTEMS,
+                   help=f"this checkout's systems, in the first round's order [{','.join(HERE_SYSTEMS)}]")
     p.add_argument("--baseline", help="a checkout whose conditional system runs inside each round")
     p.add_argument("--summarize", action="store_true", help="only summarize the runs already in OUT")
     args = p.parse_args()
