@@ -8,14 +8,10 @@ produced their first token yet), and weighs them with ``local_cost_factor`` (f):
 
 - a prompt of at most ``max_tokens`` tokens prefills on its decode node: the node's scheduler gives prefill
   chunks shortest prompt first (``prefill_order``, common/engine/scheduler.py), so it goes ahead of every
-  longer prompt the node is prefilling and gets its first token within a step or two, without a KV transfer;
-  unless the decode node is prefilling another prompt already and a prefill node is idle and would prefill no
-  more of it (it holds as much of it: a conversation's history in the tier it shares with the decode node): then
-  the prefill node takes it at once instead of after the other prompt's chunks. Not merely because the decode
-  node has streams running: a prefill node's step beside a decoding core took 21% longer than beside an idle one
-  (178 -> 215 ms p50 on a 2-core Zen 4), more than a local prompt waits for the decode step under way, and
-  sending a conversation's turns to the idle prefill node whenever the decode node had streams read 1.04x
-  colocated's TTFT p50 against the shortcut's 0.96x (issue 38: benchmarks/results/2026-12-06-turns/RESULTS.md);
+  longer prompt the node is prefilling and gets its first token within a step or two, without a KV transfer.
+  (Sending a short one to an idle prefill node instead, while the decode node had streams or was prefilling
+  another prompt, was measured on multi-turn chats in session 35: worse or tied, a served prefill step beside a
+  streaming decode node running 14-21% slower: benchmarks/results/2026-12-06-turns/RESULTS.md);
 - a longer one goes to a prefill node unless the decode node would give it its first token sooner:
   local when ``f * (local backlog + n) < remote backlog + n``, the decode node's side weighted because its
   decode steps share the core and wait behind the prompt's chunks, and the decode node has free blocks for
@@ -75,12 +71,8 @@ def local_wins(policy: LocalPrefillPolicy, num_prompt_tokens: int, local_backlog
     """
     n, f = num_prompt_tokens, policy.local_cost_factor
     local_new = n - local_cached
-    remote = list(remote)
     if local_new <= policy.max_tokens:
-        if local_backlog == 0:
-            return True  # the decode node starts it in its next step, without a transfer or hops
-        # a decode node prefilling another prompt leaves it to an idle prefill node that prefills no more of it
-        return not any(backlog == 0 and n - cached <= local_new for backlog, cached in remote)
+        return True  # the decode node's shortest-first prefill order puts it ahead of every longer prompt
     remote_cost = min(backlog + n - cached for backlog, cached in remote)
     return f * (local_backlog + local_new) < remote_cost
 

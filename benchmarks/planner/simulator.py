@@ -264,8 +264,7 @@ class _Simulation:
         if self._policy.max_tokens == 0:
             return False
         return local_wins(self._policy, len(prompt), decode.prefill_backlog,
-                          [(p.prefill_backlog, p.cached_tokens(prompt)) for p in self.prefill_nodes],
-                          local_cached=min(decode.cached_tokens(prompt), len(prompt) - 1))
+                          [(p.prefill_backlog, p.cached_tokens(prompt)) for p in self.prefill_nodes])
 
     def _send_prefill(self, leg: _Leg, num_cached_tokens: int) -> None:
         """The decode node reserved blocks for ``leg`` (its first ``num_cached_tokens`` cached there): prefill it."""

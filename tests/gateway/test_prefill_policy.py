@@ -20,11 +20,7 @@ def node(target: str, running: int = 0, waiting: int = 0, free: int = 1000, reac
 @pytest.mark.parametrize(("tokens", "prefill_backlogs", "decode", "expected"), [
     (100, [0], node("d"), True),  # short, both idle: local
     (100, [5000], node("d", backlog=5000), True),  # short, both busy: local (5100 <= 1.5 * 5100)
-    (100, [1], node("d", backlog=2000), True),  # short: ahead of the long one the decode node prefills...
-    (100, [0], node("d", backlog=2000), False),  # ...unless a prefill node is idle: no wait for the long one's chunk
-    (100, [0], node("d", running=3), True),  # short, streams on the decode node: local all the same
-    (100, [0, 7], node("d", backlog=50), False),  # one idle prefill node is enough
-    (100, [3], node("d", backlog=50), True),  # short, both prefilling: local
+    (100, [0], node("d", backlog=2000), True),  # short: ahead of the long one the decode node prefills
     (101, [0], node("d"), False),  # longer, prefill idle: disaggregate
     (1000, [499], node("d"), False),  # 1.5 * 1000 = 1500 local vs 1499 remote
     (1000, [501], node("d"), True),  # 1500 vs 1501: the decode node gives the first token sooner
@@ -64,10 +60,7 @@ def test_local_wins_compares_weighted_backlogs() -> None:
     assert local_wins(POLICY, 101, 101, [(5000, 0)])  # 303 < 5101: a second long prompt on the decode node
     assert not local_wins(POLICY, 101, 3500, [(5000, 0)])  # 1.5 * 3601 = 5401.5 > 5101
     assert not local_wins(POLICY, 101, 0, [(200, 0), (0, 0)])  # an idle prefill node: 151.5 > 101
-    assert local_wins(POLICY, 100, 10_000, [(1, 0)])  # short: the decode node's (shortest first there)...
-    assert not local_wins(POLICY, 100, 10_000, [(0, 0)])  # ...unless a prefill node is idle
-    assert local_wins(POLICY, 100, 0, [(0, 0)])  # both idle: the decode node, without the hops
-    assert local_wins(POLICY, 100, 10, [(0, 50)], local_cached=60)  # the idle one must hold as much
+    assert local_wins(POLICY, 100, 10_000, [(0, 0)])  # short: always the decode node's (shortest first there)
     assert not local_wins(LocalPrefillPolicy(max_tokens=1, local_cost_factor=3.0), 100, 0, [(200, 0)])
 
 
@@ -108,19 +101,6 @@ def test_a_decode_node_holding_the_history_prefills_only_the_new_tokens() -> Non
     assert prefill_locally(POLICY, 1000, node("d"), prefill, 16, decode_cached_tokens=800)
     # ... unless the prefill node holds as much: 1.5 * 200 > 200
     assert not prefill_locally(POLICY, 1000, node("d"), prefill, 16, {"p": 800}, decode_cached_tokens=800)
-    # a decode node prefilling another prompt leaves the turn to an idle prefill node that holds the history
-    # too (a shared tier)...
-    assert not prefill_locally(POLICY, 1000, node("d", backlog=30), prefill, 16, {"p": 960},
-                               decode_cached_tokens=960)
-    # ... (prompts bound for it count: the gateway has not heard back about them yet)
-    assert not prefill_locally(POLICY, 1000, node("d"), prefill, 16, {"p": 960}, queued_local_tokens=30,
-                               decode_cached_tokens=960)
-    # ... not to one that would prefill more of it (960 held: 40 new tokens; 900 held: 100)
-    assert prefill_locally(POLICY, 1000, node("d", backlog=30), prefill, 16, {"p": 900}, decode_cached_tokens=960)
-    # ... nor to a busy one; and a decode node with streams but nothing to prefill keeps it
-    assert prefill_locally(POLICY, 1000, node("d", backlog=30), [node("p", backlog=10)], 16, {"p": 960},
-                           decode_cached_tokens=960)
-    assert prefill_locally(POLICY, 1000, node("d", running=4), prefill, 16, {"p": 960}, decode_cached_tokens=960)
     # the blocks it needs are the new ones only: 3 + 8 headroom fit in 11 free blocks
     assert prefill_locally(POLICY, 1000, node("d", free=11), prefill, 16, decode_cached_tokens=960)
     assert local_wins(POLICY, 1000, 0, [(0, 0)], local_cached=900)  # 100 new: within max_tokens
