@@ -42,7 +42,7 @@ from gateway.decode_leg import DecodeLeg, QueueItem, Reader, StreamEnd, cancelle
 from gateway.model import ServedModel
 from gateway.node_pool import NodePool
 from gateway.output import Delta, OutputChunk, OutputProcessor, Timings, Usage, coalesced_chunks, visible
-from gateway.prefill_call import FirstStatus, first_answer, write
+from gateway.prefill_call import PrefillCall
 from gateway.prefill_policy import LocalPrefillPolicy, prefill_locally
 from gateway.request import GatewayRequest
 from gateway.router import NodeState, Router
@@ -458,10 +458,10 @@ class Coordinator:
                               reserving: asyncio.Future[_Reserved]) -> prefill_pb2.PrefillResponse:
         """Write the request, then (once reserved) its destination, and await the first answer (the first token);
         give up as soon as the decode stream fails."""
-        first = FirstStatus(call)
-        answer: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.ensure_future(first_answer(call, first))
+        prefill = PrefillCall(call)
+        answer: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.ensure_future(prefill.first_answer())
         try:
-            await write(call, answer, prefill_pb2.PrefillMessage(request=request), first)
+            await prefill.write(answer, prefill_pb2.PrefillMessage(request=request))
             # The call may fail (its node unreachable) before the reservation comes: that is seen at once.
             legs: set[asyncio.Future[Any]] = {reserving, answer}
             await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
@@ -471,10 +471,10 @@ class Coordinator:
             decode, _, reader = reserving.result()  # raises the reservation's failure
             r = decode.reservation
             assert r is not None, "a local prefill has no prefill leg"
-            await write(call, answer, prefill_pb2.PrefillMessage(destination=prefill_pb2.KVDestination(
+            await prefill.write(answer, prefill_pb2.PrefillMessage(destination=prefill_pb2.KVDestination(
                 kv_endpoint=r.kv_endpoint, node_id=r.node_id, transfer_id=r.transfer_id, block_ids=r.block_ids,
-                num_cached_tokens=r.num_cached_tokens, first_block=r.first_block)), first)
-            await write(call, answer, None, first)
+                num_cached_tokens=r.num_cached_tokens, first_block=r.first_block)))
+            await prefill.write(answer, None)
             return await self._unless_decode_fails(answer, reader, decode)
         finally:
             answer.cancel()

@@ -39,6 +39,7 @@ import torch
 
 from common.config.settings import kernel_setting
 from common.kernels.cpu import NO_AMX, amx_enabled
+from common.model import start_races
 from common.model.linear import Linear, LinearMethod, StepWeights, TorchMethod
 from common.model.row_buckets import bucket_rows, bucket_values, on_bucketed_rows
 from common.model.start_races import (  # the races' timing and reading rules (re-exported for callers)
@@ -49,7 +50,6 @@ from common.model.start_races import (  # the races' timing and reading rules (r
     retime_losses_beside_wins,
     retime_out_of_order,
 )
-from common.model.start_races import race as _race
 from common.quant.cpu_linear import GEMV_MAX_ROWS, TILE_ELEMENTS  # one limit for float and packed weights
 from common.quant.panels import PANEL_ROWS
 
@@ -160,7 +160,7 @@ def measure_gemv(ops: ModuleType, dtype: torch.dtype, onednn: bool = False,
     """Per probed row count, the best of a few timings of (``dense_matmul``, the GEMM: oneDNN's on the weight
     prepacked with ``onednn``, else torch's) on one row-major weight (the panels' probe shape)."""
     versus = (onednn_pack, onednn_linear) if onednn else None
-    return _race(dtype, probes, lambda w: w, lambda x, w: ops.dense_matmul(x, w), versus)
+    return start_races.race(dtype, probes, lambda w: w, lambda x, w: ops.dense_matmul(x, w), versus)
 
 
 # oneDNN's GEMM on weights prepacked in its blocked layout (the path vLLM's CPU backend takes for float weights).
@@ -207,7 +207,7 @@ def onednn_pays(dtype: torch.dtype) -> bool:
     key = f"onednn_{dtype}"
     if key not in _limits:
         def race(probes: tuple[int, ...]) -> dict[int, tuple[float, float]]:
-            return _race(dtype, probes, onednn_pack, onednn_linear)
+            return start_races.race(dtype, probes, onednn_pack, onednn_linear)
 
         # A probe oneDNN lost while it won another is timed again before it turns oneDNN off (retime).
         timings = retime(race(ONEDNN_PROBES), race, lambda t: tuple(
@@ -243,7 +243,7 @@ def onednn_bf16_rows(ops: ModuleType) -> int:
     if "onednn_bf16_rows" not in _limits:
         amx_rows = _amx_min_rows(ops)
         def race(probes: tuple[int, ...]) -> dict[int, tuple[float, float]]:
-            return _race(torch.bfloat16, probes, pack_panels,
+            return start_races.race(torch.bfloat16, probes, pack_panels,
                          lambda x, p: ops.dense_matmul_panel(x, p, amx_rows, False),
                          versus=(onednn_pack, onednn_linear))
 
@@ -333,7 +333,7 @@ TILED_PROBES = (128, 256, 512)
 def measure_crossover(ops: ModuleType, dtype: torch.dtype,
                       probes: tuple[int, ...] = CROSSOVER_PROBES) -> dict[int, tuple[float, float]]:
     """Per probed row count, the best of a few timings of (the panel kernel, torch's GEMM) on one weight."""
-    return _race(dtype, probes, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False))
+    return start_races.race(dtype, probes, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False))
 
 
 def measure_tiled(ops: ModuleType, dtype: torch.dtype, probes: tuple[int, ...] = TILED_PROBES,
@@ -343,7 +343,7 @@ def measure_tiled(ops: ModuleType, dtype: torch.dtype, probes: tuple[int, ...] =
     n = PROBE_SHAPE[0]
     # three timings a side, not five: its probes are the largest (every start-up of a node pays for them) and a
     # probe out of order is timed again (retime_out_of_order)
-    return _race(dtype, probes, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False),
+    return start_races.race(dtype, probes, pack_panels, lambda x, p: ops.dense_matmul_panel(x, p, NO_AMX, False),
                  (pack_panels, lambda x, p: tiled_matmul(p, x, n, bucketed=False)), timings=3)
 
 

@@ -1,7 +1,7 @@
 """The gateway reads the status a prefill node ended its call with, even when a write races that ending.
 
 grpc.aio gives a call whose write fails in grpc's core the status INTERNAL "Internal error from Core", in place
-of (or until) the node's own (gateway/coordinator.py, ``FirstStatus``). A real server that fails every call as
+of (or until) the node's own (gateway/prefill_call.py, ``PrefillCall``). A real server that fails every call as
 soon as its request comes, while the client goes on writing its destination and half-close as the gateway
 does: every call must read as the node's status, never as that placeholder.
 """
@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 from scripted_nodes import run_async
 
-from gateway.prefill_call import FirstStatus, first_answer, write
+from gateway.prefill_call import PrefillCall
 from tandem.v1 import prefill_pb2, prefill_pb2_grpc
 
 TRIALS = 80
@@ -48,15 +48,15 @@ def test_a_write_racing_the_nodes_failure_reads_the_nodes_status() -> None:
                 for i in range(TRIALS):
                     servicer.code = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT)[i % 2]
                     call = stub.PrefillStream(timeout=10)
-                    first = FirstStatus(call)
-                    answer = asyncio.ensure_future(first_answer(call, first))
+                    prefill = PrefillCall(call)
+                    answer = asyncio.ensure_future(prefill.first_answer())
                     try:
-                        await write(call, answer, prefill_pb2.PrefillMessage(
-                            request=prefill_pb2.PrefillRequest(request_id=f"r{i}")), first)
+                        await prefill.write(answer, prefill_pb2.PrefillMessage(
+                            request=prefill_pb2.PrefillRequest(request_id=f"r{i}")))
                         await asyncio.sleep((i % 4) * 0.0005)  # the destination comes at varied times after
                         destination = prefill_pb2.KVDestination(transfer_id=f"t{i}", block_ids=list(range(64)))
-                        await write(call, answer, prefill_pb2.PrefillMessage(destination=destination), first)
-                        await write(call, answer, None, first)
+                        await prefill.write(answer, prefill_pb2.PrefillMessage(destination=destination))
+                        await prefill.write(answer, None)
                         await answer
                     except grpc.aio.AioRpcError as exc:
                         assert exc.code() == servicer.code, (i, exc.code(), exc.details())

@@ -12,7 +12,7 @@ from torch import nn
 from common.kernels import cpu as cpu_kernels
 from common.kernels.cpu import quant_kernels
 from common.kernels.isa import cpu_flags, runnable_isas
-from common.model import gemv
+from common.model import gemv, start_races
 from common.model.linear import Linear, TiedEmbedding, TorchMethod
 from common.model.row_buckets import bucket_rows, bucket_values
 from common.quant.registry import float_method
@@ -328,7 +328,7 @@ def test_the_onednn_choice_is_measured_and_its_mode_checked(monkeypatch: pytest.
     assert not gemv.onednn_pays(torch.bfloat16)  # fp32 weights only
     chosen = gemv.onednn_pays(torch.float32)  # auto: measured once against F.linear, then kept
     assert gemv._limits == {f"onednn_{torch.float32}": int(chosen)}
-    timings = gemv._race(torch.float32, gemv.ONEDNN_PROBES, gemv.onednn_pack, gemv.onednn_linear)
+    timings = start_races.race(torch.float32, gemv.ONEDNN_PROBES, gemv.onednn_pack, gemv.onednn_linear)
     assert sorted(timings) == list(gemv.ONEDNN_PROBES) and all(min(t) > 0 for t in timings.values())
     monkeypatch.setattr(gemv, "_limits", {})
     monkeypatch.setenv("TANDEM_CPU_ONEDNN", "off")
@@ -453,7 +453,7 @@ def test_fp32_onednn_is_not_turned_off_by_one_burst(monkeypatch: pytest.MonkeyPa
             return {m: ((3.0, 2.0) if m == probes[-1] else (1.0, 2.0)) for m in probes}
         return {m: (1.5, 2.0) for m in probes}
 
-    monkeypatch.setattr(gemv, "_race", race)
+    monkeypatch.setattr(start_races, "race", race)
     monkeypatch.setattr(gemv, "_limits", {})
     monkeypatch.setenv("TANDEM_CPU_ONEDNN", "auto")
     monkeypatch.setattr(gemv, "onednn_available", lambda: True)
@@ -466,7 +466,7 @@ def test_fp32_onednn_is_not_turned_off_by_one_burst(monkeypatch: pytest.MonkeyPa
         calls.append(probes)
         return {m: (3.0, 2.0) for m in probes}
 
-    monkeypatch.setattr(gemv, "_race", slower)
+    monkeypatch.setattr(start_races, "race", slower)
     assert not gemv.onednn_pays(torch.float32)
     assert calls == [gemv.ONEDNN_PROBES]
 
