@@ -2,17 +2,17 @@
 //
 // On AVX-512 and AVX2 builds, head_dim 4, 8 or 16 vectors wide (64/128/256 on AVX-512, 32/64/128 on AVX2)
 // takes a register-blocked path (decode_sequences_simd below): measured for 64 sequences x 192 tokens x 30
-// layers of SmolLM2's heads (bf16, 2 threads, AVX-512), 36 ms -> 19-22 ms (8 -> 13-15 GB/s of KV). The
-// first sweep over a sequence prefetches each block's K and V rows two blocks ahead (the blocks of a
-// serving workload's sequences are scattered over the cache, where the hardware prefetcher loses the
-// stream): 2-core Zen 5, same shapes, shuffled block tables 18.2 -> 15.4 ms, contiguous ones 14.3 -> 13.9.
-// Into L1 (prefetcht0), not L2: the sweep then waits on the prefetches rather than on its own loads, and
-// every later sweep over the block (the other query heads, pass 2) hits L1 or L2. 2-core Xeon (Sapphire
-// Rapids class), 48 sequences x 484 tokens x 30 layers, bf16: shuffled tables 39-40 -> 28-30 ms, contiguous
-// 35.3-36.1 -> 28.9-29.3; fp32 59.6-60.3 -> 50.1-55.4 (session 31; unmeasured on an AVX2-only CPU).
-// Sharing each K row's load among a group's query heads (as pass 2 shares V) was measured slower
-// (contiguous 14.9 -> 16.5 ms: the partial sums spill). The generic loop serves other head sizes and plain
-// builds.
+// layers of SmolLM2's heads (bf16, 2 threads, AVX-512), 36 ms -> 19-22 ms (8 -> 13-15 GB/s of KV). It works
+// through a sequence 32 tokens at a time, every head's scores (pass 1) and then every head's weighted V rows
+// (pass 2) of a chunk while its rows are in L1, and prefetches the rows two chunks ahead (prefetcht0: the
+// blocks of a serving workload's sequences are scattered over the cache, where the hardware prefetcher loses
+// the stream). Session 31 (a sweep per head over the whole sequence, the block two ahead prefetched by the
+// first): 2-core Xeon (Sapphire Rapids class), 48 sequences x 484 tokens x 30 layers, bf16, 39-40 -> 28-30 ms.
+// Session 36, chunks: on a 2-core AVX2 EPYC (Zen 3, 512 KB L2) the later heads' sweeps of a 484-token sequence
+// had gone back to DRAM; the same shapes in fp32 77-88 -> 64-79 ms (a hot, L3-resident cache on one thread
+// 3.1-3.9 -> 2.2 ms). Sharing each K row's load among a group's query heads (as pass 2 shares V) was measured
+// slower (contiguous 14.9 -> 16.5 ms: the partial sums spill). The generic loop serves other head sizes and
+// plain builds.
 //
 // The torch path gathers every sequence's K/V into scratch buffers, copies them head-major and runs two
 // small batched GEMMs: three passes over the KV bytes and many tiny ops per layer. This kernel reads
@@ -208,12 +208,14 @@ inline int64_t lane_of(int64_t d) {
   return base + (j & 1) * W + (j >> 1);
 }
 
-// out[g] = sum_t p[g][t] * v_t for GN query heads of one KV head at once.
+// outs[g] += sum_t p[g][t] * v_t over one chunk of tokens, for GN query heads of one KV head at once: the
+// accumulators come from and go back to outs, so a head's sums over the chunks of a sequence add the tokens in
+// the order one sweep over all of them would (the same floats).
 template <typename scalar_t, int ND, int GN>
 void weighted_values(const scalar_t* const* vrows, int64_t len, const float* const* p, float* const* outs) {
   vec acc[GN][ND];
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < ND; ++j) acc[g][j] = vzero();
+    for (int j = 0; j < ND; ++j) acc[g][j] = vload(outs[g] + W * j);
   for (int64_t t = 0; t < len; ++t) {
     vec vv[ND];
     row_to_vectors(vrows[t], vv, ND);
@@ -247,12 +249,21 @@ void weighted_values_n(int gn, const scalar_t* const* vrows, int64_t len, const 
   weighted_values<scalar_t, ND, 1>(vrows, len, p, outs);
 }
 
-// Tokens ahead of the first K sweep whose block is prefetched (two 16-token blocks).
-constexpr int64_t kPrefetchTokens = 32;
+// Tokens a sweep works on at a time: every KV head's and query head's work on a chunk is done while its rows
+// are in L1 (32 fp32 tokens of 3 KV heads of 64: 24 KB). A multiple of W on both builds.
+constexpr int64_t kDecodeChunk = 32;
+// Tokens ahead of a sweep whose rows are prefetched (two chunks).
+constexpr int64_t kPrefetchTokens = 2 * kDecodeChunk;
 
 inline void prefetch_rows(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// The K or V rows of tokens [t0, t1) of a sequence, heads [h_begin, h_end) of each (adjacent in a token's row).
+template <typename scalar_t>
+inline void prefetch_tokens(const scalar_t* const* rows, int64_t t0, int64_t t1, int64_t head_offset, int64_t bytes) {
+  for (int64_t t = t0; t < t1; ++t) prefetch_rows(rows[t] + head_offset, bytes);
 }
 
 template <typename scalar_t, int ND>
@@ -262,92 +273,119 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
                            float scale, int64_t begin, int64_t end, int64_t h_begin, int64_t h_end, int64_t window) {
   // KV heads [h_begin, h_end) of each sequence (default: all): a head's output depends only on its own
   // reads, so a batch-1 step can split the heads over threads (common/kernels/cpu/cpu_step.cpp).
+  //
+  // Chunk by chunk: pass 1 computes every (KV head, query head)'s scores of kDecodeChunk tokens while those K rows
+  // are in L1, prefetching the rows kPrefetchTokens ahead; pass 2 adds every head's weighted V rows of a chunk
+  // the same way. A sweep per head over the whole sequence (the kernel before) read each row once per head,
+  // and with a 512 KB L2 (Zen 3) the second and third heads' sweeps went back to DRAM: 2-core AVX2 EPYC, 48 x
+  // 484 tokens x 30 layers, fp32, the rows were read at 13 GB/s of the 29 the cores stream (session 36).
   if (h_end < 0) h_end = Hkv;
   static_assert(ND % 2 == 0, "head_dim must be a multiple of 2W");
   constexpr int64_t D = W * ND;
   constexpr int kMaxHeads = max_heads<ND>();
-  const int64_t G = H / Hkv;
-  std::vector<float> qf(D), scores, of(G * D);
-  std::vector<const scalar_t*> krows, vrows;  // a KV head's rows, token by token (no division per token)
+  const int64_t G = H / Hkv, nh = h_end - h_begin;
+  const int64_t kbytes = nh * kstride[2] * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t vbytes = nh * vstride[2] * static_cast<int64_t>(sizeof(scalar_t));
+  std::vector<float> qf(nh * G * D), scores, of(nh * G * D);
+  std::vector<const scalar_t*> krows, vrows;  // each token's row of KV head 0 (no division per token)
   for (int64_t s = begin; s < end; ++s) {
     // Positions [first, lens[s]) are read (a sliding window, or all); rows and scores are indexed from first.
     const int64_t first = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
     const int64_t len = lens[s] - first;
     const int32_t* table = tables + s * table_stride;
     const int64_t stride = len + W;  // a head's scores (padded for the last W-token store)
-    scores.resize(G * stride);
+    scores.resize(nh * G * stride);
     krows.resize(len);
     vrows.resize(len);
-    if (s + 1 < end) {  // the next sequence's first blocks, which the sweep's prefetch does not reach
-      const int32_t* next = tables + (s + 1) * table_stride;
-      const int64_t next_first = window > 0 ? std::max<int64_t>(0, lens[s + 1] - window) : 0;
-      for (int64_t b = next_first / block_size; b * block_size < std::min(lens[s + 1], next_first + kPrefetchTokens);
-           ++b) {
-        prefetch_rows(kc + next[b] * kstride[0], block_size * kstride[1] * sizeof(scalar_t));
-        prefetch_rows(vc + next[b] * vstride[0], block_size * vstride[1] * sizeof(scalar_t));
+    for (int64_t start = first - first % block_size, b = first / block_size; start < first + len;
+         start += block_size, ++b) {
+      const scalar_t* kp = kc + table[b] * kstride[0];
+      const scalar_t* vp = vc + table[b] * vstride[0];
+      for (int64_t t = std::max(start, first), stop = std::min(start + block_size, first + len); t < stop; ++t) {
+        krows[t - first] = kp + (t - start) * kstride[1];
+        vrows[t - first] = vp + (t - start) * vstride[1];
       }
     }
-    for (int64_t h = h_begin; h < h_end; ++h) {
-      for (int64_t start = first - first % block_size, b = first / block_size; start < first + len;
-           start += block_size, ++b) {
-        const scalar_t* kp = kc + table[b] * kstride[0] + h * kstride[2];
-        const scalar_t* vp = vc + table[b] * vstride[0] + h * vstride[2];
-        for (int64_t t = std::max(start, first), stop = std::min(start + block_size, first + len); t < stop; ++t) {
-          krows[t - first] = kp + (t - start) * kstride[1];
-          vrows[t - first] = vp + (t - start) * vstride[1];
-        }
-      }
-      // Pass 1: each query head's scores, W tokens at a time; softmax.
-      for (int64_t g = 0; g < G; ++g) {
-        const scalar_t* qh = q + (s * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[lane_of<scalar_t>(d)] = static_cast<float>(qh[d]) * scale;
-        vec qv[ND];
-        row_to_vectors(qf.data(), qv, ND);
-        float* sc = scores.data() + g * stride;
-        vec part[W];
-        const bool first_sweep = h == h_begin && g == 0;
-        for (int64_t t0 = 0; t0 < len; t0 += W) {
-          const int64_t n = std::min<int64_t>(W, len - t0);
-          if (first_sweep && t0 % block_size == 0 && t0 + kPrefetchTokens < len) {
-            // The sequence's blocks lie anywhere in the cache: fetch a block's K and V rows (every KV head)
-            // ahead of the first sweep, so this and the later sweeps (other heads, pass 2) find them in L2.
-            const int64_t b = (first + t0 + kPrefetchTokens) / block_size;
-            prefetch_rows(kc + table[b] * kstride[0], block_size * kstride[1] * sizeof(scalar_t));
-            prefetch_rows(vc + table[b] * vstride[0], block_size * vstride[1] * sizeof(scalar_t));
-          }
-          for (int64_t i = 0; i < W; ++i) {
-            if (i >= n) {
-              part[i] = vzero();
-              continue;
+    if (s == begin)  // the first rows (a later sequence's come with the sequence before's last chunk)
+      prefetch_tokens(krows.data(), 0, std::min(len, kPrefetchTokens), h_begin * kstride[2], kbytes);
+    // The query heads of KV heads [h_begin, h_end), scaled, in the lane order rows are read in.
+    for (int64_t i = 0; i < nh * G; ++i) {
+      const scalar_t* qh = q + (s * H + h_begin * G + i) * D;
+      for (int64_t d = 0; d < D; ++d) qf[i * D + lane_of<scalar_t>(d)] = static_cast<float>(qh[d]) * scale;
+    }
+    // Pass 1: the scores, W tokens at a time, chunk by chunk.
+    for (int64_t c0 = 0; c0 < len; c0 += kDecodeChunk) {
+      const int64_t c1 = std::min(len, c0 + kDecodeChunk);
+      prefetch_tokens(krows.data(), std::min(len, c0 + kPrefetchTokens), std::min(len, c1 + kPrefetchTokens),
+                      h_begin * kstride[2], kbytes);
+      if (c1 + kPrefetchTokens > len)  // pass 2's first V rows, as pass 1 ends
+        prefetch_tokens(vrows.data(), std::max<int64_t>(0, c0 + kPrefetchTokens - len),
+                        std::min(len, c1 + kPrefetchTokens - len), h_begin * vstride[2], vbytes);
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t koff = (h_begin + h) * kstride[2];
+        for (int64_t g = 0; g < G; ++g) {
+          vec qv[ND];
+          row_to_vectors(qf.data() + (h * G + g) * D, qv, ND);
+          float* sc = scores.data() + (h * G + g) * stride;
+          vec part[W];
+          for (int64_t t0 = c0; t0 < c1; t0 += W) {
+            const int64_t n = std::min<int64_t>(W, c1 - t0);
+            for (int64_t i = 0; i < W; ++i) {
+              if (i >= n) {
+                part[i] = vzero();
+                continue;
+              }
+              vec kv[ND];
+              row_to_vectors(krows[t0 + i] + koff, kv, ND);
+              vec a = vmul(kv[0], qv[0]), c = vmul(kv[1], qv[1]);
+              for (int j = 2; j < ND; j += 2) {
+                a = vfma(kv[j], qv[j], a);
+                c = vfma(kv[j + 1], qv[j + 1], c);
+              }
+              part[i] = vadd(a, c);
             }
-            vec kv[ND];
-            row_to_vectors(krows[t0 + i], kv, ND);
-            vec a = vmul(kv[0], qv[0]), c = vmul(kv[1], qv[1]);
-            for (int j = 2; j < ND; j += 2) {
-              a = vfma(kv[j], qv[j], a);
-              c = vfma(kv[j + 1], qv[j + 1], c);
-            }
-            part[i] = vadd(a, c);
+            vstore(sc + t0, reduce_lanes(part));
           }
-          vstore(sc + t0, reduce_lanes(part));
         }
-        softmax_row(sc, len);
       }
-      // Pass 2: the group's outputs, up to kMaxHeads heads per sweep over V.
-      for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads) {
-        const int gn = static_cast<int>(std::min<int64_t>(kMaxHeads, G - g0));
-        const float* p[kMaxHeads];
-        float* outs[kMaxHeads];
-        for (int g = 0; g < gn; ++g) {
-          p[g] = scores.data() + (g0 + g) * stride;
-          outs[g] = of.data() + (g0 + g) * D;
+    }
+    for (int64_t i = 0; i < nh * G; ++i) softmax_row(scores.data() + i * stride, len);
+    // Pass 2: every head's weighted V rows, chunk by chunk, up to kMaxHeads query heads per sweep of a chunk.
+    std::fill(of.begin(), of.end(), 0.f);
+    for (int64_t c0 = 0; c0 < len; c0 += kDecodeChunk) {
+      const int64_t c1 = std::min(len, c0 + kDecodeChunk);
+      prefetch_tokens(vrows.data(), std::min(len, c0 + kPrefetchTokens), std::min(len, c1 + kPrefetchTokens),
+                      h_begin * vstride[2], vbytes);
+      if (s + 1 < end && c1 + kPrefetchTokens > len) {  // the next sequence's first K rows, as pass 2 ends
+        const int32_t* next = tables + (s + 1) * table_stride;
+        const int64_t next_first = window > 0 ? std::max<int64_t>(0, lens[s + 1] - window) : 0;
+        const int64_t next_len = lens[s + 1] - next_first;
+        for (int64_t t = std::max<int64_t>(0, c0 + kPrefetchTokens - len),
+                     stop = std::min(next_len, c1 + kPrefetchTokens - len); t < stop; ++t) {
+          const int64_t pos = next_first + t;
+          prefetch_rows(kc + next[pos / block_size] * kstride[0] + (pos % block_size) * kstride[1] +
+                            h_begin * kstride[2], kbytes);
         }
-        weighted_values_n<scalar_t, ND>(gn, vrows.data(), len, p, outs);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        scalar_t* o = out + (s * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(of[g * D + lane_of<scalar_t>(d)]);
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t voff = (h_begin + h) * vstride[2];
+        const scalar_t* rows[kDecodeChunk];
+        for (int64_t t = c0; t < c1; ++t) rows[t - c0] = vrows[t] + voff;
+        for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads) {
+          const int gn = static_cast<int>(std::min<int64_t>(kMaxHeads, G - g0));
+          const float* p[kMaxHeads];
+          float* outs[kMaxHeads];
+          for (int g = 0; g < gn; ++g) {
+            p[g] = scores.data() + (h * G + g0 + g) * stride + c0;
+            outs[g] = of.data() + (h * G + g0 + g) * D;
+          }
+          weighted_values_n<scalar_t, ND>(gn, rows, c1 - c0, p, outs);
+        }
       }
+    }
+    for (int64_t i = 0; i < nh * G; ++i) {
+      scalar_t* o = out + (s * H + h_begin * G + i) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(of[i * D + lane_of<scalar_t>(d)]);
     }
   }
 }

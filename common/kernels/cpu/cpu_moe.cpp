@@ -21,9 +21,7 @@ namespace {
 // rows [m0, m1) of xs (K columns) times panel p of one expert's panels ``w``, into y (N columns).
 template <bool BF16>
 void expert_panel(const float* xs, int64_t m0, int64_t m1, int64_t K, const void* w, float* y, int64_t N, int64_t p) {
-  int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) dense_panel_tile_fma<4, BF16>(xs + m * K, K, w, y + m * N, N, p);
-  for (; m < m1; ++m) dense_panel_tile_fma<1, BF16>(xs + m * K, K, w, y + m * N, N, p);
+  dense_panel_rows<BF16>(xs, m0, m1, K, w, y, N, p);
 }
 
 // Every (hit expert, panel) item of one projection: N output rows (N / 16 panels) over K inputs.
