@@ -35,6 +35,12 @@ DEFAULT_BLOCK_SIZE = 16  # NodeSettings' default: what the pool assumes until a 
 # Stats polls in a row that a node with a live connection may leave unanswered (each within
 # min(stats_interval_s, 2 s)) before it is taken out of routing as hung.
 SLOW_POLLS_UNTIL_DOWN = 3
+# The first poll (``start``) waits this long for each node's connection and answer: a node that has just begun
+# listening on a loaded machine can take longer than a stats interval to finish the HTTP/2 handshake, and a
+# first poll that gave up then marked it unreachable until the next one, so the first requests were refused
+# ("no reachable prefill node": seen once in the full suite on a 2-core Zen 3, session 36). A node that is down
+# at start costs the gateway's start this long.
+FIRST_POLL_TIMEOUT_S = 5.0
 
 
 class NodePool:
@@ -126,7 +132,7 @@ class NodePool:
 
     async def start(self) -> None:
         """Poll once (so the first requests are routed on real load), then keep polling in the background."""
-        await self.poll_once()
+        await self.poll_once(first_contact=True)
         self._poller = asyncio.create_task(self._poll_forever(), name="gateway-stats-poller")
 
     async def close(self) -> None:
@@ -139,14 +145,17 @@ class NodePool:
             task.cancel()
         await asyncio.gather(*self._closing, return_exceptions=True)
 
-    async def poll_once(self) -> None:
-        """Ask every node for its Stats at once; a node that does not answer is marked unreachable."""
-        await asyncio.gather(*(self._poll(t, self._prefill[t].Stats) for t in self._prefill),
-                             *(self._poll(t, self._decode[t].Stats) for t in self._decode))
+    async def poll_once(self, first_contact: bool = False) -> None:
+        """Ask every node for its Stats at once; a node that does not answer is marked unreachable.
+        ``first_contact``: wait up to FIRST_POLL_TIMEOUT_S for each connection to come up and answer."""
+        timeout_s = FIRST_POLL_TIMEOUT_S if first_contact else min(self._interval, 2.0)
+        await asyncio.gather(*(self._poll(t, self._prefill[t].Stats, timeout_s, first_contact) for t in self._prefill),
+                             *(self._poll(t, self._decode[t].Stats, timeout_s, first_contact) for t in self._decode))
 
-    async def _poll(self, target: str, stats_rpc: grpc.aio.UnaryUnaryMultiCallable) -> None:
+    async def _poll(self, target: str, stats_rpc: grpc.aio.UnaryUnaryMultiCallable, timeout_s: float,
+                    wait_for_ready: bool) -> None:
         try:
-            stats = await stats_rpc(common_pb2.StatsRequest(), timeout=min(self._interval, 2.0))
+            stats = await stats_rpc(common_pb2.StatsRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.aio.AioRpcError as exc:
             # A node whose connection is up but whose answer came late is busy (its CPUs taken by its own
             # steps, or by a neighbour), not down: routing it nothing would refuse load it can serve. Only
@@ -157,7 +166,7 @@ class NodePool:
             if (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.is_connected(target)
                     and slow < SLOW_POLLS_UNTIL_DOWN):
                 log.info("node %s answered no Stats within %.3g s (%d in a row): busy, still routed", target,
-                         min(self._interval, 2.0), slow)
+                         timeout_s, slow)
                 return
             if node.reachable:
                 log.warning("node %s unreachable: %s %s", target, exc.code().name, exc.details())

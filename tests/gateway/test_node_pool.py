@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
 from common.serving.server import start_server
-from gateway.node_pool import DEFAULT_BLOCK_SIZE, SLOW_POLLS_UNTIL_DOWN, NodePool
+from gateway.node_pool import DEFAULT_BLOCK_SIZE, FIRST_POLL_TIMEOUT_S, SLOW_POLLS_UNTIL_DOWN, NodePool
 from gateway.router import Router
 from tandem.v1 import decode_pb2_grpc
 from tests.gateway.scripted_nodes import DECODE_SERVICE, KVBoard, Script, ScriptedDecode, free_port, run_async
@@ -37,6 +38,29 @@ def test_a_late_stats_answer_keeps_a_connected_node_routed_until_it_looks_hung()
             node.stats_delay_s = 0.0
             await pool.poll_once()
             assert router.node(server.address).reachable  # answers again: routed again
+        finally:
+            await pool.close()
+            await server.stop(0)
+
+    run_async(scenario())
+
+
+def test_the_first_poll_waits_for_a_node_that_starts_listening_late() -> None:
+    # A node still finishing its start (or slow to answer the handshake on a loaded machine) when the gateway
+    # starts is routed once it answers, instead of being marked unreachable by a first poll of one stats interval.
+    async def scenario() -> None:
+        node = ScriptedDecode("decode-0", KVBoard(), Script([1]))
+        port = free_port()
+        router = Router((), (f"127.0.0.1:{port}",))
+        pool = NodePool(router, stats_interval_s=0.2)
+        starting = asyncio.create_task(pool.start())
+        await asyncio.sleep(1.0)  # five stats intervals: the first poll is still waiting for the connection
+        assert not starting.done()
+        server = await start_server([functools.partial(decode_pb2_grpc.add_DecodeServicer_to_server, node)],
+                                    [DECODE_SERVICE], "127.0.0.1", port)
+        try:
+            await asyncio.wait_for(starting, FIRST_POLL_TIMEOUT_S)
+            assert router.node(f"127.0.0.1:{port}").reachable
         finally:
             await pool.close()
             await server.stop(0)
