@@ -208,6 +208,27 @@ inline int64_t lane_of(int64_t d) {
   return base + (j & 1) * W + (j >> 1);
 }
 
+// sc[0, W) = q . k_t for the n <= W tokens of rows (their K rows at ``koff``; zeros past n), one vector store.
+template <typename scalar_t, int ND>
+inline void scores_w(const scalar_t* const* rows, int64_t n, int64_t koff, const vec* qv, float* sc) {
+  vec part[W];
+  for (int64_t i = 0; i < W; ++i) {
+    if (i >= n) {
+      part[i] = vzero();
+      continue;
+    }
+    vec kv[ND];
+    row_to_vectors(rows[i] + koff, kv, ND);
+    vec a = vmul(kv[0], qv[0]), c = vmul(kv[1], qv[1]);
+    for (int j = 2; j < ND; j += 2) {
+      a = vfma(kv[j], qv[j], a);
+      c = vfma(kv[j + 1], qv[j + 1], c);
+    }
+    part[i] = vadd(a, c);
+  }
+  vstore(sc, reduce_lanes(part));
+}
+
 // outs[g] += sum_t p[g][t] * v_t over one chunk of tokens, for GN query heads of one KV head at once: the
 // accumulators come from and go back to outs, so a head's sums over the chunks of a sequence add the tokens in
 // the order one sweep over all of them would (the same floats).
@@ -327,25 +348,8 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
           vec qv[ND];
           row_to_vectors(qf.data() + (h * G + g) * D, qv, ND);
           float* sc = scores.data() + (h * G + g) * stride;
-          vec part[W];
-          for (int64_t t0 = c0; t0 < c1; t0 += W) {
-            const int64_t n = std::min<int64_t>(W, c1 - t0);
-            for (int64_t i = 0; i < W; ++i) {
-              if (i >= n) {
-                part[i] = vzero();
-                continue;
-              }
-              vec kv[ND];
-              row_to_vectors(krows[t0 + i] + koff, kv, ND);
-              vec a = vmul(kv[0], qv[0]), c = vmul(kv[1], qv[1]);
-              for (int j = 2; j < ND; j += 2) {
-                a = vfma(kv[j], qv[j], a);
-                c = vfma(kv[j + 1], qv[j + 1], c);
-              }
-              part[i] = vadd(a, c);
-            }
-            vstore(sc + t0, reduce_lanes(part));
-          }
+          for (int64_t t0 = c0; t0 < c1; t0 += W)
+            scores_w<scalar_t, ND>(krows.data() + t0, std::min<int64_t>(W, c1 - t0), koff, qv, sc + t0);
         }
       }
     }
