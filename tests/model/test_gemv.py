@@ -91,7 +91,7 @@ def _skip_same_loop(ops: object, dtype: torch.dtype, amx_min_rows: int) -> None:
 
 @pytest.mark.parametrize("amx_min_rows", [1, NO_AMX])  # AMX tiles where the CPU has them; the vector loops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 17, 33, 64])  # every tile shape (8, 4, 1; 32, 16, a tail)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 15, 17, 33, 64])  # every tile shape (8, 4, 1-7 left; 32, 16)
 @pytest.mark.parametrize(("k", "n"), [(48, 32), (64, 16), (96, 48), (576, 80)])  # one-panel tails; K % 32 != 0
 def test_dense_matmul_panel_matches_linear(ops: object, m: int, k: int, n: int, dtype: torch.dtype,
                                            amx_min_rows: int) -> None:
@@ -136,13 +136,15 @@ def test_a_tied_panel_head_returns_fp32_logits() -> None:
 
 @pytest.mark.parametrize("amx_min_rows", [1, NO_AMX])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_panel_row_does_not_depend_on_the_rows_beside_it(ops: object, dtype: torch.dtype, amx_min_rows: int) -> None:
+@pytest.mark.parametrize("rows", [37, 47])  # AMX: a group of 32 rows, then a padded tail; vdpbf16ps: 8s, then 5 or 7
+def test_a_panel_row_does_not_depend_on_the_rows_beside_it(ops: object, dtype: torch.dtype, amx_min_rows: int,
+                                                           rows: int) -> None:
     _skip_same_loop(ops, dtype, amx_min_rows)
     gen = torch.Generator().manual_seed(2)
     panels = gemv.pack_panels(torch.randn(48, 160, generator=gen).to(dtype))
-    x = torch.randn(37, 160, generator=gen).to(dtype)  # AMX: a group of 32 rows, then a padded tail of 5
+    x = torch.randn(rows, 160, generator=gen).to(dtype)
     together = ops.dense_matmul_panel(x, panels, amx_min_rows, False)  # type: ignore[attr-defined]
-    for i in (0, 1, 16, 31, 32, 36):
+    for i in (0, 1, 16, 31, 32, 36, rows - 1):
         alone = ops.dense_matmul_panel(x[i : i + 1].contiguous(), panels, amx_min_rows, False)  # type: ignore[attr-defined]
         assert torch.equal(alone[0], together[i])
 

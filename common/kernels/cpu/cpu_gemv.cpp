@@ -182,6 +182,18 @@ bool cpu_has_bf16_dot() {
   return has;
 }
 
+// The 1-7 rows left after the 8-row tiles, in one tile of their own count: one row at a time (the loop
+// before) ran 2 chains of dependent ``vdpbf16ps`` a pass, bound by the instruction's latency, not its rate.
+// A row's sums are the same floats in any tile (pairs ascending, one ``vdpbf16ps`` each).
+template <int MR, int NV>
+void bf16_tail(int64_t rows, const uint16_t* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t p0,
+               int64_t k0, int64_t k1, bool first) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return dense_panel_tile_bf16<MR, NV>(x, K, w, y, N, p0, k0, k1, first);
+    bf16_tail<MR - 1, NV>(rows, x, K, w, y, N, p0, k0, k1, first);
+  }
+}
+
 // y [M, N] fp32 = x [M, K] bf16 times the panel pairs [t0, t1) of bf16 panels (``vdpbf16ps``), on the calling
 // thread: what ``dense_matmul_panel`` runs per thread, and common/kernels/cpu/cpu_step.cpp's step over its own split
 // (a panel's sums do not depend on which thread takes it).
@@ -202,9 +214,9 @@ void dense_bf16_pairs(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* 
         if (full) dense_panel_tile_bf16<8, NV>(xp + m * K, K, wp, y + m * N, N, p, k0, k1, first);
         else dense_panel_tile_bf16<8, 1>(xp + m * K, K, wp, y + m * N, N, p, k0, k1, first);
       }
-      for (; m < M; ++m) {
-        if (full) dense_panel_tile_bf16<1, NV>(xp + m * K, K, wp, y + m * N, N, p, k0, k1, first);
-        else dense_panel_tile_bf16<1, 1>(xp + m * K, K, wp, y + m * N, N, p, k0, k1, first);
+      if (m < M) {
+        if (full) bf16_tail<7, NV>(M - m, xp + m * K, K, wp, y + m * N, N, p, k0, k1, first);
+        else bf16_tail<7, 1>(M - m, xp + m * K, K, wp, y + m * N, N, p, k0, k1, first);
       }
     }
   }
