@@ -113,8 +113,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill_kernel(self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
                         meta: AttentionMetadata, softcap: float | None) -> ModuleType | None:
         """The compiled prefill / extend kernel (cpu_prefill_attn.cpp) where it serves this call: bf16 on a CPU
-        with AMX, or fp32 (and bf16 widened to fp32 without AMX) on an AVX-512 / AVX2 build where it measured
-        faster than SDPA here (``prefill_pays``), a paged cache of the query's dtype with block tables, no
+        with AMX, or bf16 (in AVX512-BF16 vectors, or widened to fp32) and fp32 on an AVX-512 / AVX2 build where
+        it measured faster than SDPA here (``prefill_pays``), a paged cache of the query's dtype with block tables, no
         softcap, head_dim a multiple of 32 up to 256; else None (PyTorch's SDPA per sequence)."""
         if (not self.compiled_decode or query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float32)
                 or softcap is not None or kv_cache is None or meta.block_tables is None

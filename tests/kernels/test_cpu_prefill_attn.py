@@ -1,7 +1,8 @@
 """The compiled prefill / extend attention kernel (common/kernels/cpu/cpu_prefill_attn.cpp) against the float64 oracle,
-and the torch backend's use of it: bf16 in AMX tiles (skipped where the CPU, the OS or the build has no AMX), fp32 in
-FMA vectors, and bf16 widened to fp32 vectors (the path of CPUs without AMX), on this CPU's widest build and the next
-(AVX-512 and AVX2 on an AVX-512 machine)."""
+and the torch backend's use of it: bf16 in AMX tiles (skipped where the CPU, the OS or the build has no AMX), bf16 in
+AVX512-BF16 vectors (the path of CPUs with it and without AMX; skipped where the CPU lacks it), fp32 in FMA vectors,
+and bf16 widened to fp32 vectors (the path of CPUs with neither), on this CPU's widest build and the next (AVX-512 and
+AVX2 on an AVX-512 machine)."""
 
 from __future__ import annotations
 
@@ -20,17 +21,23 @@ from common.kv.kv_cache import KVCache, KVCacheSpec
 
 _module: ModuleType | None = paged_decode_kernel()
 AMX = _module is not None and bool(_module.prefill_amx_ready())
+BF16_DOT = _module is not None and bool(_module.prefill_bf16dot_ready())
 NO_SKIP = torch.empty(0, dtype=torch.uint8)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# (dtype, build): bf16 on the widest build where AMX runs; fp32, and bf16 widened to fp32 ("widened-ISA"), on the
-# two widest vector builds.
+# (dtype, build): bf16 on the widest build where AMX runs, and in AVX512-BF16 vectors ("bf16dot") where the CPU has
+# them; fp32, and bf16 widened to fp32 ("widened-ISA"), on the two widest vector builds.
 _VECTOR_ISAS = [isa for isa in runnable_isas()[:2] if isa != "generic"]
 KERNELS = [pytest.param(torch.bfloat16, None, marks=pytest.mark.skipif(not AMX, reason="no AMX here")),
+           pytest.param(torch.bfloat16, "bf16dot", id="bfloat16-bf16dot",
+                        marks=pytest.mark.skipif(not BF16_DOT, reason="no AVX512-BF16 here")),
            *(pytest.param(torch.float32, isa, id=f"float32-{isa}") for isa in _VECTOR_ISAS),
            *(pytest.param(torch.bfloat16, f"widened-{isa}", id=f"bfloat16-widened-{isa}") for isa in _VECTOR_ISAS)]
 
 
 def _kernel(isa: str | None) -> Any:
+    if isa == "bf16dot":
+        assert _module is not None
+        return SimpleNamespace(paged_prefill=_module.paged_prefill_bf16dot)
     widened = isa is not None and isa.startswith("widened-")
     if widened:
         isa = isa.removeprefix("widened-")
@@ -152,6 +159,20 @@ def test_bad_shapes_are_refused_with_the_field_named(dtype: torch.dtype, isa: st
     with pytest.raises(RuntimeError, match="caches must have the query's dtype"):
         kernel.paged_prefill(query, *(c.half() for c in cache.layer(1)), meta.block_tables, meta.query_start_loc,
                              meta.seq_lens, NO_SKIP, 0.125, 0)
+
+
+@pytest.mark.skipif(_module is None or AMX, reason="AMX tiles take bf16 here")
+def test_without_amx_bf16_runs_in_avx512_bf16_vectors_where_the_cpu_has_them() -> None:
+    assert _module is not None
+    cache, meta, query, _ = _batch([70, 9], [0, 40], 9, 3, 64)
+    args = (*cache.layer(1), meta.block_tables, meta.query_start_loc, meta.seq_lens, NO_SKIP, 0.125, 0)
+    if not BF16_DOT:  # asked for anyway: refused, naming what is missing
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            _module.paged_prefill_bf16dot(query, *args)
+        return
+    chosen = _module.paged_prefill(query, *args)
+    assert torch.equal(chosen, _module.paged_prefill_bf16dot(query, *args))
+    assert not torch.equal(chosen, _module.paged_prefill_widened(query, *args))  # P in bf16, not fp32
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,7 +1,7 @@
-// Prefill / extend attention on CPU, bf16 in AMX tiles (Intel Sapphire Rapids and later) and fp32 in AVX-512 /
-// AVX2 FMA vectors (the fp32 part: further down), read straight from the paged KV cache: every new token of a
-// step's sequences attends causally (and within a sliding window) over its sequence's cached context and the new
-// tokens before it, whose K/V the layer has just written.
+// Prefill / extend attention on CPU, bf16 in AMX tiles (Intel Sapphire Rapids and later) or AVX512-BF16 vectors
+// (AMD Zen 4 / 5) and fp32 in AVX-512 / AVX2 FMA vectors (those parts: further down), read straight from the paged
+// KV cache: every new token of a step's sequences attends causally (and within a sliding window) over its
+// sequence's cached context and the new tokens before it, whose K/V the layer has just written.
 //
 // Why: a prefill step's attention ran in PyTorch's flash SDPA, one call per sequence, at 190-270 GFLOP/s in
 // bf16 on two Xeon cores (session 30: 0.89 ms for a 384-token causal prompt of SmolLM2's 9 heads of 64),
@@ -184,10 +184,12 @@ inline pv pv_exp2(pv t) {
 #endif
 #endif  // fp32 vectors
 
-#ifdef TANDEM_HAVE_AMX
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// bf16 packs, softmax and output for both bf16 kernels (AMX tiles, AVX512-BF16 vectors); the vector kernel.
+#define TANDEM_PREFILL_BF16 1
 
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512bf16")
+#pragma GCC target("avx512bf16")
 
 struct PfScratch {
   std::vector<uint16_t> q;  // [M, D] bf16 query rows (row m = head-in-group * 16 + position)
@@ -231,6 +233,201 @@ void pf_pack(const Pack& pk, const uint16_t* kc, const uint16_t* vc, const int32
   }
 }
 
+// Softmax over a chunk's scores (sb), row by row, for both bf16 paths: the visible keys [rlo, pos] as bf16 P (pb),
+// the rest 0; each row's running max and sum updated, and alpha (the old output's factor) left in the row's first
+// score slot (its scores are spent) for the PV pass.
+void pf_softmax(const Item& it, const ItemRows& rows, const Shape& sh, int64_t M, int64_t c0, int64_t n, float* sb,
+                uint16_t* pb, float* mx, float* sum) {
+  const int64_t nq = rows.nq, ctx = rows.ctx, first = rows.first;
+  const __m512 vscale2 = _mm512_set1_ps(sh.scale * kLog2e);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t i = m % kQ;
+    float* srow = sb + m * kChunk;
+    uint16_t* prow = pb + m * kChunk;
+    const int64_t pos = ctx + it.i0 + i;
+    const int64_t rlo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1) : 0;
+    // visible columns of this chunk: [a, b)
+    const int64_t a = std::clamp<int64_t>(rlo - first - c0, 0, n);
+    const int64_t b = i < nq ? std::clamp<int64_t>(pos - first - c0 + 1, 0, n) : 0;
+    if (a >= b) {
+      std::memset(prow, 0, n * 2);
+      srow[0] = 1.f;  // alpha: nothing new
+      continue;
+    }
+    __m512 vmax = _mm512_set1_ps(kMasked);
+    for (int64_t j = a; j < b; j += 16) {
+      const __mmask16 k = static_cast<__mmask16>(b - j >= 16 ? 0xFFFF : (1u << (b - j)) - 1);
+      vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, srow + j));
+    }
+    const float m_new = std::max(mx[m], _mm512_reduce_max_ps(vmax) * sh.scale);
+    const float alpha = mx[m] < kMaskedBelow ? 0.f : std::exp(mx[m] - m_new);
+    const __m512 vm = _mm512_set1_ps(m_new * kLog2e);  // exp(s * scale - m) = 2^(s * scale * log2e - m * log2e)
+    __m512 vsum = _mm512_setzero_ps();
+    const int64_t a16 = a / 16 * 16;
+    for (int64_t j = 0; j < a16; j += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
+    }
+    for (int64_t j = a16; j < n; j += 16) {
+      __mmask16 k = 0xFFFF;
+      if (j < a) k &= static_cast<__mmask16>(~((1u << (a - j)) - 1));
+      if (j + 16 > b) k &= static_cast<__mmask16>(b > j ? (1u << (b - j)) - 1 : 0);
+      const __m512 e = _mm512_maskz_mov_ps(k, pv_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), vscale2, vm)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    sum[m] = sum[m] * alpha + _mm512_reduce_add_ps(vsum);
+    mx[m] = m_new;
+    srow[0] = alpha;  // the row's scores are spent: its first slot carries alpha to the PV pass
+  }
+}
+
+// Each real row's output, O / sum rounded to bf16 once, into its head's slot of out.
+void pf_finish(const Item& it, const Pack& pk, const ItemRows& rows, const Shape& sh, const float* ob,
+               const float* sum, uint16_t* out) {
+  const int64_t D = sh.D, g = sh.g, nq = rows.nq, q_start = rows.q_start;
+  for (int64_t h = 0; h < g; ++h) {
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t m = h * kQ + i;
+      const __m512 vinv = _mm512_set1_ps(sum[m] > 0.f ? 1.f / sum[m] : 0.f);
+      uint16_t* dst = out + ((q_start + it.i0 + i) * sh.H + pk.kvh * g + h) * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m256bh bh = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ob + m * D + d), vinv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(bh));
+      }
+    }
+  }
+}
+
+bool bf16_dot_cpu() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// ---- bf16 in AVX512-BF16 vectors (vdpbf16ps), for CPUs with it and without AMX (AMD Zen 4 / 5) ----
+//
+// The AMX path's packs, items, chunks and softmax, with its tile products as vector loops: S = Q K^T from 8 rows x
+// 32 keys in registers (a K vector is one pair of dims of 16 keys, the pack's layout; each row's pair of query
+// elements broadcast), O = O * alpha + P V from 4 rows x up to 64 dims (a V vector is one pair of keys of 16 dims,
+// each row's pair of bf16 probabilities broadcast). Each vdpbf16ps multiplies two bf16 pairs into fp32 sums: half
+// the instructions of widening to fp32 and one FMA a product (the path before: 2-core Zen 5, SmolLM2's heads,
+// 1,024 tokens 3.3 ms a layer), with P in bf16 as the AMX path has it.
+constexpr int kBdRows = 8;    // score rows a pass
+constexpr int kBdPvRows = 4;  // output rows a pass
+
+// S[r0 .. r0 + 8, col .. col + 32) (row stride kChunk) over the 32 keys from pack-relative c0.
+inline void bd_scores8(const uint16_t* qb, const uint32_t* kp, int64_t D, int64_t r0, int64_t c0, int64_t col,
+                       float* s) {
+  const uint32_t* k0 = kp + (c0 / 16) * (D / 2) * 16;
+  const uint32_t* k1 = k0 + (D / 2) * 16;
+  __m512 acc[kBdRows][2];
+  for (int r = 0; r < kBdRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint16_t* q0 = qb + r0 * D;
+  for (int64_t p = 0; p < D / 2; ++p) {
+    const auto x = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k0 + p * 16));
+    const auto y = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k1 + p * 16));
+    for (int r = 0; r < kBdRows; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, q0 + r * D + 2 * p, sizeof(pair));
+      const auto b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], y, b);
+    }
+  }
+  for (int r = 0; r < kBdRows; ++r) {
+    _mm512_storeu_ps(s + (r0 + r) * kChunk + col, acc[r][0]);
+    _mm512_storeu_ps(s + (r0 + r) * kChunk + col + 16, acc[r][1]);
+  }
+}
+
+// O[r0 .. r0 + 4, dg * 16 .. + CB * 16) = O * alpha + P[rows, 0 .. n) V[c0 .. c0 + n); alpha in each row's first
+// score slot (pf_softmax).
+template <int CB>
+inline void bd_pv(const uint16_t* pb, const float* sb, const uint16_t* vp, int64_t D, int64_t r0, int64_t dg,
+                  int64_t c0, int64_t n, float* ob) {
+  __m512 acc[kBdPvRows][CB];
+  for (int r = 0; r < kBdPvRows; ++r)
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 2) {
+    const int64_t key = c0 + j;  // even: a pair of keys
+    const uint16_t* vpair = vp + (key / kStep) * D * kStep + ((key % kStep) / 2) * kStep + dg * 16 * kStep;
+    __m512bh v[CB];
+    for (int c = 0; c < CB; ++c) v[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vpair + c * 16 * kStep));
+    for (int r = 0; r < kBdPvRows; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, pb + (r0 + r) * kChunk + j, sizeof(pair));
+      const auto b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], b);
+    }
+  }
+  for (int r = 0; r < kBdPvRows; ++r) {
+    const __m512 alpha = _mm512_set1_ps(sb[(r0 + r) * kChunk]);
+    float* orow = ob + (r0 + r) * D + dg * 16;
+    for (int c = 0; c < CB; ++c)
+      _mm512_storeu_ps(orow + c * 16, _mm512_fmadd_ps(_mm512_loadu_ps(orow + c * 16), alpha, acc[r][c]));
+  }
+}
+
+void bd_run_item(const Item& it, const Pack& pk, const uint16_t* query, const int32_t* starts, const int32_t* lens,
+                 const Shape& sh, const uint32_t* kbuf, const uint16_t* vbuf, uint16_t* out, PfScratch& sc) {
+  const int64_t D = sh.D, g = sh.g, M = g * kQ;  // M: a multiple of 16
+  const ItemRows rows(it, pk, starts, lens, sh.window);
+  const int64_t first = rows.first, last_pos = rows.last_pos, lo = rows.lo;
+  const uint32_t* kp = kbuf + pk.k_off;
+  const uint16_t* vp = vbuf + pk.v_off;
+  uint16_t* qb = align64(sc.q);
+  float* sb = align64(sc.s);
+  uint16_t* pb = align64(sc.p);
+  float* ob = align64(sc.o);
+  float* mx = sc.mx.data();
+  float* sum = sc.sum.data();
+  gather_rows(qb, query, sh, it, pk, rows.q_start, rows.nq);
+  std::fill(ob, ob + M * D, 0.f);
+  std::fill(mx, mx + M, kMasked);
+  std::fill(sum, sum + M, 0.f);
+  for (int64_t c0 = (lo - first) / kStep * kStep; c0 <= last_pos - first; c0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kStep * kStep + kStep);
+    for (int64_t r0 = 0; r0 < M; r0 += kBdRows)
+      for (int64_t j = 0; j < n; j += kStep) bd_scores8(qb, kp, D, r0, c0 + j, j, sb);
+    pf_softmax(it, rows, sh, M, c0, n, sb, pb, mx, sum);
+    const int64_t nv = D / 16;  // even: D is a multiple of 32
+    for (int64_t r0 = 0; r0 < M; r0 += kBdPvRows) {
+      int64_t dg = 0;
+      for (; dg + 4 <= nv; dg += 4) bd_pv<4>(pb, sb, vp, D, r0, dg, c0, n, ob);
+      if (dg < nv) bd_pv<2>(pb, sb, vp, D, r0, dg, c0, n, ob);
+    }
+  }
+  pf_finish(it, pk, rows, sh, ob, sum, out);
+}
+
+void bd_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, const uint16_t* q,
+                const uint16_t* kc, const uint16_t* vc, const int32_t* tables, const int32_t* starts,
+                const int32_t* lens, const Shape& sh, uint32_t* kbuf, uint16_t* vbuf, uint16_t* o) {
+  const int64_t n_packs = static_cast<int64_t>(packs.size()), n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, n_packs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) pf_pack(packs[i], kc, vc, tables, lens, sh, kbuf, vbuf);
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    PfScratch sc;
+    sc.size(sh.g * kQ, sh.D);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+        bd_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf, vbuf, o, sc);
+      }
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+#endif  // TANDEM_PREFILL_BF16
+
+#ifdef TANDEM_HAVE_AMX
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512bf16")
+
 // Scores of rows [rg * 16, +16) over keys [c0, c0 + n) of the pack (n a multiple of 32), into s (row stride kChunk).
 inline void pf_scores(const uint16_t* qb, const uint32_t* kp, int64_t D, int64_t rg, int64_t c0, int64_t n, float* s) {
   for (int64_t j = 0; j < n; j += 32) {
@@ -255,8 +452,7 @@ void pf_run_item(const Item& it, const Pack& pk, const uint16_t* query, const in
                  PfScratch& sc) {
   const int64_t D = sh.D, g = sh.g, M = g * kQ;
   const ItemRows rows(it, pk, starts, lens, sh.window);
-  const int64_t q_start = rows.q_start, nq = rows.nq, ctx = rows.ctx, first = rows.first;
-  const int64_t last_pos = rows.last_pos, lo = rows.lo;
+  const int64_t first = rows.first, last_pos = rows.last_pos, lo = rows.lo;
   const uint32_t* kp = kbuf + pk.k_off;
   const uint16_t* vp = vbuf + pk.v_off;
   uint16_t* qb = align64(sc.q);
@@ -266,55 +462,15 @@ void pf_run_item(const Item& it, const Pack& pk, const uint16_t* query, const in
   float* tb = align64(sc.tile);
   float* mx = sc.mx.data();
   float* sum = sc.sum.data();
-  gather_rows(qb, query, sh, it, pk, q_start, nq);
+  gather_rows(qb, query, sh, it, pk, rows.q_start, rows.nq);
   std::fill(ob, ob + M * D, 0.f);
   std::fill(mx, mx + M, kMasked);
   std::fill(sum, sum + M, 0.f);
-  const __m512 vscale2 = _mm512_set1_ps(sh.scale * kLog2e);
   // Key chunks (pack-relative, multiples of 32) from the item's first key through its last row's position.
   for (int64_t c0 = (lo - first) / kStep * kStep; c0 <= last_pos - first; c0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kStep * kStep + kStep);
     for (int64_t rg = 0; rg < M / 16; ++rg) pf_scores(qb, kp, D, rg, c0, n, sb);
-    // Softmax over the chunk, row by row: visible keys [rlo, pos], the rest 0 in P.
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t i = m % kQ;
-      float* srow = sb + m * kChunk;
-      uint16_t* prow = pb + m * kChunk;
-      const int64_t pos = ctx + it.i0 + i;
-      const int64_t rlo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1) : 0;
-      // visible columns of this chunk: [a, b)
-      const int64_t a = std::clamp<int64_t>(rlo - first - c0, 0, n);
-      const int64_t b = i < nq ? std::clamp<int64_t>(pos - first - c0 + 1, 0, n) : 0;
-      if (a >= b) {
-        std::memset(prow, 0, n * 2);
-        srow[0] = 1.f;  // alpha: nothing new
-        continue;
-      }
-      __m512 vmax = _mm512_set1_ps(kMasked);
-      for (int64_t j = a; j < b; j += 16) {
-        const __mmask16 k = static_cast<__mmask16>(b - j >= 16 ? 0xFFFF : (1u << (b - j)) - 1);
-        vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, srow + j));
-      }
-      const float m_new = std::max(mx[m], _mm512_reduce_max_ps(vmax) * sh.scale);
-      const float alpha = mx[m] < kMaskedBelow ? 0.f : std::exp(mx[m] - m_new);
-      const __m512 vm = _mm512_set1_ps(m_new * kLog2e);  // exp(s * scale - m) = 2^(s * scale * log2e - m * log2e)
-      __m512 vsum = _mm512_setzero_ps();
-      const int64_t a16 = a / 16 * 16;
-      for (int64_t j = 0; j < a16; j += 16) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), _mm256_setzero_si256());
-      }
-      for (int64_t j = a16; j < n; j += 16) {
-        __mmask16 k = 0xFFFF;
-        if (j < a) k &= static_cast<__mmask16>(~((1u << (a - j)) - 1));
-        if (j + 16 > b) k &= static_cast<__mmask16>(b > j ? (1u << (b - j)) - 1 : 0);
-        const __m512 e = _mm512_maskz_mov_ps(k, pv_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(srow + j), vscale2, vm)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-        vsum = _mm512_add_ps(vsum, e);
-      }
-      sum[m] = sum[m] * alpha + _mm512_reduce_add_ps(vsum);
-      mx[m] = m_new;
-      srow[0] = alpha;  // the row's scores are spent: its first slot carries alpha to the PV pass
-    }
+    pf_softmax(it, rows, sh, M, c0, n, sb, pb, mx, sum);
     // O = O * alpha + P V over the chunk, 16 rows and up to 64 dims a pass, the chunk's keys in the tiles.
     for (int64_t rg = 0; rg < M / 16; ++rg) {
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -356,17 +512,7 @@ void pf_run_item(const Item& it, const Pack& pk, const uint16_t* query, const in
       }
     }
   }
-  for (int64_t h = 0; h < g; ++h) {
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t m = h * kQ + i;
-      const __m512 vinv = _mm512_set1_ps(sum[m] > 0.f ? 1.f / sum[m] : 0.f);
-      uint16_t* dst = out + ((q_start + it.i0 + i) * sh.H + pk.kvh * g + h) * D;
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m256bh bh = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ob + m * D + d), vinv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<__m256i>(bh));
-      }
-    }
-  }
+  pf_finish(it, pk, rows, sh, ob, sum, out);
 }
 
 void pf_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, const uint16_t* q,
@@ -603,6 +749,14 @@ bool prefill_amx_ready() {
 #endif
 }
 
+bool prefill_bf16dot_ready() {
+#ifdef TANDEM_PREFILL_BF16
+  return bf16_dot_cpu();
+#else
+  return false;
+#endif
+}
+
 bool prefill_f32_ready() {
 #ifdef TANDEM_PREFILL_F32
   return true;
@@ -613,16 +767,20 @@ bool prefill_f32_ready() {
 
 namespace {
 
+enum class Path { kBest, kWidened, kDot };  // kDot: AVX512-BF16 vectors even where AMX runs (tests)
+
 torch::Tensor prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                       torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                      torch::Tensor skip, double scale, int64_t window, bool widened) {
+                      torch::Tensor skip, double scale, int64_t window, Path path) {
   const bool bf16 = query.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || query.scalar_type() == at::kFloat, "paged_prefill: query must be bf16 or fp32, not ",
               query.scalar_type());
-  // bf16 in AMX tiles where the CPU grants them, else (or when asked) in fp32 vectors, the caches widened as
-  // they are packed and the output rounded to bf16 once.
-  const bool amx = bf16 && !widened && prefill_amx_ready();
-  TORCH_CHECK(amx || prefill_f32_ready(), "paged_prefill: ", bf16 ? "bf16 needs AMX or " : "fp32 needs ",
+  // bf16 in AMX tiles where the CPU grants them, else in AVX512-BF16 vectors where it has them, else (or when
+  // asked) in fp32 vectors, the caches widened as they are packed and the output rounded to bf16 once.
+  const bool amx = bf16 && path == Path::kBest && prefill_amx_ready();
+  const bool dot = bf16 && !amx && path != Path::kWidened && prefill_bf16dot_ready();
+  TORCH_CHECK(path != Path::kDot || dot, "paged_prefill: bf16 vectors need AVX512-BF16 and the AVX-512 build");
+  TORCH_CHECK(amx || dot || prefill_f32_ready(), "paged_prefill: ", bf16 ? "bf16 needs AMX or " : "fp32 needs ",
               "an AVX-512 or AVX2 build");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be a [T, H, D] tensor with unit stride over D and heads adjacent");
@@ -646,7 +804,7 @@ torch::Tensor prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tenso
               "head counts or head_dim do not match");
   TORCH_CHECK(D % 32 == 0 && D <= 256, "paged_prefill: head_dim a multiple of 32 up to 256, not ", D);
   // The fp32 kernel reads fp32 query rows: a bf16 query is widened (a [T, H, D] copy, small beside the caches).
-  const torch::Tensor q32 = bf16 && !amx ? query.to(at::kFloat) : query;
+  const torch::Tensor q32 = bf16 && !amx && !dot ? query.to(at::kFloat) : query;
   auto out = torch::empty({query.size(0), H, D}, q32.options());
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -672,7 +830,7 @@ torch::Tensor prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tenso
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t pack = static_cast<int64_t>(packs.size());
       packs.push_back({s, h, lo, keys, k_total, v_total});
-      k_total += keys * (amx ? D / 2 : D);
+      k_total += keys * (amx || dot ? D / 2 : D);
       v_total += keys * D;
       for (int64_t i0 = 0; i0 < q_len; i0 += kQ) {
         const int64_t last = ctx + std::min<int64_t>(q_len, i0 + kQ) - 1;
@@ -688,6 +846,17 @@ torch::Tensor prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tenso
     std::vector<uint32_t> kbuf(k_total + 16);
     std::vector<uint16_t> vbuf(v_total + 32);
     pf_run_all(packs, items, reinterpret_cast<const uint16_t*>(query.data_ptr()),
+               reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
+               reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), tables, starts, lens, sh, align64(kbuf),
+               align64(vbuf), reinterpret_cast<uint16_t*>(out.data_ptr()));
+#endif
+    return out;
+  }
+  if (dot) {
+#ifdef TANDEM_PREFILL_BF16
+    std::vector<uint32_t> kbuf(k_total + 16);
+    std::vector<uint16_t> vbuf(v_total + 32);
+    bd_run_all(packs, items, reinterpret_cast<const uint16_t*>(query.data_ptr()),
                reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
                reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), tables, starts, lens, sh, align64(kbuf),
                align64(vbuf), reinterpret_cast<uint16_t*>(out.data_ptr()));
@@ -731,12 +900,22 @@ torch::Tensor prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tenso
 torch::Tensor paged_prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                             torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
                             torch::Tensor skip, double scale, int64_t window) {
-  return prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, skip, scale, window, false);
+  return prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, skip, scale, window,
+                 Path::kBest);
 }
 
 // bf16 in fp32 vectors even where AMX runs (the path of CPUs without it, tested on every CPU).
 torch::Tensor paged_prefill_widened(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                     torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
                                     torch::Tensor skip, double scale, int64_t window) {
-  return prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, skip, scale, window, true);
+  return prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, skip, scale, window,
+                 Path::kWidened);
+}
+
+// bf16 in AVX512-BF16 vectors even where AMX runs (the path of Zen 4 / 5, tested on every CPU that has it).
+torch::Tensor paged_prefill_bf16dot(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                    torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                                    torch::Tensor skip, double scale, int64_t window) {
+  return prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, skip, scale, window,
+                 Path::kDot);
 }
