@@ -233,6 +233,46 @@ void pf_pack(const Pack& pk, const uint16_t* kc, const uint16_t* vc, const int32
   }
 }
 
+// One item's buffers in a thread's scratch: its query rows gathered, its output, running max and sum reset.
+struct ItemBuffers {
+  uint16_t* q;
+  float* s;
+  uint16_t* p;
+  float* o;
+  float* mx;
+  float* sum;
+  ItemBuffers(PfScratch& sc, const Item& it, const Pack& pk, const uint16_t* query, const Shape& sh,
+              const ItemRows& rows)
+      : q(align64(sc.q)), s(align64(sc.s)), p(align64(sc.p)), o(align64(sc.o)), mx(sc.mx.data()),
+        sum(sc.sum.data()) {
+    const int64_t M = sh.g * kQ;
+    gather_rows(q, query, sh, it, pk, rows.q_start, rows.nq);
+    std::fill(o, o + M * sh.D, 0.f);
+    std::fill(mx, mx + M, kMasked);
+    std::fill(sum, sum + M, 0.f);
+  }
+};
+
+// Every (sequence, KV head)'s keys packed, then the items handed out heaviest first from an atomic counter to
+// torch's threads: ``worker(take)`` runs once on each, ``take()`` giving the next item's index, -1 when none is left.
+template <typename Worker>
+void pf_schedule(const std::vector<Pack>& packs, int64_t n_items, const uint16_t* kc, const uint16_t* vc,
+                 const int32_t* tables, const int32_t* lens, const Shape& sh, uint32_t* kbuf, uint16_t* vbuf,
+                 Worker worker) {
+  at::parallel_for(0, static_cast<int64_t>(packs.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) pf_pack(packs[i], kc, vc, tables, lens, sh, kbuf, vbuf);
+  });
+  std::atomic<int64_t> next{0};
+  const auto take = [&]() -> int64_t {
+    const int64_t i = next.fetch_add(1);
+    return i < n_items ? i : -1;
+  };
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) worker(take);
+  });
+}
+
 // Softmax over a chunk's scores (sb), row by row, for both bf16 paths: the visible keys [rlo, pos] as bf16 P (pb),
 // the rest 0; each row's running max and sum updated, and alpha (the old output's factor) left in the row's first
 // score slot (its scores are spent) for the PV pass.
@@ -374,48 +414,30 @@ void bd_run_item(const Item& it, const Pack& pk, const uint16_t* query, const in
   const int64_t first = rows.first, last_pos = rows.last_pos, lo = rows.lo;
   const uint32_t* kp = kbuf + pk.k_off;
   const uint16_t* vp = vbuf + pk.v_off;
-  uint16_t* qb = align64(sc.q);
-  float* sb = align64(sc.s);
-  uint16_t* pb = align64(sc.p);
-  float* ob = align64(sc.o);
-  float* mx = sc.mx.data();
-  float* sum = sc.sum.data();
-  gather_rows(qb, query, sh, it, pk, rows.q_start, rows.nq);
-  std::fill(ob, ob + M * D, 0.f);
-  std::fill(mx, mx + M, kMasked);
-  std::fill(sum, sum + M, 0.f);
+  const ItemBuffers b(sc, it, pk, query, sh, rows);
   for (int64_t c0 = (lo - first) / kStep * kStep; c0 <= last_pos - first; c0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kStep * kStep + kStep);
     for (int64_t r0 = 0; r0 < M; r0 += kBdRows)
-      for (int64_t j = 0; j < n; j += kStep) bd_scores8(qb, kp, D, r0, c0 + j, j, sb);
-    pf_softmax(it, rows, sh, M, c0, n, sb, pb, mx, sum);
+      for (int64_t j = 0; j < n; j += kStep) bd_scores8(b.q, kp, D, r0, c0 + j, j, b.s);
+    pf_softmax(it, rows, sh, M, c0, n, b.s, b.p, b.mx, b.sum);
     const int64_t nv = D / 16;  // even: D is a multiple of 32
     for (int64_t r0 = 0; r0 < M; r0 += kBdPvRows) {
       int64_t dg = 0;
-      for (; dg + 4 <= nv; dg += 4) bd_pv<4>(pb, sb, vp, D, r0, dg, c0, n, ob);
-      if (dg < nv) bd_pv<2>(pb, sb, vp, D, r0, dg, c0, n, ob);
+      for (; dg + 4 <= nv; dg += 4) bd_pv<4>(b.p, b.s, vp, D, r0, dg, c0, n, b.o);
+      if (dg < nv) bd_pv<2>(b.p, b.s, vp, D, r0, dg, c0, n, b.o);
     }
   }
-  pf_finish(it, pk, rows, sh, ob, sum, out);
+  pf_finish(it, pk, rows, sh, b.o, b.sum, out);
 }
 
 void bd_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, const uint16_t* q,
                 const uint16_t* kc, const uint16_t* vc, const int32_t* tables, const int32_t* starts,
                 const int32_t* lens, const Shape& sh, uint32_t* kbuf, uint16_t* vbuf, uint16_t* o) {
-  const int64_t n_packs = static_cast<int64_t>(packs.size()), n_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, n_packs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) pf_pack(packs[i], kc, vc, tables, lens, sh, kbuf, vbuf);
-  });
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+  pf_schedule(packs, static_cast<int64_t>(items.size()), kc, vc, tables, lens, sh, kbuf, vbuf, [&](auto take) {
     PfScratch sc;
     sc.size(sh.g * kQ, sh.D);
-    for (int64_t w = begin; w < end; ++w) {
-      for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-        bd_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf, vbuf, o, sc);
-      }
-    }
+    for (int64_t i = take(); i >= 0; i = take())
+      bd_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf, vbuf, o, sc);
   });
 }
 
@@ -455,22 +477,13 @@ void pf_run_item(const Item& it, const Pack& pk, const uint16_t* query, const in
   const int64_t first = rows.first, last_pos = rows.last_pos, lo = rows.lo;
   const uint32_t* kp = kbuf + pk.k_off;
   const uint16_t* vp = vbuf + pk.v_off;
-  uint16_t* qb = align64(sc.q);
-  float* sb = align64(sc.s);
-  uint16_t* pb = align64(sc.p);
-  float* ob = align64(sc.o);
+  const ItemBuffers b(sc, it, pk, query, sh, rows);
   float* tb = align64(sc.tile);
-  float* mx = sc.mx.data();
-  float* sum = sc.sum.data();
-  gather_rows(qb, query, sh, it, pk, rows.q_start, rows.nq);
-  std::fill(ob, ob + M * D, 0.f);
-  std::fill(mx, mx + M, kMasked);
-  std::fill(sum, sum + M, 0.f);
   // Key chunks (pack-relative, multiples of 32) from the item's first key through its last row's position.
   for (int64_t c0 = (lo - first) / kStep * kStep; c0 <= last_pos - first; c0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kStep * kStep + kStep);
-    for (int64_t rg = 0; rg < M / 16; ++rg) pf_scores(qb, kp, D, rg, c0, n, sb);
-    pf_softmax(it, rows, sh, M, c0, n, sb, pb, mx, sum);
+    for (int64_t rg = 0; rg < M / 16; ++rg) pf_scores(b.q, kp, D, rg, c0, n, b.s);
+    pf_softmax(it, rows, sh, M, c0, n, b.s, b.p, b.mx, b.sum);
     // O = O * alpha + P V over the chunk, 16 rows and up to 64 dims a pass, the chunk's keys in the tiles.
     for (int64_t rg = 0; rg < M / 16; ++rg) {
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -481,7 +494,7 @@ void pf_run_item(const Item& it, const Pack& pk, const uint16_t* query, const in
         _tile_zero(3);
         for (int64_t j = 0; j < n; j += kStep) {
           const uint16_t* vblk = vp + ((c0 + j) / kStep) * D * kStep + (d0 / 16) * 16 * kStep;
-          _tile_loadd(4, pb + rg * 16 * kChunk + j, kChunk * 2);
+          _tile_loadd(4, b.p + rg * 16 * kChunk + j, kChunk * 2);
           _tile_loadd(5, vblk, kStep * 2);
           _tile_dpbf16ps(0, 4, 5);
           if (nt > 1) {
@@ -503,28 +516,22 @@ void pf_run_item(const Item& it, const Pack& pk, const uint16_t* query, const in
         if (nt > 3) _tile_stored(3, tb + 768, 64);
         for (int64_t r = 0; r < 16; ++r) {
           const int64_t m = rg * 16 + r;
-          const __m512 va = _mm512_set1_ps(sb[m * kChunk]);
+          const __m512 va = _mm512_set1_ps(b.s[m * kChunk]);
           for (int64_t t = 0; t < nt; ++t) {
-            float* orow = ob + m * D + d0 + t * 16;
+            float* orow = b.o + m * D + d0 + t * 16;
             _mm512_storeu_ps(orow, _mm512_fmadd_ps(_mm512_loadu_ps(orow), va, _mm512_load_ps(tb + t * 256 + r * 16)));
           }
         }
       }
     }
   }
-  pf_finish(it, pk, rows, sh, ob, sum, out);
+  pf_finish(it, pk, rows, sh, b.o, b.sum, out);
 }
 
 void pf_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, const uint16_t* q,
                 const uint16_t* kc, const uint16_t* vc, const int32_t* tables, const int32_t* starts,
                 const int32_t* lens, const Shape& sh, uint32_t* kbuf, uint16_t* vbuf, uint16_t* o) {
-  const int64_t n_packs = static_cast<int64_t>(packs.size()), n_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, n_packs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) pf_pack(packs[i], kc, vc, tables, lens, sh, kbuf, vbuf);
-  });
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+  pf_schedule(packs, static_cast<int64_t>(items.size()), kc, vc, tables, lens, sh, kbuf, vbuf, [&](auto take) {
     tandem_amx::TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
       cfg.rows[t] = 16;
@@ -533,11 +540,8 @@ void pf_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, 
     _tile_loadconfig(&cfg);
     PfScratch sc;
     sc.size(sh.g * kQ, sh.D);
-    for (int64_t w = begin; w < end; ++w) {
-      for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-        pf_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf, vbuf, o, sc);
-      }
-    }
+    for (int64_t i = take(); i >= 0; i = take())
+      pf_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf, vbuf, o, sc);
     _tile_release();
   });
 }
