@@ -1,12 +1,23 @@
-// AMX's grant and tile configuration, shared by the linears' AMX panels (cpu_amx.cpp, in the linears / fused ops /
-// step module) and the prefill attention (cpu_prefill_attn.cpp, in the attention module): each module lists this
-// header unwrapped before its kernel files (common/kernels/cpu/__init__.py), so both read one definition.
+// AMX's grant and tile configuration, and whether the CPU has AVX512-BF16 (the bf16 path where AMX is not granted),
+// shared by the linears (cpu_amx.cpp, cpu_gemv.cpp, in the linears / fused ops / step module) and the prefill
+// attention (cpu_prefill_attn.cpp, in the attention module): each module lists this header unwrapped before its
+// kernel files (common/kernels/cpu/__init__.py), so both read one definition.
 //
 // Linux grants the tile state per process on request (arch_prctl ARCH_REQ_XCOMP_PERM); ``tandem_amx::ready()``
 // asks once and reports false where the CPU or the kernel lacks AMX. TANDEM_HAVE_AMX: the compiler and the
 // build's flags can emit it at all.
 #ifndef TANDEM_AMX_TILES_H
 #define TANDEM_AMX_TILES_H
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+namespace tandem_amx {
+// vdpbf16ps on this CPU (decided once): builds for AVX-512 leave AVX512-BF16 to a run-time check.
+inline bool bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+}  // namespace tandem_amx
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__) && defined(__GNUC__) && \
     (__GNUC__ >= 11 || defined(__clang__))

@@ -177,11 +177,6 @@ void dense_panel_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* w, floa
 }
 #pragma GCC pop_options
 
-bool cpu_has_bf16_dot() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-
 // The 1-7 rows left after the 8-row tiles, in one tile of their own count: one row at a time (the loop
 // before) ran 2 chains of dependent ``vdpbf16ps`` a pass, bound by the instruction's latency, not its rate.
 // A row's sums are the same floats in any tile (pairs ascending, one ``vdpbf16ps`` each).
@@ -294,7 +289,7 @@ void dense_fma_span(const float* x, int64_t M, int64_t K, const void* w, float* 
 std::string dense_panel_path() {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (amx_ready()) return "amx";
-  if (cpu_has_bf16_dot()) return "avx512bf16";
+  if (tandem_amx::bf16_dot()) return "avx512bf16";
 #endif
   return "fma";
 }
@@ -318,7 +313,7 @@ torch::Tensor dense_matmul_panel(torch::Tensor x, torch::Tensor w, int64_t amx_m
 #endif
   Out out(x, M, N, float_out);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (bf16 && x.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot()) {
+  if (bf16 && x.scalar_type() == at::kBFloat16 && tandem_amx::bf16_dot()) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     at::parallel_for(0, (panels + kDenseNV - 1) / kDenseNV, 1, [&](int64_t t0, int64_t t1) {

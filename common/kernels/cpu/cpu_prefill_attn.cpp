@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -89,6 +90,14 @@ struct ItemRows {
     first_pos = ctx + it.i0;
     last_pos = first_pos + nq - 1;
     lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  }
+  // Row i's visible keys in the chunk of n keys from pack-relative c0, chunk-relative [a, b): from its window's
+  // start (or the first key) through its own position; empty (a >= b) for a padding row.
+  std::pair<int64_t, int64_t> visible(int64_t i, int64_t c0, int64_t n, int64_t window) const {
+    const int64_t pos = first_pos + i;
+    const int64_t rlo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    const int64_t b = i < nq ? std::clamp<int64_t>(pos - first - c0 + 1, 0, n) : 0;
+    return {std::clamp<int64_t>(rlo - first - c0, 0, n), b};
   }
 };
 
@@ -276,19 +285,13 @@ void pf_schedule(const std::vector<Pack>& packs, int64_t n_items, const uint16_t
 // Softmax over a chunk's scores (sb), row by row, for both bf16 paths: the visible keys [rlo, pos] as bf16 P (pb),
 // the rest 0; each row's running max and sum updated, and alpha (the old output's factor) left in the row's first
 // score slot (its scores are spent) for the PV pass.
-void pf_softmax(const Item& it, const ItemRows& rows, const Shape& sh, int64_t M, int64_t c0, int64_t n, float* sb,
-                uint16_t* pb, float* mx, float* sum) {
-  const int64_t nq = rows.nq, ctx = rows.ctx, first = rows.first;
+void pf_softmax(const ItemRows& rows, const Shape& sh, int64_t M, int64_t c0, int64_t n, float* sb, uint16_t* pb,
+                float* mx, float* sum) {
   const __m512 vscale2 = _mm512_set1_ps(sh.scale * kLog2e);
   for (int64_t m = 0; m < M; ++m) {
-    const int64_t i = m % kQ;
     float* srow = sb + m * kChunk;
     uint16_t* prow = pb + m * kChunk;
-    const int64_t pos = ctx + it.i0 + i;
-    const int64_t rlo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1) : 0;
-    // visible columns of this chunk: [a, b)
-    const int64_t a = std::clamp<int64_t>(rlo - first - c0, 0, n);
-    const int64_t b = i < nq ? std::clamp<int64_t>(pos - first - c0 + 1, 0, n) : 0;
+    const auto [a, b] = rows.visible(m % kQ, c0, n, sh.window);
     if (a >= b) {
       std::memset(prow, 0, n * 2);
       srow[0] = 1.f;  // alpha: nothing new
@@ -336,11 +339,6 @@ void pf_finish(const Item& it, const Pack& pk, const ItemRows& rows, const Shape
       }
     }
   }
-}
-
-bool bf16_dot_cpu() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
 }
 
 // ---- bf16 in AVX512-BF16 vectors (vdpbf16ps), for CPUs with it and without AMX (AMD Zen 4 / 5) ----
@@ -419,7 +417,7 @@ void bd_run_item(const Item& it, const Pack& pk, const uint16_t* query, const in
     const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kStep * kStep + kStep);
     for (int64_t r0 = 0; r0 < M; r0 += kBdRows)
       for (int64_t j = 0; j < n; j += kStep) bd_scores8(b.q, kp, D, r0, c0 + j, j, b.s);
-    pf_softmax(it, rows, sh, M, c0, n, b.s, b.p, b.mx, b.sum);
+    pf_softmax(rows, sh, M, c0, n, b.s, b.p, b.mx, b.sum);
     const int64_t nv = D / 16;  // even: D is a multiple of 32
     for (int64_t r0 = 0; r0 < M; r0 += kBdPvRows) {
       int64_t dg = 0;
@@ -483,7 +481,7 @@ void pf_run_item(const Item& it, const Pack& pk, const uint16_t* query, const in
   for (int64_t c0 = (lo - first) / kStep * kStep; c0 <= last_pos - first; c0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kStep * kStep + kStep);
     for (int64_t rg = 0; rg < M / 16; ++rg) pf_scores(b.q, kp, D, rg, c0, n, b.s);
-    pf_softmax(it, rows, sh, M, c0, n, b.s, b.p, b.mx, b.sum);
+    pf_softmax(rows, sh, M, c0, n, b.s, b.p, b.mx, b.sum);
     // O = O * alpha + P V over the chunk, 16 rows and up to 64 dims a pass, the chunk's keys in the tiles.
     for (int64_t rg = 0; rg < M / 16; ++rg) {
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -673,7 +671,7 @@ void f32_run_item(const Item& it, const Pack& pk, const float* query, const int3
                   F32Scratch& sc) {
   const int64_t D = sh.D, g = sh.g, M = g * kQ;
   const ItemRows rows(it, pk, starts, lens, sh.window);
-  const int64_t q_start = rows.q_start, nq = rows.nq, ctx = rows.ctx, first = rows.first;
+  const int64_t q_start = rows.q_start, nq = rows.nq, first = rows.first;
   const int64_t last_pos = rows.last_pos, lo = rows.lo;
   const float* kp = kbuf + pk.k_off;
   const float* vp = vbuf + pk.v_off;
@@ -693,12 +691,8 @@ void f32_run_item(const Item& it, const Pack& pk, const float* query, const int3
     for (int64_t r0 = 0; r0 < M; r0 += 4)
       for (int64_t j = 0; j < n; j += 2 * kVW) f32_scores4(qb, kp, D, r0, c0 + j, j, sb);
     for (int64_t m = 0; m < M; ++m) {
-      const int64_t i = m % kQ;
       float* row = sb + m * kChunk;
-      const int64_t pos = ctx + it.i0 + i;
-      const int64_t rlo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1) : 0;
-      const int64_t a = std::clamp<int64_t>(rlo - first - c0, 0, n);
-      const int64_t b = i < nq ? std::clamp<int64_t>(pos - first - c0 + 1, 0, n) : 0;
+      const auto [a, b] = rows.visible(m % kQ, c0, n, sh.window);
       if (a >= b) {
         std::memset(row, 0, n * 4);
         alpha[m] = 1.f;
@@ -755,7 +749,7 @@ bool prefill_amx_ready() {
 
 bool prefill_bf16dot_ready() {
 #ifdef TANDEM_PREFILL_BF16
-  return bf16_dot_cpu();
+  return tandem_amx::bf16_dot();
 #else
   return false;
 #endif

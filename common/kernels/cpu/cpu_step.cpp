@@ -121,7 +121,7 @@ Bf16Path bf16_path(const Plan& p, const Linear& l, int64_t M) {
 #endif
   if (packed) return Bf16Path::kA8;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (tq::cpu_has_bf16_dot()) return Bf16Path::kDot;
+  if (tandem_amx::bf16_dot()) return Bf16Path::kDot;
 #endif
   return Bf16Path::kFma;
 }
