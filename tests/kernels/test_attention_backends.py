@@ -230,16 +230,23 @@ def test_compiled_decode_kernel_builds_here() -> None:
     assert paged_decode_kernel() is not None
 
 
+# Sequences over several of the kernel's 32-token chunks and its 64-token prefetch reach, each followed by a
+# shorter one (the prefetch of the next sequence's first rows as a sweep ends), and one token alone.
+LONG_DECODE = ([1, 1, 1, 1, 1], [130, 2, 99, 63, 0])
+
+
+@pytest.mark.parametrize("kind", ["decode", "long-decode"])
 @pytest.mark.parametrize("gqa", [1, 3, 4])  # query heads per KV head: 1-4 share a sweep over V (2 at 128)
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128: the AVX-512 register-blocked path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_decode_kernel_against_reference(dtype: torch.dtype, head_dim: int, block_size: int,
-                                                  gqa: int) -> None:
+                                                  gqa: int, kind: str) -> None:
     kernel = paged_decode_kernel()
     if kernel is None:
         pytest.skip("the compiled CPU kernel does not build here")
-    batch = make_batch(*BATCHES["decode"], gqa=gqa, head_dim=head_dim, block_size=block_size, dtype=dtype)
+    shape = BATCHES["decode"] if kind == "decode" else LONG_DECODE
+    batch = make_batch(*shape, gqa=gqa, head_dim=head_dim, block_size=block_size, dtype=dtype)
     key_cache, value_cache = batch.kv_cache
     write_kv(key_cache, value_cache, batch.key, batch.value, batch.meta.slot_mapping)
     want = reference_paged_attention(batch.query, key_cache, value_cache, batch.meta, batch.query.shape[-1] ** -0.5)
@@ -258,14 +265,15 @@ def test_the_avx2_build_of_the_decode_kernel_on_an_avx512_machine() -> None:
         pytest.skip("this machine runs the AVX2 build in the test above already, or cannot run it")
     script = (
         "import torch, sys; sys.path.insert(0, 'tests/kernels'); sys.path.insert(0, '.');"
-        "from test_attention_backends import BATCHES, make_batch, TOLERANCE;"
+        "from test_attention_backends import BATCHES, LONG_DECODE, make_batch, TOLERANCE;"
         "from common.kernels.cpu import paged_decode_kernel;"
         "from common.attention.torch_backend import reference_paged_attention;"
         "from common.kv.kv_cache import write_kv;"
         "k = paged_decode_kernel(); assert k is not None and 'avx2' in k.__name__, k\n"
         "for dtype in (torch.float32, torch.bfloat16):\n"
         "  for head_dim in (32, 64, 128):\n"
-        "    b = make_batch(*BATCHES['decode'], gqa=3, head_dim=head_dim, block_size=5, dtype=dtype)\n"
+        "   for shape in (BATCHES['decode'], LONG_DECODE):\n"
+        "    b = make_batch(*shape, gqa=3, head_dim=head_dim, block_size=5, dtype=dtype)\n"
         "    kc, vc = b.kv_cache; write_kv(kc, vc, b.key, b.value, b.meta.slot_mapping)\n"
         "    sc = head_dim ** -0.5\n"
         "    out = k.paged_decode(b.query.contiguous(), kc, vc, b.meta.block_tables, b.meta.seq_lens, sc, 0)\n"

@@ -10,9 +10,12 @@
 // first): 2-core Xeon (Sapphire Rapids class), 48 sequences x 484 tokens x 30 layers, bf16, 39-40 -> 28-30 ms.
 // Session 36, chunks: on a 2-core AVX2 EPYC (Zen 3, 512 KB L2) the later heads' sweeps of a 484-token sequence
 // had gone back to DRAM; the same shapes in fp32 77-88 -> 64-79 ms (a hot, L3-resident cache on one thread
-// 3.1-3.9 -> 2.2 ms). Sharing each K row's load among a group's query heads (as pass 2 shares V) was measured
-// slower (contiguous 14.9 -> 16.5 ms: the partial sums spill). The generic loop serves other head sizes and
-// plain builds.
+// 3.1-3.9 -> 2.2 ms). Session 38 (SpreadPrefetch): the prefetches of the rows ahead go out a row at a time over
+// a chunk's work instead of in one burst before it, so the arithmetic no longer waits for them: 2-core Zen 5,
+// 48 x 1,050 tokens x 30 layers, bf16, 63-70 -> 37-39 ms (16-18 -> 30 GB/s of the 36 this layout streams), fp32
+// 103 -> 76 ms, the AVX2 build 78 -> 50 ms. Sharing each K row's load among a group's query heads (as pass 2
+// shares V) was measured slower (contiguous 14.9 -> 16.5 ms: the partial sums spill). The generic loop serves
+// other head sizes and plain builds.
 //
 // The torch path gathers every sequence's K/V into scratch buffers, copies them head-major and runs two
 // small batched GEMMs: three passes over the KV bytes and many tiny ops per layer. This kernel reads
@@ -208,9 +211,10 @@ inline int64_t lane_of(int64_t d) {
   return base + (j & 1) * W + (j >> 1);
 }
 
-// sc[0, W) = q . k_t for the n <= W tokens of rows (their K rows at ``koff``; zeros past n), one vector store.
-template <typename scalar_t, int ND>
-inline void scores_w(const scalar_t* const* rows, int64_t n, int64_t koff, const vec* qv, float* sc) {
+// sc[0, W) = q . k_t for the n <= W tokens of rows (their K rows at ``koff``; zeros past n), one vector store;
+// pf.step(n) once (SpreadPrefetch: in the token loop, its bookkeeping cost the loop's registers).
+template <typename scalar_t, int ND, typename Pf>
+inline void scores_w(const scalar_t* const* rows, int64_t n, int64_t koff, const vec* qv, float* sc, Pf& pf) {
   vec part[W];
   for (int64_t i = 0; i < W; ++i) {
     if (i >= n) {
@@ -227,17 +231,19 @@ inline void scores_w(const scalar_t* const* rows, int64_t n, int64_t koff, const
     part[i] = vadd(a, c);
   }
   vstore(sc, reduce_lanes(part));
+  pf.step(n);
 }
 
 // outs[g] += sum_t p[g][t] * v_t over one chunk of tokens, for GN query heads of one KV head at once: the
 // accumulators come from and go back to outs, so a head's sums over the chunks of a sequence add the tokens in
-// the order one sweep over all of them would (the same floats).
-template <typename scalar_t, int ND, int GN>
-void weighted_values(const scalar_t* const* vrows, int64_t len, const float* const* p, float* const* outs) {
+// the order one sweep over all of them would (the same floats). pf.step() once a token.
+template <typename scalar_t, int ND, int GN, typename Pf>
+void weighted_values(const scalar_t* const* vrows, int64_t len, const float* const* p, float* const* outs, Pf& pf) {
   vec acc[GN][ND];
   for (int g = 0; g < GN; ++g)
     for (int j = 0; j < ND; ++j) acc[g][j] = vload(outs[g] + W * j);
   for (int64_t t = 0; t < len; ++t) {
+    pf.step();
     vec vv[ND];
     row_to_vectors(vrows[t], vv, ND);
     for (int g = 0; g < GN; ++g) {
@@ -255,19 +261,20 @@ constexpr int max_heads() {
   return std::max(1, std::min(4, kRegisters / ND - 1));
 }
 
-template <typename scalar_t, int ND>
-void weighted_values_n(int gn, const scalar_t* const* vrows, int64_t len, const float* const* p, float* const* outs) {
+template <typename scalar_t, int ND, typename Pf>
+void weighted_values_n(int gn, const scalar_t* const* vrows, int64_t len, const float* const* p, float* const* outs,
+                       Pf& pf) {
   constexpr int M = max_heads<ND>();
   if constexpr (M >= 4) {
-    if (gn >= 4) return weighted_values<scalar_t, ND, 4>(vrows, len, p, outs);
+    if (gn >= 4) return weighted_values<scalar_t, ND, 4>(vrows, len, p, outs, pf);
   }
   if constexpr (M >= 3) {
-    if (gn == 3) return weighted_values<scalar_t, ND, 3>(vrows, len, p, outs);
+    if (gn == 3) return weighted_values<scalar_t, ND, 3>(vrows, len, p, outs, pf);
   }
   if constexpr (M >= 2) {
-    if (gn >= 2) return weighted_values<scalar_t, ND, 2>(vrows, len, p, outs);
+    if (gn >= 2) return weighted_values<scalar_t, ND, 2>(vrows, len, p, outs, pf);
   }
-  weighted_values<scalar_t, ND, 1>(vrows, len, p, outs);
+  weighted_values<scalar_t, ND, 1>(vrows, len, p, outs, pf);
 }
 
 // Tokens a sweep works on at a time: every KV head's and query head's work on a chunk is done while its rows
@@ -286,6 +293,59 @@ template <typename scalar_t>
 inline void prefetch_tokens(const scalar_t* const* rows, int64_t t0, int64_t t1, int64_t head_offset, int64_t bytes) {
   for (int64_t t = t0; t < t1; ++t) prefetch_rows(rows[t] + head_offset, bytes);
 }
+
+// The rows a chunk's sweep prefetches, issued a row at a time over the sweep's token iterations instead of all
+// before it. A software prefetch that misses holds one of the core's few L1 miss buffers; a burst of a chunk's
+// 192 lines (32 bf16 tokens x 3 heads x 128 bytes) filled them, and the sweep's own loads and arithmetic waited
+// behind the burst: memory and arithmetic took turns. Spread over the sweep, the lines are in flight while it
+// computes (the kernel's reads without its arithmetic, 48 x 1,050 tokens x 30 layers, 2-core Zen 5: 55 -> 31
+// ms). Up to two ranges of rows (a sweep's own rows ahead, then the next pass's or sequence's first rows);
+// step(n) after every n token iterations of the sweep, finish() after it.
+template <typename scalar_t>
+class SpreadPrefetch {
+ public:
+  // Rows [t0, t1) of rows (none when t0 >= t1), `bytes` from `head_offset` in each.
+  void add(const scalar_t* const* rows, int64_t t0, int64_t t1, int64_t head_offset, int64_t bytes) {
+    if (t0 >= t1) return;
+    ranges_[n_++] = Range{rows + t0, t1 - t0, head_offset, bytes};
+    total_ += t1 - t0;
+  }
+  // Spread the rows added over `steps` calls of step().
+  void start(int64_t steps) {
+    steps_ = std::max<int64_t>(1, steps);
+    credit_ = 0;
+  }
+  inline void step(int64_t n = 1) {
+    credit_ += total_ * n;
+    while (credit_ >= steps_ && r_ < n_) {
+      credit_ -= steps_;
+      issue();
+    }
+  }
+  // What step() left (rounding), then empty again for the next sweep.
+  void finish() {
+    while (r_ < n_) issue();
+    n_ = r_ = 0;
+    total_ = row_ = 0;
+  }
+
+ private:
+  struct Range {
+    const scalar_t* const* rows;
+    int64_t count, head_offset, bytes;
+  };
+  inline void issue() {
+    const Range& r = ranges_[r_];
+    prefetch_rows(r.rows[row_] + r.head_offset, r.bytes);
+    if (++row_ == r.count) {
+      row_ = 0;
+      ++r_;
+    }
+  }
+  Range ranges_[2];
+  int n_ = 0, r_ = 0;
+  int64_t total_ = 0, steps_ = 1, credit_ = 0, row_ = 0;
+};
 
 template <typename scalar_t, int ND>
 void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t kstride[3],
@@ -309,6 +369,8 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
   const int64_t vbytes = nh * vstride[2] * static_cast<int64_t>(sizeof(scalar_t));
   std::vector<float> qf(nh * G * D), scores, of(nh * G * D);
   std::vector<const scalar_t*> krows, vrows;  // each token's row of KV head 0 (no division per token)
+  const scalar_t* next_rows[kPrefetchTokens];  // the next sequence's first K rows, prefetched as pass 2 ends
+  SpreadPrefetch<scalar_t> pf;
   for (int64_t s = begin; s < end; ++s) {
     // Positions [first, lens[s]) are read (a sliding window, or all); rows and scores are indexed from first.
     const int64_t first = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
@@ -337,11 +399,12 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
     // Pass 1: the scores, W tokens at a time, chunk by chunk.
     for (int64_t c0 = 0; c0 < len; c0 += kDecodeChunk) {
       const int64_t c1 = std::min(len, c0 + kDecodeChunk);
-      prefetch_tokens(krows.data(), std::min(len, c0 + kPrefetchTokens), std::min(len, c1 + kPrefetchTokens),
-                      h_begin * kstride[2], kbytes);
+      pf.add(krows.data(), std::min(len, c0 + kPrefetchTokens), std::min(len, c1 + kPrefetchTokens),
+             h_begin * kstride[2], kbytes);
       if (c1 + kPrefetchTokens > len)  // pass 2's first V rows, as pass 1 ends
-        prefetch_tokens(vrows.data(), std::max<int64_t>(0, c0 + kPrefetchTokens - len),
-                        std::min(len, c1 + kPrefetchTokens - len), h_begin * vstride[2], vbytes);
+        pf.add(vrows.data(), std::max<int64_t>(0, c0 + kPrefetchTokens - len),
+               std::min(len, c1 + kPrefetchTokens - len), h_begin * vstride[2], vbytes);
+      pf.start(nh * G * (c1 - c0));
       for (int64_t h = 0; h < nh; ++h) {
         const int64_t koff = (h_begin + h) * kstride[2];
         for (int64_t g = 0; g < G; ++g) {
@@ -349,28 +412,31 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
           row_to_vectors(qf.data() + (h * G + g) * D, qv, ND);
           float* sc = scores.data() + (h * G + g) * stride;
           for (int64_t t0 = c0; t0 < c1; t0 += W)
-            scores_w<scalar_t, ND>(krows.data() + t0, std::min<int64_t>(W, c1 - t0), koff, qv, sc + t0);
+            scores_w<scalar_t, ND>(krows.data() + t0, std::min<int64_t>(W, c1 - t0), koff, qv, sc + t0, pf);
         }
       }
+      pf.finish();
     }
     for (int64_t i = 0; i < nh * G; ++i) softmax_row(scores.data() + i * stride, len);
     // Pass 2: every head's weighted V rows, chunk by chunk, up to kMaxHeads query heads per sweep of a chunk.
     std::fill(of.begin(), of.end(), 0.f);
     for (int64_t c0 = 0; c0 < len; c0 += kDecodeChunk) {
       const int64_t c1 = std::min(len, c0 + kDecodeChunk);
-      prefetch_tokens(vrows.data(), std::min(len, c0 + kPrefetchTokens), std::min(len, c1 + kPrefetchTokens),
-                      h_begin * vstride[2], vbytes);
+      pf.add(vrows.data(), std::min(len, c0 + kPrefetchTokens), std::min(len, c1 + kPrefetchTokens),
+             h_begin * vstride[2], vbytes);
       if (s + 1 < end && c1 + kPrefetchTokens > len) {  // the next sequence's first K rows, as pass 2 ends
         const int32_t* next = tables + (s + 1) * table_stride;
         const int64_t next_first = window > 0 ? std::max<int64_t>(0, lens[s + 1] - window) : 0;
         const int64_t next_len = lens[s + 1] - next_first;
-        for (int64_t t = std::max<int64_t>(0, c0 + kPrefetchTokens - len),
-                     stop = std::min(next_len, c1 + kPrefetchTokens - len); t < stop; ++t) {
+        const int64_t t0 = std::max<int64_t>(0, c0 + kPrefetchTokens - len);
+        const int64_t t1 = std::min(next_len, c1 + kPrefetchTokens - len);  // <= kPrefetchTokens (c1 <= len)
+        for (int64_t t = t0; t < t1; ++t) {
           const int64_t pos = next_first + t;
-          prefetch_rows(kc + next[pos / block_size] * kstride[0] + (pos % block_size) * kstride[1] +
-                            h_begin * kstride[2], kbytes);
+          next_rows[t] = kc + next[pos / block_size] * kstride[0] + (pos % block_size) * kstride[1];
         }
+        pf.add(next_rows, t0, t1, h_begin * kstride[2], kbytes);
       }
+      pf.start(nh * ((G + kMaxHeads - 1) / kMaxHeads) * (c1 - c0));
       for (int64_t h = 0; h < nh; ++h) {
         const int64_t voff = (h_begin + h) * vstride[2];
         const scalar_t* rows[kDecodeChunk];
@@ -383,9 +449,10 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
             p[g] = scores.data() + (h * G + g0 + g) * stride + c0;
             outs[g] = of.data() + (h * G + g0 + g) * D;
           }
-          weighted_values_n<scalar_t, ND>(gn, rows, c1 - c0, p, outs);
+          weighted_values_n<scalar_t, ND>(gn, rows, c1 - c0, p, outs, pf);
         }
       }
+      pf.finish();
     }
     for (int64_t i = 0; i < nh * G; ++i) {
       scalar_t* o = out + (s * H + h_begin * G + i) * D;
