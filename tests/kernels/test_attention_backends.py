@@ -250,10 +250,13 @@ def test_compiled_decode_kernel_against_reference(dtype: torch.dtype, head_dim: 
     key_cache, value_cache = batch.kv_cache
     write_kv(key_cache, value_cache, batch.key, batch.value, batch.meta.slot_mapping)
     want = reference_paged_attention(batch.query, key_cache, value_cache, batch.meta, batch.query.shape[-1] ** -0.5)
-    for lens in (batch.meta.seq_lens.long(), batch.meta.seq_lens.int()):  # the metadata's int32 as it is
-        out = kernel.paged_decode(batch.query.contiguous(), key_cache, value_cache, batch.meta.block_tables,
-                                  lens, batch.query.shape[-1] ** -0.5, 0)
-        torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    # paged_decode_widened: bf16 K rows widened to fp32 even where the CPU has AVX512-BF16 (paged_decode's
+    # scores there are vdpbf16ps sums of bf16 pairs): both paths on this machine
+    for decode in (kernel.paged_decode, kernel.paged_decode_widened):
+        for lens in (batch.meta.seq_lens.long(), batch.meta.seq_lens.int()):  # the metadata's int32 as it is
+            out = decode(batch.query.contiguous(), key_cache, value_cache, batch.meta.block_tables,
+                         lens, batch.query.shape[-1] ** -0.5, 0)
+            torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 def test_the_avx2_build_of_the_decode_kernel_on_an_avx512_machine() -> None:

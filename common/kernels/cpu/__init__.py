@@ -60,8 +60,9 @@ _BUILDS = OptionalModules(
 _DECODE = OptionalModules(
     "tandem_cpu_decode",
     [_HERE / "amx_tiles.h", _HERE / "cpu_decode.cpp", _HERE / "cpu_kv_write.cpp", _HERE / "cpu_prefill_attn.cpp"],
-    ["paged_decode", "write_kv", "decode_rows_address", "decode_splits_heads", "paged_prefill", "paged_prefill_widened",
-     "paged_prefill_bf16dot", "prefill_amx_ready", "prefill_bf16dot_ready", "prefill_f32_ready"],
+    ["paged_decode", "paged_decode_widened", "write_kv", "decode_rows_address", "decode_splits_heads", "paged_prefill",
+     "paged_prefill_widened", "paged_prefill_bf16dot", "prefill_amx_ready", "prefill_bf16dot_ready",
+     "prefill_f32_ready"],
     ["-O3", "-fopenmp", "-ffast-math"],
     "compiled CPU decode attention", "using the PyTorch path")
 

@@ -13,9 +13,10 @@
 // 3.1-3.9 -> 2.2 ms). Session 38 (SpreadPrefetch): the prefetches of the rows ahead go out a row at a time over
 // a chunk's work instead of in one burst before it, so the arithmetic no longer waits for them: 2-core Zen 5,
 // 48 x 1,050 tokens x 30 layers, bf16, 63-70 -> 37-39 ms (16-18 -> 30 GB/s of the 36 this layout streams), fp32
-// 103 -> 76 ms, the AVX2 build 78 -> 50 ms. Sharing each K row's load among a group's query heads (as pass 2
-// shares V) was measured slower (contiguous 14.9 -> 16.5 ms: the partial sums spill). The generic loop serves
-// other head sizes and plain builds.
+// 103 -> 76 ms, the AVX2 build 78 -> 50 ms. bf16 scores on AVX512-BF16: scores_w_dot (L3-resident caches 3.98 ->
+// 3.49 ms at that shape on 8 sequences; DRAM-bound the same). Sharing each K row's load among a group's query
+// heads (as pass 2 shares V) was measured slower (contiguous 14.9 -> 16.5 ms: the partial sums spill). The
+// generic loop serves other head sizes and plain builds.
 //
 // The torch path gathers every sequence's K/V into scratch buffers, copies them head-major and runs two
 // small batched GEMMs: three passes over the KV bytes and many tiny ops per layer. This kernel reads
@@ -234,6 +235,39 @@ inline void scores_w(const scalar_t* const* rows, int64_t n, int64_t koff, const
   pf.step(n);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+// scores_w for bf16 on CPUs with AVX512-BF16 (tandem_amx::bf16_dot()): each K row times the query's own bf16 values
+// in ``vdpbf16ps`` (two products a lane, no widening), the W sums scaled at the end. qb: the query head's ND / 2
+// vectors of 2W bf16, in the row's order. Half the instructions of the widened loop a token and head (a step's
+// attention at 48 x 1,050 tokens, 2-core Zen 5: see decode_sequences_simd).
+template <int ND, typename Pf>
+inline void scores_w_dot(const c10::BFloat16* const* rows, int64_t n, int64_t koff, const __m512bh* qb, float scale,
+                         float* sc, Pf& pf) {
+  constexpr int NB = ND / 2;  // bf16 vectors a row
+  vec part[W];
+  for (int64_t i = 0; i < W; ++i) {
+    if (i >= n) {
+      part[i] = vzero();
+      continue;
+    }
+    const c10::BFloat16* r = rows[i] + koff;
+    auto kb = [&](int j) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(r + 2 * W * j)); };
+    __m512 a = _mm512_dpbf16_ps(vzero(), kb(0), qb[0]);
+    __m512 c = NB > 1 ? _mm512_dpbf16_ps(vzero(), kb(1), qb[1]) : vzero();
+    for (int j = 2; j < NB; j += 2) {
+      a = _mm512_dpbf16_ps(a, kb(j), qb[j]);
+      c = _mm512_dpbf16_ps(c, kb(j + 1), qb[j + 1]);
+    }
+    part[i] = vadd(a, c);
+  }
+  vstore(sc, vmul(reduce_lanes(part), vset1(scale)));
+  pf.step(n);
+}
+#pragma GCC pop_options
+#endif
+
 // outs[g] += sum_t p[g][t] * v_t over one chunk of tokens, for GN query heads of one KV head at once: the
 // accumulators come from and go back to outs, so a head's sums over the chunks of a sequence add the tokens in
 // the order one sweep over all of them would (the same floats). pf.step() once a token.
@@ -351,7 +385,8 @@ template <typename scalar_t, int ND>
 void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t kstride[3],
                            const int64_t vstride[3], const int32_t* tables, int64_t table_stride,
                            const int64_t* lens, scalar_t* out, int64_t H, int64_t Hkv, int64_t block_size,
-                           float scale, int64_t begin, int64_t end, int64_t h_begin, int64_t h_end, int64_t window) {
+                           float scale, int64_t begin, int64_t end, int64_t h_begin, int64_t h_end, int64_t window,
+                           bool allow_dot) {
   // KV heads [h_begin, h_end) of each sequence (default: all): a head's output depends only on its own
   // reads, so a batch-1 step can split the heads over threads (common/kernels/cpu/cpu_step.cpp).
   //
@@ -368,6 +403,9 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
   const int64_t kbytes = nh * kstride[2] * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t vbytes = nh * vstride[2] * static_cast<int64_t>(sizeof(scalar_t));
   std::vector<float> qf(nh * G * D), scores, of(nh * G * D);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const bool dot = std::is_same_v<scalar_t, c10::BFloat16> && allow_dot && tandem_amx::bf16_dot();
+#endif
   std::vector<const scalar_t*> krows, vrows;  // each token's row of KV head 0 (no division per token)
   const scalar_t* next_rows[kPrefetchTokens];  // the next sequence's first K rows, prefetched as pass 2 ends
   SpreadPrefetch<scalar_t> pf;
@@ -407,6 +445,22 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
       pf.start(nh * G * (c1 - c0));
       for (int64_t h = 0; h < nh; ++h) {
         const int64_t koff = (h_begin + h) * kstride[2];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (dot) {
+            for (int64_t g = 0; g < G; ++g) {
+              __m512bh qb[ND / 2];
+              const scalar_t* qh = q + (s * H + (h_begin + h) * G + g) * D;
+              for (int j = 0; j < ND / 2; ++j)
+                qb[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qh + 2 * W * j));
+              float* sc = scores.data() + (h * G + g) * stride;
+              for (int64_t t0 = c0; t0 < c1; t0 += W)
+                scores_w_dot<ND>(krows.data() + t0, std::min<int64_t>(W, c1 - t0), koff, qb, scale, sc + t0, pf);
+            }
+            continue;
+          }
+        }
+#endif
         for (int64_t g = 0; g < G; ++g) {
           vec qv[ND];
           row_to_vectors(qf.data() + (h * G + g) * D, qv, ND);
@@ -475,22 +529,23 @@ template <typename scalar_t>
 void window_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* kstride,
                  const int64_t* vstride, const int32_t* tables, int64_t table_stride, const int64_t* lens, scalar_t* out,
                  int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
-                 int64_t h_begin, int64_t h_end, int64_t window) {
+                 int64_t h_begin, int64_t h_end, int64_t window, bool allow_dot = true) {
 #if defined(__AVX512F__) || defined(__AVX2__)
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     if (D == 4 * W) return decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
                                                                out, H, Hkv, block_size, scale, begin, end, h_begin,
-                                                               h_end, window);
+                                                               h_end, window, allow_dot);
     if (D == 8 * W) return decode_sequences_simd<scalar_t, 8>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
                                                                out, H, Hkv, block_size, scale, begin, end, h_begin,
-                                                               h_end, window);
+                                                               h_end, window, allow_dot);
     if (D == 16 * W) return decode_sequences_simd<scalar_t, 16>(q, kc, vc, kstride, vstride, tables, table_stride,
                                                                  lens, out, H, Hkv, block_size, scale, begin, end,
-                                                                 h_begin, h_end, window);
+                                                                 h_begin, h_end, window, allow_dot);
   }
 #endif
   (void)h_begin;
   (void)h_end;
+  (void)allow_dot;
   decode_sequences<scalar_t>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H, Hkv, D, block_size,
                              scale, begin, end, window);
 }
@@ -520,8 +575,10 @@ int64_t decode_rows_address(const std::string& dtype) {
   return reinterpret_cast<int64_t>(&decode_rows<c10::BFloat16>);
 }
 
-torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
+namespace {
+torch::Tensor paged_decode_impl(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
+                                bool allow_dot) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [n, H, D] tensor");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, "caches must be [blocks, block_size, H_kv, D]");
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "caches need unit stride over D");
@@ -555,8 +612,21 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       window_rows<scalar_t>(q, kc, vc, kstride, vstride, tables, block_tables.stride(0), lens.data(), o, H, Hkv, D,
-                            block_size, static_cast<float>(scale), begin, end, 0, Hkv, window);
+                            block_size, static_cast<float>(scale), begin, end, 0, Hkv, window, allow_dot);
     });
   });
   return out;
+}
+}  // namespace
+
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
+  return paged_decode_impl(query, key_cache, value_cache, block_tables, seq_lens, scale, window, true);
+}
+
+// paged_decode with bf16 scores from K rows widened to fp32 even where the CPU has AVX512-BF16 (where it does,
+// paged_decode multiplies bf16 pairs in ``vdpbf16ps``): the tests check both paths on one machine.
+torch::Tensor paged_decode_widened(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                   torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
+  return paged_decode_impl(query, key_cache, value_cache, block_tables, seq_lens, scale, window, false);
 }
