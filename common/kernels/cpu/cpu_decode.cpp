@@ -12,7 +12,7 @@
 // had gone back to DRAM; the same shapes in fp32 77-88 -> 64-79 ms (a hot, L3-resident cache on one thread
 // 3.1-3.9 -> 2.2 ms). Session 38 (SpreadPrefetch): the prefetches of the rows ahead go out a row at a time over
 // a chunk's work instead of in one burst before it, so the arithmetic no longer waits for them: 2-core Zen 5,
-// 48 x 1,050 tokens x 30 layers, bf16, 63-70 -> 37-39 ms (16-18 -> 30 GB/s of the 36 this layout streams), fp32
+// 48 x 1,050 tokens x 30 layers, bf16, 63-76 -> 37-39 ms (15-18 -> 30 GB/s of the 36 this layout streams), fp32
 // 103 -> 76 ms, the AVX2 build 78 -> 50 ms. bf16 scores on AVX512-BF16: scores_w_dot (L3-resident caches 3.98 ->
 // 3.49 ms at that shape on 8 sequences; DRAM-bound the same). Sharing each K row's load among a group's query
 // heads (as pass 2 shares V) was measured slower (contiguous 14.9 -> 16.5 ms: the partial sums spill). The
