@@ -405,6 +405,9 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
   std::vector<float> qf(nh * G * D), scores, of(nh * G * D);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   const bool dot = std::is_same_v<scalar_t, c10::BFloat16> && allow_dot && tandem_amx::bf16_dot();
+#else
+  constexpr bool dot = false;  // vdpbf16ps needs an AVX-512 build
+  (void)allow_dot;
 #endif
   std::vector<const scalar_t*> krows, vrows;  // each token's row of KV head 0 (no division per token)
   const scalar_t* next_rows[kPrefetchTokens];  // the next sequence's first K rows, prefetched as pass 2 ends
@@ -429,8 +432,9 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
     }
     if (s == begin)  // the first rows (a later sequence's come with the sequence before's last chunk)
       prefetch_tokens(krows.data(), 0, std::min(len, kPrefetchTokens), h_begin * kstride[2], kbytes);
-    // The query heads of KV heads [h_begin, h_end), scaled, in the lane order rows are read in.
-    for (int64_t i = 0; i < nh * G; ++i) {
+    // The query heads of KV heads [h_begin, h_end), scaled, in the lane order rows are read in (the vdpbf16ps
+    // scores read the query's bf16 values as they are instead).
+    for (int64_t i = 0; i < nh * G && !dot; ++i) {
       const scalar_t* qh = q + (s * H + h_begin * G + i) * D;
       for (int64_t d = 0; d < D; ++d) qf[i * D + lane_of<scalar_t>(d)] = static_cast<float>(qh[d]) * scale;
     }
