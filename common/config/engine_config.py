@@ -85,6 +85,11 @@ class SchedulerConfig:
                               "passed over too many steps in a row goes first) | fcfs (arrival order)",
                               PREFILL_ORDERS)
     max_prefill_skips: int = 8
+    # A waiting request whose prompt shares full blocks with what another request computes in this step waits a
+    # step and takes them from the prefix cache instead of computing them beside it (SGLang's in-batch prefix
+    # caching; common/engine/scheduler.py). Nothing to share without prefix caching.
+    defer_shared_prefill: bool = knob(True, "a waiting prompt whose prefix another request computes in this step "
+                                            "waits a step and reuses it from the prefix cache")
     # Keep this fraction of blocks free when admitting new work, so running requests can grow without
     # preempting each other straight away.
     watermark: float = 0.01

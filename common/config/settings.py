@@ -160,6 +160,7 @@ class EngineSettings:
     max_num_batched_tokens: int | None = DEVICE_DEFAULT
     max_prefill_chunk: int | None = DEVICE_DEFAULT
     prefill_order: str = ENGINE_DEFAULT
+    defer_shared_prefill: bool = ENGINE_DEFAULT
     max_waiting: int = ENGINE_DEFAULT
     enforce_eager: bool = ENGINE_DEFAULT
 

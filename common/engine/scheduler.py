@@ -55,6 +55,11 @@ if TYPE_CHECKING:
     from common.kv.kv_cache_manager import Allocation, BlockCopy, KVCacheManager
 
 
+# A waiting request shares at least this many full blocks of its prompt with what another request computes in the
+# step (``Scheduler._computed_beside``): it waits a step and takes them from the prefix cache (SGLang: 32 tokens).
+SHARED_PREFILL_BLOCKS = 2
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  connector: KVConnector | None = None, speculative: SpeculativeConfig | None = None) -> None:
@@ -199,12 +204,15 @@ class Scheduler:
             candidates.sort(key=self._prefill_priority)
         admitting = True
         scheduled: list[Request] = []
+        computing: list[tuple[Request, int, int]] = []  # (request, first, end) of the prompt tokens computed here
         for request in candidates:
             if budget <= 0:
                 break
             if request.status is RequestStatus.WAITING:
                 if not admitting:
                     continue  # also a request preempted in this loop: no admissions in a step that preempts
+                if computing and self._computed_beside(request, computing):
+                    continue  # next step its prefix is in the cache: one step's wait instead of computing it twice
                 if len(self.running) >= self.config.max_num_seqs or not self._admit(request, budget):
                     admitting = False  # later ones in this order must not take the blocks it waits for
                     continue
@@ -225,11 +233,33 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, n,
                                          self.kv.block_table(request.request_id)))
             scheduled.append(request)
+            if self.kv.enable_prefix_caching:
+                computing.append((request, request.num_computed_tokens, request.num_computed_tokens + n))
             budget -= n
         count_prefill_skips(candidates, scheduled)
         copies, self._pending_copies = self._pending_copies, []
         self._stalled = not chunks
         return SchedulerOutput(chunks, preempted, copies)
+
+    def _computed_beside(self, request: Request, computing: list[tuple[Request, int, int]]) -> bool:
+        """Whether another request computes, in this step, at least ``SHARED_PREFILL_BLOCKS`` full blocks of the
+        prompt prefix ``request`` shares with it, past what the cache holds: SGLang's in-batch prefix caching.
+        Admitted beside it, ``request`` would compute those blocks a second time (prefix hits are known only for
+        blocks computed in earlier steps); admitted a step later it takes them from the cache. 48 requests with
+        one 512-token system prompt at once each computed it in the first steps until one had cached it. The
+        wait is a step for each chunk of the shared part the other request still computes, so it is bounded;
+        a request whose prompt KV comes from another node is never held back (it computes none of it)."""
+        if not self.config.defer_shared_prefill:
+            return False
+        block_size = self.kv.block_size
+        tokens = request.prompt_token_ids
+        for other, first, end in computing:
+            # Full blocks from the other's first computed token on: they are not cached (else it had hit them).
+            shared = -(-first // block_size) * block_size + SHARED_PREFILL_BLOCKS * block_size
+            if shared <= min(end, other.num_prompt_tokens, request.num_prompt_tokens) and \
+                    tokens[:shared] == other.prompt_token_ids[:shared]:
+                return self._first_query(request) == 0
+        return False
 
     def _prefill_priority(self, request: Request) -> tuple[int, int, int]:
         """``shortest`` order: preempted and long-passed-over requests first (by arrival), then fewest

@@ -126,6 +126,50 @@ def test_prefix_reuse_on_admission() -> None:
     assert s.kv.prefix_cache_hits == 8
 
 
+def test_a_prompt_whose_prefix_another_computes_in_the_step_waits_a_step_and_takes_it_from_the_cache() -> None:
+    """In-batch prefix caching: b shares 3 blocks with a, which computes them in this step, so b waits a step and
+    hits them; c shares 1 block only (below SHARED_PREFILL_BLOCKS) and goes beside a; d shares nothing."""
+    shared = list(range(100, 112))  # 3 blocks of 4
+
+    def four() -> list[Request]:
+        return [Request("a", [*shared, 1, 2, 3, 4], GREEDY, eos_token_ids=(99,)),
+                Request("b", [*shared, 5, 6, 7, 8], GREEDY, eos_token_ids=(99,)),
+                Request("c", [*shared[:4], *range(200, 212)], GREEDY, eos_token_ids=(99,)),
+                req("d", 16, first=300)]
+
+    s = make(max_num_batched_tokens=64, num_blocks=32)
+    for r in four():
+        s.add_request(r)
+    assert step(s) == [("a", 0, 16), ("c", 0, 16), ("d", 0, 16)]  # b waits: 48 of the 64 tokens
+    assert step(s) == [("a", 16, 1), ("c", 16, 1), ("d", 16, 1), ("b", 12, 4)]  # its 12 shared tokens cached
+    assert s.kv.prefix_cache_hits == 12
+    s = make(max_num_batched_tokens=64, num_blocks=32, defer_shared_prefill=False)
+    for r in four():
+        s.add_request(r)
+    assert step(s) == [("a", 0, 16), ("b", 0, 16), ("c", 0, 16), ("d", 0, 16)]  # off: b computes them again
+    s = make(max_num_batched_tokens=64, num_blocks=32, max_prefill_chunk=8)
+    for r in four()[:2]:
+        s.add_request(r)
+    assert step(s) == [("a", 0, 8)]  # a's first chunk computes 2 of the blocks b shares: b waits
+    # a's second chunk computes the third shared block only (1 < 2): b goes beside it with the first two cached
+    assert step(s) == [("a", 8, 8), ("b", 8, 8)]
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=None, watermark=0.0),
+        KVCacheManager(32, 4, enable_prefix_caching=False), max_model_len=64)
+    for r in four()[:2]:
+        s.add_request(r)
+    assert step(s) == [("a", 0, 16), ("b", 0, 16)]  # nothing to take from a cache that keeps nothing
+
+
+def test_a_prompt_whose_kv_comes_from_another_node_never_waits_for_a_shared_prefix() -> None:
+    """Conditional disaggregation: a local prompt computes the prefix a remote-prefill request shares; the remote
+    one computes none of it, so it is admitted (and waits for its KV) in the same step."""
+    s = make(connector=KVConsumer(), max_num_batched_tokens=64, num_blocks=32)
+    s.add_request(req("a", 16))
+    s.add_request(req("b", 16, remote=True))
+    assert step(s) == [("a", 0, 16)] and "b" in s.waiting_for_kv
+
+
 def test_preemption_recomputes_newest_and_keeps_fcfs() -> None:
     # 4 blocks of 4 tokens: a (5 tokens) and b (5 tokens) use 2 blocks each; decoding needs more.
     s = make(num_blocks=4, max_num_batched_tokens=32)
