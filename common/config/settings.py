@@ -346,10 +346,11 @@ class KernelSettings:
     cpu_moe: str = "auto"  # a mixture of experts' routed experts in one C++ call on panels (off: PyTorch's)
     cpu_malloc: str = "auto"  # glibc malloc keeps a step's freed buffers for the next (off: glibc's defaults)
     cpu_omp_handoff: str = "auto"  # the start-up thread's OpenMP team let go when the engine thread takes over
+    cpu_cascade: str = "auto"  # decode attention over a prefix its sequences share, once for all of them (bf16)
 
     def __post_init__(self) -> None:
         for name in ("cpu_amx", "cpu_panels", "cpu_gemv", "cpu_onednn", "fused_ops", "decode_step", "row_buckets",
-                     "cpu_moe", "cpu_malloc", "cpu_omp_handoff"):
+                     "cpu_moe", "cpu_malloc", "cpu_omp_handoff", "cpu_cascade"):
             value = str(getattr(self, name)).strip().lower() or "auto"
             if value not in KERNEL_MODES:
                 raise ValueError(f"{env_name(name)}={value!r}; choose one of {', '.join(KERNEL_MODES)}")

@@ -60,8 +60,8 @@ _BUILDS = OptionalModules(
 _DECODE = OptionalModules(
     "tandem_cpu_decode",
     [_HERE / "amx_tiles.h", _HERE / "cpu_decode.cpp", _HERE / "cpu_kv_write.cpp", _HERE / "cpu_prefill_attn.cpp"],
-    ["paged_decode", "paged_decode_widened", "write_kv", "decode_rows_address", "decode_splits_heads", "paged_prefill",
-     "paged_prefill_widened", "paged_prefill_bf16dot", "prefill_amx_ready", "prefill_bf16dot_ready",
+    ["paged_decode", "paged_decode_widened", "set_cascade", "write_kv", "decode_rows_address", "decode_splits_heads",
+     "paged_prefill", "paged_prefill_widened", "paged_prefill_bf16dot", "prefill_amx_ready", "prefill_bf16dot_ready",
      "prefill_f32_ready"],
     ["-O3", "-fopenmp", "-ffast-math"],
     "compiled CPU decode attention", "using the PyTorch path")
@@ -90,7 +90,26 @@ def paged_decode_kernel() -> ModuleType | None:
     if not kernels_enabled():
         return None
     isa = best_isa()
-    return _DECODE.get(isa, ISA_FLAGS[isa])
+    module = _DECODE.get(isa, ISA_FLAGS[isa])
+    if module is not None:
+        _apply_cascade(module)
+    return module
+
+
+_cascade_applied: dict[int, str] = {}
+
+
+def _apply_cascade(module: ModuleType) -> None:
+    """Cascade decode attention (cpu_decode.cpp's PrefixState) as ``TANDEM_CPU_CASCADE`` says: auto, where it runs
+    (bf16 on AVX512-BF16); on, that or an error; off, never. Applied when the variable's value changes."""
+    mode = str(kernel_setting("cpu_cascade"))
+    if _cascade_applied.get(id(module)) == mode:
+        return
+    runs = bool(module.set_cascade(mode != "off"))
+    if mode == "on" and not runs:
+        raise RuntimeError("TANDEM_CPU_CASCADE=on, but cascade decode attention needs AVX512-BF16 and the AVX-512 "
+                           "kernel build")
+    _cascade_applied[id(module)] = mode
 
 
 _logged: set[str] = set()

@@ -60,8 +60,9 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
 }
 
-// Softmax of one row in place, fp32 (exp vectorised by the compiler's vector math library).
-inline void softmax_row(float* r, int64_t len) {
+// Softmax of one row in place, fp32 (exp vectorised by the compiler's vector math library); the row's max and sum
+// of exps where asked (a cascade's suffix merges with its prefix by them).
+inline void softmax_row(float* r, int64_t len, float* max_out = nullptr, float* sum_out = nullptr) {
   const float m = *std::max_element(r, r + len);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -72,7 +73,29 @@ inline void softmax_row(float* r, int64_t len) {
   const float inv = 1.f / sum;
 #pragma omp simd
   for (int64_t t = 0; t < len; ++t) r[t] *= inv;
+  if (max_out != nullptr) *max_out = m;
+  if (sum_out != nullptr) *sum_out = sum;
 }
+
+// Cascade decode attention (session 39). Where a call's sequences start with the same blocks (one system prompt
+// before every request, prefix caching's shared blocks), each sequence's sweep read those rows again and scored
+// them one query at a time. Instead, the shared prefix goes once through the prefill kernel's GEMM-shaped loops
+// for every sequence's query rows at once (cpu_prefill_attn.cpp's cascade_prefix: K and V packed once, 16
+// sequences' rows a tile), leaving each query row's softmax state over the prefix; each sequence's own rows after
+// it (its suffix) are then swept as before and merged with that state before the output is rounded. bf16 on CPUs
+// with AVX512-BF16 (the prefill kernel's vector path), no sliding window; ``set_cascade(false)`` turns it off.
+//
+// The prefix state of query row ((s - begin) * nh + h) * G + g (KV heads [h_begin, h_begin + nh)): the running max
+// of its scaled scores, the sum of their exps and the unnormalised output, D floats in natural order, over keys
+// [0, prefix).
+struct PrefixState {
+  int64_t prefix = 0;
+  const float* o = nullptr;
+  const float* mx = nullptr;
+  const float* sum = nullptr;
+};
+
+bool cascade_on = true;  // set_cascade; read by every call (a plain flag: set at load, before any step runs)
 
 template <typename scalar_t>
 void decode_sequences(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t kstride[3],
@@ -386,7 +409,7 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
                            const int64_t vstride[3], const int32_t* tables, int64_t table_stride,
                            const int64_t* lens, scalar_t* out, int64_t H, int64_t Hkv, int64_t block_size,
                            float scale, int64_t begin, int64_t end, int64_t h_begin, int64_t h_end, int64_t window,
-                           bool allow_dot) {
+                           bool allow_dot, const PrefixState* ps = nullptr) {
   // KV heads [h_begin, h_end) of each sequence (default: all): a head's output depends only on its own
   // reads, so a batch-1 step can split the heads over threads (common/kernels/cpu/cpu_step.cpp).
   //
@@ -402,7 +425,7 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
   const int64_t G = H / Hkv, nh = h_end - h_begin;
   const int64_t kbytes = nh * kstride[2] * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t vbytes = nh * vstride[2] * static_cast<int64_t>(sizeof(scalar_t));
-  std::vector<float> qf(nh * G * D), scores, of(nh * G * D);
+  std::vector<float> qf(nh * G * D), scores, of(nh * G * D), rmax(nh * G), rsum(nh * G);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   const bool dot = std::is_same_v<scalar_t, c10::BFloat16> && allow_dot && tandem_amx::bf16_dot();
 #else
@@ -413,8 +436,9 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
   const scalar_t* next_rows[kPrefetchTokens];  // the next sequence's first K rows, prefetched as pass 2 ends
   SpreadPrefetch<scalar_t> pf;
   for (int64_t s = begin; s < end; ++s) {
-    // Positions [first, lens[s]) are read (a sliding window, or all); rows and scores are indexed from first.
-    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
+    // Positions [first, lens[s]) are read (a sliding window, a cascade's suffix, or all); rows and scores are
+    // indexed from first.
+    const int64_t first = ps != nullptr ? ps->prefix : window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;
     const int64_t len = lens[s] - first;
     const int32_t* table = tables + s * table_stride;
     const int64_t stride = len + W;  // a head's scores (padded for the last W-token store)
@@ -475,7 +499,7 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
       }
       pf.finish();
     }
-    for (int64_t i = 0; i < nh * G; ++i) softmax_row(scores.data() + i * stride, len);
+    for (int64_t i = 0; i < nh * G; ++i) softmax_row(scores.data() + i * stride, len, &rmax[i], &rsum[i]);
     // Pass 2: every head's weighted V rows, chunk by chunk, up to kMaxHeads query heads per sweep of a chunk.
     std::fill(of.begin(), of.end(), 0.f);
     for (int64_t c0 = 0; c0 < len; c0 += kDecodeChunk) {
@@ -484,7 +508,8 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
              h_begin * vstride[2], vbytes);
       if (s + 1 < end && c1 + kPrefetchTokens > len) {  // the next sequence's first K rows, as pass 2 ends
         const int32_t* next = tables + (s + 1) * table_stride;
-        const int64_t next_first = window > 0 ? std::max<int64_t>(0, lens[s + 1] - window) : 0;
+        const int64_t next_first = ps != nullptr ? ps->prefix : window > 0 ? std::max<int64_t>(0, lens[s + 1] - window)
+                                                                            : 0;
         const int64_t next_len = lens[s + 1] - next_first;
         const int64_t t0 = std::max<int64_t>(0, c0 + kPrefetchTokens - len);
         const int64_t t1 = std::min(next_len, c1 + kPrefetchTokens - len);  // <= kPrefetchTokens (c1 <= len)
@@ -514,10 +539,30 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
     }
     for (int64_t i = 0; i < nh * G; ++i) {
       scalar_t* o = out + (s * H + h_begin * G + i) * D;
+      if (ps != nullptr) {  // merged with the prefix's state: both parts' exps against the larger max
+        const int64_t r = (s - begin) * nh * G + i;
+        const float m = std::max(ps->mx[r], rmax[i]);
+        const float a1 = std::exp(ps->mx[r] - m), a2 = std::exp(rmax[i] - m) * rsum[i];
+        const float inv = 1.f / (ps->sum[r] * a1 + a2);
+        const float* o1 = ps->o + r * D;
+        for (int64_t d = 0; d < D; ++d)
+          o[d] = static_cast<scalar_t>((o1[d] * a1 + of[i * D + lane_of<scalar_t>(d)] * a2) * inv);
+        continue;
+      }
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(of[i * D + lane_of<scalar_t>(d)]);
     }
   }
 }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// cpu_prefill_attn.cpp (later in this translation unit): the prefix state of sequences [begin, end)'s query rows of
+// KV heads [h_begin, h_end) into ``state`` and ``ps``, where they share at least kCascadeMinPrefix tokens' blocks
+// and are at least kCascadeMinSeqs; false (nothing computed) where the cascade does not pay or apply.
+bool cascade_prefix(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* kstride,
+                    const int64_t* vstride, const int32_t* tables, int64_t table_stride, const int64_t* lens, int64_t H,
+                    int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
+                    int64_t h_begin, int64_t h_end, std::vector<float>& state, PrefixState& ps);
 #endif
 
 }  // namespace
@@ -536,6 +581,25 @@ void window_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
                  int64_t h_begin, int64_t h_end, int64_t window, bool allow_dot = true) {
 #if defined(__AVX512F__) || defined(__AVX2__)
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (cascade_on && allow_dot && window == 0 && (D == 4 * W || D == 8 * W || D == 16 * W)) {
+        thread_local std::vector<float> state;
+        PrefixState ps;
+        if (cascade_prefix(q, kc, vc, kstride, vstride, tables, table_stride, lens, H, Hkv, D, block_size, scale,
+                           begin, end, h_begin, h_end < 0 ? Hkv : h_end, state, ps)) {
+          if (D == 4 * W)
+            return decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H,
+                                                      Hkv, block_size, scale, begin, end, h_begin, h_end, 0, true, &ps);
+          if (D == 8 * W)
+            return decode_sequences_simd<scalar_t, 8>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H,
+                                                      Hkv, block_size, scale, begin, end, h_begin, h_end, 0, true, &ps);
+          return decode_sequences_simd<scalar_t, 16>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H,
+                                                     Hkv, block_size, scale, begin, end, h_begin, h_end, 0, true, &ps);
+        }
+      }
+    }
+#endif
     if (D == 4 * W) return decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
                                                                out, H, Hkv, block_size, scale, begin, end, h_begin,
                                                                h_end, window, allow_dot);
@@ -561,6 +625,17 @@ void decode_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
                  int64_t h_begin, int64_t h_end) {
   window_rows<scalar_t>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H, Hkv, D, block_size, scale,
                         begin, end, h_begin, h_end, 0);
+}
+
+// Cascade decode attention on or off for this module (common/kernels/cpu/__init__.py: TANDEM_CPU_CASCADE); whether it
+// can run here (bf16 on a CPU with AVX512-BF16, an AVX-512 build).
+bool set_cascade(bool on) {
+  cascade_on = on;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return tandem_amx::bf16_dot();
+#else
+  return false;
+#endif
 }
 
 bool decode_splits_heads(int64_t head_dim) {

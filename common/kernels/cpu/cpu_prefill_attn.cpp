@@ -81,6 +81,9 @@ struct Item {
 // first key, its first and last rows' positions and the first key any of them reads.
 struct ItemRows {
   int64_t q_start, nq, ctx, first, first_pos, last_pos, lo;
+  // A cascade's prefix tile (cascade_prefix): nq rows, one a sequence, every one after all the keys.
+  ItemRows(int64_t rows, int64_t keys)
+      : q_start(0), nq(rows), ctx(keys), first(0), first_pos(keys), last_pos(keys + rows - 1), lo(0) {}
   ItemRows(const Item& it, const Pack& pk, const int32_t* starts, const int32_t* lens, int64_t window) {
     q_start = starts[pk.seq];
     const int64_t q_len = starts[pk.seq + 1] - q_start;
@@ -218,14 +221,73 @@ struct PfScratch {
   }
 };
 
+// The pack's keys: K as [keys / 16][D / 2 pairs][16 keys] (uint32 pairs), V as [keys / 32][D / 16][16 key pairs]
+// [16 dims][2 keys]. 16 keys in one cache block, all read, go in vectors: K as 16 x 16 pairs transposed in
+// registers (transpose16), V's rows interleaved two at a time (one permute a 16-dim group). Element by element
+// the pack took a fifth of a cascade's decode attention (48 sequences over a 512-token prefix, session 39).
+// The others (the pack's edges, a block boundary inside 16 keys) go element by element.
+// 16 vectors of 16 32-bit lanes transposed in place: r[i][j] <- r[j][i] (unpacks, then 128-bit lane shuffles).
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int k = 0; k < 4; ++k) {
+      t[8 * i + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0x88);
+      t[8 * i + 4 + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+  }
+}
+
 void pf_pack(const Pack& pk, const uint16_t* kc, const uint16_t* vc, const int32_t* tables, const int32_t* lens,
              const Shape& sh, uint32_t* kbuf, uint16_t* vbuf) {
   const int64_t D = sh.D, first = pk.lo / kStep * kStep, seq_len = lens[pk.seq];
   const int32_t* table = tables + pk.seq * sh.table_stride;
   uint32_t* kp = kbuf + pk.k_off;
   uint16_t* vp = vbuf + pk.v_off;
+  // out[2i] = a[i], out[2i + 1] = b[i]: a in the low 16 words, b in the high 16
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const bool vectors = sh.block_size % 16 == 0;
   for (int64_t j = 0; j < pk.keys; ++j) {
     const int64_t key = first + j;
+    if (vectors && j % 16 == 0 && j + 16 <= pk.keys && key >= pk.lo && key + 16 <= seq_len) {
+      const int64_t blk = table[key / sh.block_size], off = key % sh.block_size;
+      const uint16_t* k0 = kc + blk * sh.k_block_stride + off * sh.k_row_stride + pk.kvh * sh.k_head_stride;
+      uint32_t* kg = kp + (j / 16) * (D / 2) * 16;
+      for (int64_t cb = 0; cb < D / 32; ++cb) {  // 16 pairs of the 16 rows, transposed: a vector per pair
+        __m512i r[16];
+        for (int t = 0; t < 16; ++t) r[t] = _mm512_loadu_si512(k0 + t * sh.k_row_stride + cb * 32);
+        transpose16(r);
+        for (int t = 0; t < 16; ++t) _mm512_storeu_si512(kg + (cb * 16 + t) * 16, r[t]);
+      }
+      const uint16_t* v0 = vc + blk * sh.v_block_stride + off * sh.v_row_stride + pk.kvh * sh.v_head_stride;
+      for (int64_t t = 0; t < 16; t += 2) {
+        const uint16_t* va = v0 + t * sh.v_row_stride;
+        const uint16_t* vb = va + sh.v_row_stride;
+        uint16_t* vt = vp + ((j + t) / kStep) * D * kStep + (((j + t) % kStep) / 2) * kStep;
+        for (int64_t dg = 0; dg < D / 16; ++dg) {
+          const __m512i ab = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(va + dg * 16))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + dg * 16)), 1);
+          _mm512_storeu_si512(vt + dg * 16 * kStep, _mm512_permutexvar_epi16(interleave, ab));
+        }
+      }
+      j += 15;
+      continue;
+    }
     uint32_t* kg = kp + (j / 16) * (D / 2) * 16 + (j % 16);
     uint16_t* vt = vp + (j / kStep) * D * kStep + ((j % kStep) / 2) * kStep + (j % 2);
     if (key < pk.lo || key >= seq_len) {
@@ -437,6 +499,104 @@ void bd_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, 
     for (int64_t i = take(); i >= 0; i = take())
       bd_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf, vbuf, o, sc);
   });
+}
+
+// Cascade decode attention's shared prefix (cpu_decode.cpp's PrefixState, whose comment says why): where sequences
+// [begin, end) of a decode call are at least kCascadeMinSeqs and their block tables agree on the blocks of at
+// least kCascadeMinPrefix tokens before each one's last token, the prefix (those tokens, down to a multiple of
+// kStep) is packed once a KV head and every sequence's query rows go over it in tiles of 16 sequences x the
+// group's heads, the items of the prefill loops above with no causal mask: S = Q K^T, the online softmax (P in
+// bf16, as the prefill path has it), O = O * alpha + P V. What is left per row (max, sum, unnormalised O) goes
+// into ``state``, which ``ps`` points into. Fewer sequences than a tile leave it mostly padding, and a short
+// prefix is not worth its pack: there, and where no prefix is shared, nothing is computed and false returned.
+constexpr int64_t kCascadeMinSeqs = 8;
+constexpr int64_t kCascadeMinPrefix = 64;
+
+bool cascade_prefix(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* kstride,
+                    const int64_t* vstride, const int32_t* tables, int64_t table_stride, const int64_t* lens, int64_t H,
+                    int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
+                    int64_t h_begin, int64_t h_end, std::vector<float>& state, PrefixState& ps) {
+  const int64_t n = end - begin;
+  if (n < kCascadeMinSeqs || D % 32 != 0 || !tandem_amx::bf16_dot()) return false;
+  int64_t min_len = lens[begin];
+  for (int64_t s = begin + 1; s < end; ++s) min_len = std::min(min_len, lens[s]);
+  // Full blocks before every sequence's last token (its own row, written this step, stays in its suffix).
+  const int64_t max_blocks = (min_len - 1) / block_size;
+  const int32_t* t0 = tables + begin * table_stride;
+  int64_t shared = 0;
+  for (; shared < max_blocks; ++shared) {
+    bool same = true;
+    for (int64_t s = begin + 1; s < end && same; ++s) same = tables[s * table_stride + shared] == t0[shared];
+    if (!same) break;
+  }
+  const int64_t P = shared * block_size / kStep * kStep;
+  if (P < kCascadeMinPrefix) return false;
+  const int64_t g = H / Hkv, nh = h_end - h_begin, rows = n * nh * g, M = g * kQ;
+  state.resize(rows * (D + 2));
+  float* st_o = state.data();
+  float* st_mx = st_o + rows * D;
+  float* st_sum = st_mx + rows;
+  ps = PrefixState{P, st_o, st_mx, st_sum};
+  const Shape sh{H, Hkv, D, g, block_size, H * D, kstride[0], kstride[1], kstride[2], vstride[0], vstride[1],
+                 vstride[2], 0, scale, 0};
+  thread_local std::vector<uint32_t> kvec;
+  thread_local std::vector<uint16_t> vvec;
+  thread_local PfScratch sc;
+  kvec.resize(P * D / 2 + 16);
+  vvec.resize(P * D + 32);
+  if (static_cast<int64_t>(sc.mx.size()) != M || static_cast<int64_t>(sc.o.size()) < M * D + 16) sc.size(M, D);
+  uint32_t* kbuf = align64(kvec);
+  uint16_t* vbuf = align64(vvec);
+  const auto* qb16 = reinterpret_cast<const uint16_t*>(q);
+  const int32_t plen = static_cast<int32_t>(P);  // the pack reads keys [0, P) of the first sequence's table
+  for (int64_t kvh = h_begin; kvh < h_end; ++kvh) {
+    const Pack pk{0, kvh, 0, P, 0, 0};
+    pf_pack(pk, reinterpret_cast<const uint16_t*>(kc), reinterpret_cast<const uint16_t*>(vc), t0, &plen, sh, kbuf,
+            vbuf);
+    for (int64_t s0 = begin; s0 < end; s0 += kQ) {
+      const int64_t nq = std::min<int64_t>(kQ, end - s0);
+      const ItemRows item(nq, P);
+      uint16_t* qt = align64(sc.q);
+      float* sb = align64(sc.s);
+      uint16_t* pb = align64(sc.p);
+      float* ob = align64(sc.o);
+      // Row m = head-in-group * 16 + i: sequence s0 + i's query head kvh * g + m / 16 (padding rows zero).
+      for (int64_t h = 0; h < g; ++h) {
+        for (int64_t i = 0; i < kQ; ++i) {
+          uint16_t* dst = qt + (h * kQ + i) * D;
+          if (i < nq) {
+            std::memcpy(dst, qb16 + ((s0 + i) * H + kvh * g + h) * D, D * sizeof(uint16_t));
+          } else {
+            std::memset(dst, 0, D * sizeof(uint16_t));
+          }
+        }
+      }
+      std::fill(ob, ob + M * D, 0.f);
+      std::fill(sc.mx.begin(), sc.mx.begin() + M, kMasked);
+      std::fill(sc.sum.begin(), sc.sum.begin() + M, 0.f);
+      for (int64_t c0 = 0; c0 < P; c0 += kChunk) {
+        const int64_t nk = std::min<int64_t>(kChunk, P - c0);  // a multiple of kStep
+        for (int64_t r0 = 0; r0 < M; r0 += kBdRows)
+          for (int64_t j = 0; j < nk; j += kStep) bd_scores8(qt, kbuf, D, r0, c0 + j, j, sb);
+        pf_softmax(item, sh, M, c0, nk, sb, pb, sc.mx.data(), sc.sum.data());
+        const int64_t nv = D / 16;
+        for (int64_t r0 = 0; r0 < M; r0 += kBdPvRows) {
+          int64_t dg = 0;
+          for (; dg + 4 <= nv; dg += 4) bd_pv<4>(pb, sb, vbuf, D, r0, dg, c0, nk, ob);
+          if (dg < nv) bd_pv<2>(pb, sb, vbuf, D, r0, dg, c0, nk, ob);
+        }
+      }
+      for (int64_t h = 0; h < g; ++h) {
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t m = h * kQ + i, r = ((s0 + i - begin) * nh + (kvh - h_begin)) * g + h;
+          std::memcpy(st_o + r * D, ob + m * D, D * sizeof(float));
+          st_mx[r] = sc.mx[m];
+          st_sum[r] = sc.sum[m];
+        }
+      }
+    }
+  }
+  return true;
 }
 
 #pragma GCC pop_options
@@ -765,6 +925,18 @@ bool prefill_f32_ready() {
 
 namespace {
 
+// The packs' buffers, one pair per calling thread, grown and kept: every element a call reads its packs write first,
+// so a fresh zero-filled vector a call (the packs of a 2,048-token step: ~16 MB a layer) was memset for nothing,
+// and faulted in page by page wherever malloc served it with mmap. 64-byte aligned.
+template <typename T>
+T* pack_buffer(int which, int64_t n) {
+  thread_local std::vector<T> buffers[2];
+  std::vector<T>& b = buffers[which];
+  const auto need = static_cast<size_t>(n + 64 / sizeof(T));
+  if (b.size() < need) b.resize(need);
+  return align64(b);
+}
+
 enum class Path { kBest, kWidened, kDot };  // kDot: AVX512-BF16 vectors even where AMX runs (tests)
 
 torch::Tensor prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -841,28 +1013,29 @@ torch::Tensor prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tenso
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   if (amx) {
 #ifdef TANDEM_HAVE_AMX
-    std::vector<uint32_t> kbuf(k_total + 16);
-    std::vector<uint16_t> vbuf(v_total + 32);
+    uint32_t* kbuf = pack_buffer<uint32_t>(0, k_total + 16);
+    uint16_t* vbuf = pack_buffer<uint16_t>(1, v_total + 32);
     pf_run_all(packs, items, reinterpret_cast<const uint16_t*>(query.data_ptr()),
                reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
-               reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), tables, starts, lens, sh, align64(kbuf),
-               align64(vbuf), reinterpret_cast<uint16_t*>(out.data_ptr()));
+               reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), tables, starts, lens, sh, kbuf, vbuf,
+               reinterpret_cast<uint16_t*>(out.data_ptr()));
 #endif
     return out;
   }
   if (dot) {
 #ifdef TANDEM_PREFILL_BF16
-    std::vector<uint32_t> kbuf(k_total + 16);
-    std::vector<uint16_t> vbuf(v_total + 32);
+    uint32_t* kbuf = pack_buffer<uint32_t>(0, k_total + 16);
+    uint16_t* vbuf = pack_buffer<uint16_t>(1, v_total + 32);
     bd_run_all(packs, items, reinterpret_cast<const uint16_t*>(query.data_ptr()),
                reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
-               reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), tables, starts, lens, sh, align64(kbuf),
-               align64(vbuf), reinterpret_cast<uint16_t*>(out.data_ptr()));
+               reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), tables, starts, lens, sh, kbuf, vbuf,
+               reinterpret_cast<uint16_t*>(out.data_ptr()));
 #endif
     return out;
   }
 #ifdef TANDEM_PREFILL_F32
-  std::vector<float> kbuf(k_total), vbuf(v_total);
+  float* kbuf = pack_buffer<float>(0, k_total);
+  float* vbuf = pack_buffer<float>(1, v_total);
   const float* q = q32.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t n_packs = static_cast<int64_t>(packs.size()), n_items = static_cast<int64_t>(items.size());
@@ -870,11 +1043,10 @@ torch::Tensor prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tenso
     for (int64_t i = begin; i < end; ++i) {
       if (bf16) {
         f32_pack(packs[i], reinterpret_cast<const uint16_t*>(key_cache.data_ptr()),
-                 reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), tables, lens, sh, kbuf.data(),
-                 vbuf.data());
+                 reinterpret_cast<const uint16_t*>(value_cache.data_ptr()), tables, lens, sh, kbuf, vbuf);
       } else {
-        f32_pack(packs[i], key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), tables, lens, sh,
-                 kbuf.data(), vbuf.data());
+        f32_pack(packs[i], key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), tables, lens, sh, kbuf,
+                 vbuf);
       }
     }
   });
@@ -885,7 +1057,7 @@ torch::Tensor prefill(torch::Tensor query, torch::Tensor key_cache, torch::Tenso
     sc.size(sh.g * kQ, D);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-        f32_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf.data(), vbuf.data(), o, sc);
+        f32_run_item(items[i], packs[items[i].pack], q, starts, lens, sh, kbuf, vbuf, o, sc);
       }
     }
   });
