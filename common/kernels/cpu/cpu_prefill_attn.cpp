@@ -576,11 +576,15 @@ bool cascade_prefix(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::
       std::fill(sc.sum.begin(), sc.sum.begin() + M, 0.f);
       for (int64_t c0 = 0; c0 < P; c0 += kChunk) {
         const int64_t nk = std::min<int64_t>(kChunk, P - c0);  // a multiple of kStep
-        for (int64_t r0 = 0; r0 < M; r0 += kBdRows)
+        // Row groups wholly past the tile's sequences are padding: skipped (their softmax leaves P zero).
+        for (int64_t r0 = 0; r0 < M; r0 += kBdRows) {
+          if (r0 % kQ >= nq) continue;
           for (int64_t j = 0; j < nk; j += kStep) bd_scores8(qt, kbuf, D, r0, c0 + j, j, sb);
+        }
         pf_softmax(item, sh, M, c0, nk, sb, pb, sc.mx.data(), sc.sum.data());
         const int64_t nv = D / 16;
         for (int64_t r0 = 0; r0 < M; r0 += kBdPvRows) {
+          if (r0 % kQ >= nq) continue;
           int64_t dg = 0;
           for (; dg + 4 <= nv; dg += 4) bd_pv<4>(pb, sb, vbuf, D, r0, dg, c0, nk, ob);
           if (dg < nv) bd_pv<2>(pb, sb, vbuf, D, r0, dg, c0, nk, ob);
