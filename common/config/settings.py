@@ -346,7 +346,7 @@ class KernelSettings:
     cpu_moe: str = "auto"  # a mixture of experts' routed experts in one C++ call on panels (off: PyTorch's)
     cpu_malloc: str = "auto"  # glibc malloc keeps a step's freed buffers for the next (off: glibc's defaults)
     cpu_omp_handoff: str = "auto"  # the start-up thread's OpenMP team let go when the engine thread takes over
-    cpu_cascade: str = "auto"  # decode attention over a prefix its sequences share, once for all of them (bf16)
+    cpu_cascade: str = "auto"  # decode attention over a prefix its sequences share, once for all of them
 
     def __post_init__(self) -> None:
         for name in ("cpu_amx", "cpu_panels", "cpu_gemv", "cpu_onednn", "fused_ops", "decode_step", "row_buckets",

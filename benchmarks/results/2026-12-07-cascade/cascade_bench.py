@@ -1,11 +1,13 @@
 """Cascade decode attention against the sweep it replaces (session 39): S sequences over a P-token prefix their tables
-share plus 1-129 tokens of their own each, SmolLM2's 9 heads / 3 KV heads of 64, bf16, the engine's cache layout
+share plus 1-129 tokens of their own each, SmolLM2's 9 heads / 3 KV heads of 64, bf16 (DTYPE=float32: fp32; with
+TANDEM_CPU_ISA=avx2, the AVX2 build), the engine's cache layout
 ([blocks, 30 layers, K/V, 16, 3, 64]), shuffled own blocks, 2 threads: the largest error against a float64 oracle
 (layer 0), then 30 layers' ``paged_decode`` with the cascade off and on, alternating, median of 7.
 
-    PYTHONPATH=CHECKOUT python cascade_bench.py S P          # e.g. 48 512
+    [DTYPE=float32] PYTHONPATH=CHECKOUT python cascade_bench.py S P          # e.g. 48 512
 """
 
+import os
 import sys
 import time
 
@@ -20,11 +22,12 @@ assert _ops is not None
 ops = _ops
 H, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
 S, P = int(sys.argv[1]), int(sys.argv[2])
+DTYPE = getattr(torch, os.environ.get("DTYPE", "bfloat16"))
 shared_blocks = P // BS
 suffix = [int(x) for x in torch.randint(1, 130, (S,))]
 blocks = [shared_blocks + -(-x // BS) for x in suffix]
 total = shared_blocks + sum(b - shared_blocks for b in blocks)
-cache = torch.randn(total + 1, LAYERS, 2, BS, HKV, D).bfloat16()
+cache = torch.randn(total + 1, LAYERS, 2, BS, HKV, D).to(DTYPE)
 tables = torch.zeros(S, max(blocks), dtype=torch.int32)
 own = (torch.randperm(total - shared_blocks) + shared_blocks).tolist()
 used = 0
@@ -34,7 +37,7 @@ for s in range(S):
     tables[s, shared_blocks : blocks[s]] = torch.tensor(own[used : used + n], dtype=torch.int32)
     used += n
 lens = torch.tensor([P + x for x in suffix], dtype=torch.int32)
-q = torch.randn(S, H, D).bfloat16()
+q = torch.randn(S, H, D).to(DTYPE)
 
 
 def run(layer: int) -> torch.Tensor:

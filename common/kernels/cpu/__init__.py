@@ -101,14 +101,15 @@ _cascade_applied: dict[int, str] = {}
 
 def _apply_cascade(module: ModuleType) -> None:
     """Cascade decode attention (cpu_decode.cpp's PrefixState) as ``TANDEM_CPU_CASCADE`` says: auto, where it runs
-    (bf16 on AVX512-BF16); on, that or an error; off, never. Applied when the variable's value changes."""
+    (fp32 on the AVX-512 and AVX2 builds, bf16 where the CPU has AVX512-BF16); on, that or an error where the build
+    has no vector path; off, never. Applied when the variable's value changes."""
     mode = str(kernel_setting("cpu_cascade"))
     if _cascade_applied.get(id(module)) == mode:
         return
     runs = bool(module.set_cascade(mode != "off"))
     if mode == "on" and not runs:
-        raise RuntimeError("TANDEM_CPU_CASCADE=on, but cascade decode attention needs AVX512-BF16 and the AVX-512 "
-                           "kernel build")
+        raise RuntimeError("TANDEM_CPU_CASCADE=on, but cascade decode attention needs the AVX-512 or AVX2 kernel "
+                           "build")
     _cascade_applied[id(module)] = mode
 
 

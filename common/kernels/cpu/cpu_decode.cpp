@@ -82,8 +82,9 @@ inline void softmax_row(float* r, int64_t len, float* max_out = nullptr, float* 
 // them one query at a time. Instead, the shared prefix goes once through the prefill kernel's GEMM-shaped loops
 // for every sequence's query rows at once (cpu_prefill_attn.cpp's cascade_prefix: K and V packed once, 16
 // sequences' rows a tile), leaving each query row's softmax state over the prefix; each sequence's own rows after
-// it (its suffix) are then swept as before and merged with that state before the output is rounded. bf16 on CPUs
-// with AVX512-BF16 (the prefill kernel's vector path), no sliding window; ``set_cascade(false)`` turns it off.
+// it (its suffix) are then swept as before and merged with that state before the output is rounded. fp32 on the
+// AVX-512 and AVX2 builds, bf16 on CPUs with AVX512-BF16 (the prefill kernel's vector paths); no sliding window;
+// ``set_cascade(false)`` turns it off.
 //
 // The prefix state of query row ((s - begin) * nh + h) * G + g (KV heads [h_begin, h_begin + nh)): the running max
 // of its scaled scores, the sum of their exps and the unnormalised output, D floats in natural order, over keys
@@ -555,10 +556,17 @@ void decode_sequences_simd(const scalar_t* q, const scalar_t* kc, const scalar_t
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 // cpu_prefill_attn.cpp (later in this translation unit): the prefix state of sequences [begin, end)'s query rows of
 // KV heads [h_begin, h_end) into ``state`` and ``ps``, where they share at least kCascadeMinPrefix tokens' blocks
-// and are at least kCascadeMinSeqs; false (nothing computed) where the cascade does not pay or apply.
+// and are at least kCascadeMinSeqs; false (nothing computed) where the cascade does not pay or apply. fp32 on both
+// vector builds; bf16 on the AVX-512 build where the CPU has AVX512-BF16.
+bool cascade_prefix(const float* q, const float* kc, const float* vc, const int64_t* kstride, const int64_t* vstride,
+                    const int32_t* tables, int64_t table_stride, const int64_t* lens, int64_t H, int64_t Hkv,
+                    int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end, int64_t h_begin,
+                    int64_t h_end, std::vector<float>& state, PrefixState& ps);
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 bool cascade_prefix(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* kstride,
                     const int64_t* vstride, const int32_t* tables, int64_t table_stride, const int64_t* lens, int64_t H,
                     int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
@@ -582,8 +590,14 @@ void window_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
 #if defined(__AVX512F__) || defined(__AVX2__)
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (cascade_on && allow_dot && window == 0 && (D == 4 * W || D == 8 * W || D == 16 * W)) {
+    constexpr bool cascades = true;
+#else
+    constexpr bool cascades = std::is_same_v<scalar_t, float>;  // bf16 needs the AVX-512 build's vdpbf16ps
+#endif
+    if constexpr (cascades) {
+      // bf16: where the scores are vdpbf16ps sums (allow_dot; cascade_prefix checks the CPU); fp32: always.
+      if (cascade_on && (allow_dot || std::is_same_v<scalar_t, float>) && window == 0 &&
+          (D == 4 * W || D == 8 * W || D == 16 * W)) {
         thread_local std::vector<float> state;
         PrefixState ps;
         if (cascade_prefix(q, kc, vc, kstride, vstride, tables, table_stride, lens, H, Hkv, D, block_size, scale,
@@ -599,7 +613,6 @@ void window_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
         }
       }
     }
-#endif
     if (D == 4 * W) return decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
                                                                out, H, Hkv, block_size, scale, begin, end, h_begin,
                                                                h_end, window, allow_dot);
@@ -628,11 +641,11 @@ void decode_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
 }
 
 // Cascade decode attention on or off for this module (common/kernels/cpu/__init__.py: TANDEM_CPU_CASCADE); whether it
-// can run here (bf16 on a CPU with AVX512-BF16, an AVX-512 build).
+// can run here: fp32 on the AVX-512 and AVX2 builds, bf16 too where the CPU has AVX512-BF16 (the AVX-512 build).
 bool set_cascade(bool on) {
   cascade_on = on;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  return tandem_amx::bf16_dot();
+#if defined(__AVX512F__) || defined(__AVX2__)
+  return true;
 #else
   return false;
 #endif

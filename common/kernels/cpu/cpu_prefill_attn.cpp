@@ -127,6 +127,38 @@ T* align64(std::vector<T>& v) {
   return reinterpret_cast<T*>((p + 63) & ~uintptr_t(63));
 }
 
+// Cascade decode attention's shared prefix (cpu_decode.cpp's PrefixState, whose comment says why): sequences
+// [begin, end) of a decode call share it where they are at least kCascadeMinSeqs and their block tables agree on
+// the blocks of at least kCascadeMinPrefix tokens before each one's last token (its own row, written this step,
+// stays in its suffix). The prefix's length, down to a multiple of kStep; 0 where there is none worth a pass (fewer
+// sequences than a tile leave it mostly padding, and a short prefix is not worth its pack).
+constexpr int64_t kCascadeMinSeqs = 8;
+constexpr int64_t kCascadeMinPrefix = 64;
+
+int64_t shared_prefix(const int32_t* tables, int64_t table_stride, const int64_t* lens, int64_t begin, int64_t end,
+                      int64_t block_size) {
+  if (end - begin < kCascadeMinSeqs) return 0;
+  int64_t min_len = lens[begin];
+  for (int64_t s = begin + 1; s < end; ++s) min_len = std::min(min_len, lens[s]);
+  const int64_t max_blocks = (min_len - 1) / block_size;
+  const int32_t* t0 = tables + begin * table_stride;
+  int64_t shared = 0;
+  for (; shared < max_blocks; ++shared) {
+    bool same = true;
+    for (int64_t s = begin + 1; s < end && same; ++s) same = tables[s * table_stride + shared] == t0[shared];
+    if (!same) break;
+  }
+  const int64_t P = shared * block_size / kStep * kStep;
+  return P >= kCascadeMinPrefix ? P : 0;
+}
+
+// The state buffer's three parts for ``rows`` query rows of D: unnormalised outputs, maxes, sums.
+inline PrefixState prefix_state(std::vector<float>& state, int64_t rows, int64_t D, int64_t P) {
+  state.resize(rows * (D + 2));
+  float* o = state.data();
+  return PrefixState{P, o, o + rows * D, o + rows * (D + 1)};
+}
+
 // fp32 vectors for both kernels' softmax and the fp32 kernel's products: AVX-512 (16 lanes) or AVX2 (8).
 #if defined(__AVX512F__) || defined(__AVX2__)
 #define TANDEM_PREFILL_F32 1
@@ -501,42 +533,25 @@ void bd_run_all(const std::vector<Pack>& packs, const std::vector<Item>& items, 
   });
 }
 
-// Cascade decode attention's shared prefix (cpu_decode.cpp's PrefixState, whose comment says why): where sequences
-// [begin, end) of a decode call are at least kCascadeMinSeqs and their block tables agree on the blocks of at
-// least kCascadeMinPrefix tokens before each one's last token, the prefix (those tokens, down to a multiple of
-// kStep) is packed once a KV head and every sequence's query rows go over it in tiles of 16 sequences x the
-// group's heads, the items of the prefill loops above with no causal mask: S = Q K^T, the online softmax (P in
-// bf16, as the prefill path has it), O = O * alpha + P V. What is left per row (max, sum, unnormalised O) goes
-// into ``state``, which ``ps`` points into. Fewer sequences than a tile leave it mostly padding, and a short
-// prefix is not worth its pack: there, and where no prefix is shared, nothing is computed and false returned.
-constexpr int64_t kCascadeMinSeqs = 8;
-constexpr int64_t kCascadeMinPrefix = 64;
-
+// Cascade decode attention's shared prefix (see shared_prefix above), bf16 in AVX512-BF16 vectors: the prefix is
+// packed once a KV head and every sequence's query rows go over it in tiles of 16 sequences x the group's heads,
+// the items of the prefill loops above with no causal mask: S = Q K^T, the online softmax (P in bf16, as the
+// prefill path has it), O = O * alpha + P V. What is left per row (max, sum, unnormalised O) goes into ``state``,
+// which ``ps`` points into; false (nothing computed) where no prefix is worth it.
 bool cascade_prefix(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* kstride,
                     const int64_t* vstride, const int32_t* tables, int64_t table_stride, const int64_t* lens, int64_t H,
                     int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
                     int64_t h_begin, int64_t h_end, std::vector<float>& state, PrefixState& ps) {
+  if (D % 32 != 0 || !tandem_amx::bf16_dot()) return false;
+  const int64_t P = shared_prefix(tables, table_stride, lens, begin, end, block_size);
+  if (P == 0) return false;
   const int64_t n = end - begin;
-  if (n < kCascadeMinSeqs || D % 32 != 0 || !tandem_amx::bf16_dot()) return false;
-  int64_t min_len = lens[begin];
-  for (int64_t s = begin + 1; s < end; ++s) min_len = std::min(min_len, lens[s]);
-  // Full blocks before every sequence's last token (its own row, written this step, stays in its suffix).
-  const int64_t max_blocks = (min_len - 1) / block_size;
   const int32_t* t0 = tables + begin * table_stride;
-  int64_t shared = 0;
-  for (; shared < max_blocks; ++shared) {
-    bool same = true;
-    for (int64_t s = begin + 1; s < end && same; ++s) same = tables[s * table_stride + shared] == t0[shared];
-    if (!same) break;
-  }
-  const int64_t P = shared * block_size / kStep * kStep;
-  if (P < kCascadeMinPrefix) return false;
   const int64_t g = H / Hkv, nh = h_end - h_begin, rows = n * nh * g, M = g * kQ;
-  state.resize(rows * (D + 2));
-  float* st_o = state.data();
+  ps = prefix_state(state, rows, D, P);
+  float* st_o = state.data();  // ps's three parts, written here
   float* st_mx = st_o + rows * D;
   float* st_sum = st_mx + rows;
-  ps = PrefixState{P, st_o, st_mx, st_sum};
   const Shape sh{H, Hkv, D, g, block_size, H * D, kstride[0], kstride[1], kstride[2], vstride[0], vstride[1],
                  vstride[2], 0, scale, 0};
   thread_local std::vector<uint32_t> kvec;
@@ -830,6 +845,56 @@ struct F32Scratch {
   }
 };
 
+// One chunk of n keys from pack-relative c0 for the item's rows: S = Q K^T, the two-pass softmax (exp as 2^t, the
+// running max in log2 units), O = O * alpha + P V. Row groups at or past ``live`` rows of a 16 (a cascade tile's
+// padding) are skipped; M is the item's rows.
+inline void f32_chunk(const ItemRows& rows, const Shape& sh, int64_t M, int64_t live, int64_t c0, int64_t n,
+                      const float* qb, const float* kp, const float* vp, float* sb, float* ob, float* mx, float* sum,
+                      float* alpha) {
+  const int64_t D = sh.D;
+  const float sl = sh.scale * kLog2e;
+  for (int64_t r0 = 0; r0 < M; r0 += 4) {
+    if (r0 % kQ >= live) continue;
+    for (int64_t j = 0; j < n; j += 2 * kVW) f32_scores4(qb, kp, D, r0, c0 + j, j, sb);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = sb + m * kChunk;
+    const auto [a, b] = rows.visible(m % kQ, c0, n, sh.window);
+    if (a >= b) {
+      std::memset(row, 0, n * 4);
+      alpha[m] = 1.f;
+      continue;
+    }
+    float bmax = kMasked;
+    int64_t j = a;
+    for (; j < b && j % kVW; ++j) bmax = std::max(bmax, row[j]);
+    pv vmax = pv_set(kMasked);
+    for (; j + kVW <= b; j += kVW) vmax = pv_max(vmax, pv_load(row + j));
+    for (; j < b; ++j) bmax = std::max(bmax, row[j]);
+    bmax = std::max(bmax, pv_hmax(vmax));
+    const float m_new = std::max(mx[m], bmax * sl);  // in log2 units
+    const float al = mx[m] < kMaskedBelow ? 0.f : std::exp2(mx[m] - m_new);
+    const pv vsl = pv_set(sl), vm = pv_set(m_new);
+    for (int64_t c = 0; c < n; c += kVW) pv_store(row + c, pv_exp2(pv_fms(pv_load(row + c), vsl, vm)));
+    for (int64_t c = 0; c < a; ++c) row[c] = 0.f;
+    for (int64_t c = b; c < n; ++c) row[c] = 0.f;
+    pv vs = pv_zero();
+    for (int64_t c = 0; c < n; c += kVW) vs = pv_add(vs, pv_load(row + c));
+    sum[m] = sum[m] * al + pv_hsum(vs);
+    mx[m] = m_new;
+    alpha[m] = al;
+  }
+  for (int64_t r0 = 0; r0 < M; r0 += kPvRows) {
+    if (r0 % kQ >= live) continue;
+    const int64_t nv = D / kVW;
+    int64_t v0 = 0;
+    for (; v0 + 4 <= nv; v0 += 4) f32_pv<4>(sb, vp, alpha, D, r0, v0, c0, n, ob);
+    if (nv - v0 == 3) f32_pv<3>(sb, vp, alpha, D, r0, v0, c0, n, ob);
+    if (nv - v0 == 2) f32_pv<2>(sb, vp, alpha, D, r0, v0, c0, n, ob);
+    if (nv - v0 == 1) f32_pv<1>(sb, vp, alpha, D, r0, v0, c0, n, ob);
+  }
+}
+
 void f32_run_item(const Item& it, const Pack& pk, const float* query, const int32_t* starts,
                   const int32_t* lens, const Shape& sh, const float* kbuf, const float* vbuf, float* out,
                   F32Scratch& sc) {
@@ -849,46 +914,9 @@ void f32_run_item(const Item& it, const Pack& pk, const float* query, const int3
   std::fill(ob, ob + M * D, 0.f);
   std::fill(mx, mx + M, kMasked);
   std::fill(sum, sum + M, 0.f);
-  const float sl = sh.scale * kLog2e;
   for (int64_t c0 = (lo - first) / kStep * kStep; c0 <= last_pos - first; c0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kStep * kStep + kStep);
-    for (int64_t r0 = 0; r0 < M; r0 += 4)
-      for (int64_t j = 0; j < n; j += 2 * kVW) f32_scores4(qb, kp, D, r0, c0 + j, j, sb);
-    for (int64_t m = 0; m < M; ++m) {
-      float* row = sb + m * kChunk;
-      const auto [a, b] = rows.visible(m % kQ, c0, n, sh.window);
-      if (a >= b) {
-        std::memset(row, 0, n * 4);
-        alpha[m] = 1.f;
-        continue;
-      }
-      float bmax = kMasked;
-      int64_t j = a;
-      for (; j < b && j % kVW; ++j) bmax = std::max(bmax, row[j]);
-      pv vmax = pv_set(kMasked);
-      for (; j + kVW <= b; j += kVW) vmax = pv_max(vmax, pv_load(row + j));
-      for (; j < b; ++j) bmax = std::max(bmax, row[j]);
-      bmax = std::max(bmax, pv_hmax(vmax));
-      const float m_new = std::max(mx[m], bmax * sl);  // in log2 units
-      const float al = mx[m] < kMaskedBelow ? 0.f : std::exp2(mx[m] - m_new);
-      const pv vsl = pv_set(sl), vm = pv_set(m_new);
-      for (int64_t c = 0; c < n; c += kVW) pv_store(row + c, pv_exp2(pv_fms(pv_load(row + c), vsl, vm)));
-      for (int64_t c = 0; c < a; ++c) row[c] = 0.f;
-      for (int64_t c = b; c < n; ++c) row[c] = 0.f;
-      pv vs = pv_zero();
-      for (int64_t c = 0; c < n; c += kVW) vs = pv_add(vs, pv_load(row + c));
-      sum[m] = sum[m] * al + pv_hsum(vs);
-      mx[m] = m_new;
-      alpha[m] = al;
-    }
-    for (int64_t r0 = 0; r0 < M; r0 += kPvRows) {
-      const int64_t nv = D / kVW;
-      int64_t v0 = 0;
-      for (; v0 + 4 <= nv; v0 += 4) f32_pv<4>(sb, vp, alpha, D, r0, v0, c0, n, ob);
-      if (nv - v0 == 3) f32_pv<3>(sb, vp, alpha, D, r0, v0, c0, n, ob);
-      if (nv - v0 == 2) f32_pv<2>(sb, vp, alpha, D, r0, v0, c0, n, ob);
-      if (nv - v0 == 1) f32_pv<1>(sb, vp, alpha, D, r0, v0, c0, n, ob);
-    }
+    f32_chunk(rows, sh, M, M, c0, n, qb, kp, vp, sb, ob, mx, sum, alpha);
   }
   for (int64_t h = 0; h < g; ++h) {
     for (int64_t i = 0; i < nq; ++i) {
@@ -898,6 +926,57 @@ void f32_run_item(const Item& it, const Pack& pk, const float* query, const int3
       for (int64_t d = 0; d < D; d += kVW) pv_store(dst + d, pv_fma(pv_load(ob + m * D + d), inv, pv_zero()));
     }
   }
+}
+// Cascade decode attention's shared prefix in fp32 (cascade_prefix above, bf16): the fp32 kernel's pack and chunks,
+// every row after all the prefix's keys; the rows' maxes, kept in log2 units by the chunks, stored in natural ones.
+bool cascade_prefix(const float* q, const float* kc, const float* vc, const int64_t* kstride, const int64_t* vstride,
+                    const int32_t* tables, int64_t table_stride, const int64_t* lens, int64_t H, int64_t Hkv,
+                    int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end, int64_t h_begin,
+                    int64_t h_end, std::vector<float>& state, PrefixState& ps) {
+  if (D % kVW != 0 || D > 256) return false;
+  const int64_t P = shared_prefix(tables, table_stride, lens, begin, end, block_size);
+  if (P == 0) return false;
+  const int64_t n = end - begin, g = H / Hkv, nh = h_end - h_begin, rows = n * nh * g, M = g * kQ;
+  ps = prefix_state(state, rows, D, P);
+  float* st_o = state.data();  // ps's three parts, written here
+  float* st_mx = st_o + rows * D;
+  float* st_sum = st_mx + rows;
+  const Shape sh{H, Hkv, D, g, block_size, H * D, kstride[0], kstride[1], kstride[2], vstride[0], vstride[1],
+                 vstride[2], 0, scale, 0};
+  thread_local std::vector<float> kvec, vvec;
+  thread_local F32Scratch sc;
+  kvec.resize(P * D);
+  vvec.resize(P * D);
+  if (static_cast<int64_t>(sc.mx.size()) != M || static_cast<int64_t>(sc.o.size()) < M * D) sc.size(M, D);
+  const int32_t* t0 = tables + begin * table_stride;
+  const int32_t plen = static_cast<int32_t>(P);  // the pack reads keys [0, P) of the first sequence's table
+  constexpr float kLn2 = 0.693147180559945309f;
+  for (int64_t kvh = h_begin; kvh < h_end; ++kvh) {
+    const Pack pk{0, kvh, 0, P, 0, 0};
+    f32_pack(pk, kc, vc, t0, &plen, sh, kvec.data(), vvec.data());
+    for (int64_t s0 = begin; s0 < end; s0 += kQ) {
+      const int64_t nq = std::min<int64_t>(kQ, end - s0);
+      const ItemRows item(nq, P);
+      // Row m = head-in-group * 16 + i: sequence s0 + i's query head kvh * g + m / 16 (padding rows zero).
+      gather_rows(sc.q.data(), q, sh, Item{0, s0, 0}, pk, 0, nq);
+      std::fill(sc.o.begin(), sc.o.begin() + M * D, 0.f);
+      std::fill(sc.mx.begin(), sc.mx.end(), kMasked);
+      std::fill(sc.sum.begin(), sc.sum.end(), 0.f);
+      for (int64_t c0 = 0; c0 < P; c0 += kChunk) {
+        f32_chunk(item, sh, M, nq, c0, std::min<int64_t>(kChunk, P - c0), sc.q.data(), kvec.data(), vvec.data(),
+                  sc.s.data(), sc.o.data(), sc.mx.data(), sc.sum.data(), sc.alpha.data());
+      }
+      for (int64_t h = 0; h < g; ++h) {
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t m = h * kQ + i, r = ((s0 + i - begin) * nh + (kvh - h_begin)) * g + h;
+          std::memcpy(st_o + r * D, sc.o.data() + m * D, D * sizeof(float));
+          st_mx[r] = sc.mx[m] * kLn2;
+          st_sum[r] = sc.sum[m];
+        }
+      }
+    }
+  }
+  return true;
 }
 #endif  // fp32 vectors
 
