@@ -15,7 +15,9 @@ gives every scheduled request a chunk of its uncomputed tokens, within a per-ste
      long prompt is delayed a bounded number of steps, never starved.
    - ``fcfs``: running prefills in admission order, then the queue in arrival order.
    Blocks are granted in the same order: when the first waiting request in that order does not fit, no
-   request after it is admitted in this step (none takes the memory it waits for).
+   request after it is admitted in this step (none takes the memory it waits for). A waiting prompt that shares
+   full blocks with what a request before it computes in this step waits a step and takes them from the prefix
+   cache instead (``defer_shared_prefill``, SGLang's in-batch prefix caching).
 
 With a sliding window on every layer (``KVCacheManager.window``) a request computed here is admitted chunk by
 chunk: admission takes its cached prefix and the blocks of its first chunk, each later chunk grows its table
