@@ -19,10 +19,12 @@ from prefill_service.kv_producer import KVProducer
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
-def make(num_blocks: int = 16, block_size: int = 4, connector: KVConnector | None = None, **cfg: object) -> Scheduler:
+def make(num_blocks: int = 16, block_size: int = 4, connector: KVConnector | None = None, prefix_caching: bool = True,
+         **cfg: object) -> Scheduler:
     config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 16, "max_prefill_chunk": None,
                                 "watermark": 0.0, **cfg})  # type: ignore[arg-type]
-    return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len=64, connector=connector)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching), max_model_len=64,
+                     connector=connector)
 
 
 def req(rid: str, n: int, params: SamplingParams = GREEDY, first: int = 0, remote: bool = False) -> Request:
@@ -153,9 +155,7 @@ def test_a_prompt_whose_prefix_another_computes_in_the_step_waits_a_step_and_tak
     assert step(s) == [("a", 0, 8)]  # a's first chunk computes 2 of the blocks b shares: b waits
     # a's second chunk computes the third shared block only (1 < 2): b goes beside it with the first two cached
     assert step(s) == [("a", 8, 8), ("b", 8, 8)]
-    s = Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_chunk=None, watermark=0.0),
-        KVCacheManager(32, 4, enable_prefix_caching=False), max_model_len=64)
+    s = make(max_num_batched_tokens=64, num_blocks=32, prefix_caching=False)
     for r in four()[:2]:
         s.add_request(r)
     assert step(s) == [("a", 0, 16), ("b", 0, 16)]  # nothing to take from a cache that keeps nothing

@@ -594,34 +594,27 @@ void window_rows(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
 #else
     constexpr bool cascades = std::is_same_v<scalar_t, float>;  // bf16 needs the AVX-512 build's vdpbf16ps
 #endif
+    // A shared prefix's state, where the cascade runs (then window is 0): the sweeps below read only the suffixes.
+    // bf16: where the scores are vdpbf16ps sums (allow_dot; cascade_prefix checks the CPU); fp32: always.
+    const PrefixState* cascade = nullptr;
+    PrefixState ps;
     if constexpr (cascades) {
-      // bf16: where the scores are vdpbf16ps sums (allow_dot; cascade_prefix checks the CPU); fp32: always.
+      thread_local std::vector<float> state;
       if (cascade_on && (allow_dot || std::is_same_v<scalar_t, float>) && window == 0 &&
-          (D == 4 * W || D == 8 * W || D == 16 * W)) {
-        thread_local std::vector<float> state;
-        PrefixState ps;
-        if (cascade_prefix(q, kc, vc, kstride, vstride, tables, table_stride, lens, H, Hkv, D, block_size, scale,
-                           begin, end, h_begin, h_end < 0 ? Hkv : h_end, state, ps)) {
-          if (D == 4 * W)
-            return decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H,
-                                                      Hkv, block_size, scale, begin, end, h_begin, h_end, 0, true, &ps);
-          if (D == 8 * W)
-            return decode_sequences_simd<scalar_t, 8>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H,
-                                                      Hkv, block_size, scale, begin, end, h_begin, h_end, 0, true, &ps);
-          return decode_sequences_simd<scalar_t, 16>(q, kc, vc, kstride, vstride, tables, table_stride, lens, out, H,
-                                                     Hkv, block_size, scale, begin, end, h_begin, h_end, 0, true, &ps);
-        }
-      }
+          (D == 4 * W || D == 8 * W || D == 16 * W) &&
+          cascade_prefix(q, kc, vc, kstride, vstride, tables, table_stride, lens, H, Hkv, D, block_size, scale, begin,
+                         end, h_begin, h_end < 0 ? Hkv : h_end, state, ps))
+        cascade = &ps;
     }
     if (D == 4 * W) return decode_sequences_simd<scalar_t, 4>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
                                                                out, H, Hkv, block_size, scale, begin, end, h_begin,
-                                                               h_end, window, allow_dot);
+                                                               h_end, window, allow_dot, cascade);
     if (D == 8 * W) return decode_sequences_simd<scalar_t, 8>(q, kc, vc, kstride, vstride, tables, table_stride, lens,
                                                                out, H, Hkv, block_size, scale, begin, end, h_begin,
-                                                               h_end, window, allow_dot);
+                                                               h_end, window, allow_dot, cascade);
     if (D == 16 * W) return decode_sequences_simd<scalar_t, 16>(q, kc, vc, kstride, vstride, tables, table_stride,
                                                                  lens, out, H, Hkv, block_size, scale, begin, end,
-                                                                 h_begin, h_end, window, allow_dot);
+                                                                 h_begin, h_end, window, allow_dot, cascade);
   }
 #endif
   (void)h_begin;

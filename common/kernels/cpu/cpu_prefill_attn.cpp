@@ -127,6 +127,18 @@ T* align64(std::vector<T>& v) {
   return reinterpret_cast<T*>((p + 63) & ~uintptr_t(63));
 }
 
+// The packs' buffers, one pair per calling thread, grown and kept: every element a call reads its packs write first,
+// so a fresh zero-filled vector a call (the packs of a 2,048-token step: ~16 MB a layer) was memset for nothing,
+// and faulted in page by page wherever malloc served it with mmap. 64-byte aligned.
+template <typename T>
+T* pack_buffer(int which, int64_t n) {
+  thread_local std::vector<T> buffers[2];
+  std::vector<T>& b = buffers[which];
+  const auto need = static_cast<size_t>(n + 64 / sizeof(T));
+  if (b.size() < need) b.resize(need);
+  return align64(b);
+}
+
 // Cascade decode attention's shared prefix (cpu_decode.cpp's PrefixState, whose comment says why): sequences
 // [begin, end) of a decode call share it where they are at least kCascadeMinSeqs and their block tables agree on
 // the blocks of at least kCascadeMinPrefix tokens before each one's last token (its own row, written this step,
@@ -157,6 +169,23 @@ inline PrefixState prefix_state(std::vector<float>& state, int64_t rows, int64_t
   state.resize(rows * (D + 2));
   float* o = state.data();
   return PrefixState{P, o, o + rows * D, o + rows * (D + 1)};
+}
+
+// A cascade tile's rows into the state: row m = head-in-group * 16 + i (sequence s0 + i, KV head kvh) is state row
+// ((s0 + i - begin) * nh + kvh - h_begin) * g + m / 16; its max times mx_scale (into natural-log units).
+inline void store_tile(std::vector<float>& state, int64_t rows, int64_t D, int64_t g, int64_t nh, int64_t first_row,
+                       int64_t nq, const float* ob, const float* mx, const float* sum, float mx_scale) {
+  float* st_o = state.data();
+  float* st_mx = st_o + rows * D;
+  float* st_sum = st_mx + rows;
+  for (int64_t h = 0; h < g; ++h) {
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t m = h * kQ + i, r = first_row + i * nh * g + h;
+      std::memcpy(st_o + r * D, ob + m * D, D * sizeof(float));
+      st_mx[r] = mx[m] * mx_scale;
+      st_sum[r] = sum[m];
+    }
+  }
 }
 
 // fp32 vectors for both kernels' softmax and the fp32 kernel's products: AVX-512 (16 lanes) or AVX2 (8).
@@ -499,6 +528,26 @@ inline void bd_pv(const uint16_t* pb, const float* sb, const uint16_t* vp, int64
   }
 }
 
+// One chunk of n keys from pack-relative c0 for the item's rows: S = Q K^T, the online softmax (P in bf16),
+// O = O * alpha + P V. Row groups at or past ``live`` rows of a 16 (a cascade tile's padding) are skipped (their
+// softmax leaves P zero); M is the item's rows.
+inline void bd_chunk(const ItemRows& rows, const Shape& sh, int64_t M, int64_t live, int64_t c0, int64_t n,
+                     const ItemBuffers& b, const uint32_t* kp, const uint16_t* vp) {
+  const int64_t D = sh.D;
+  for (int64_t r0 = 0; r0 < M; r0 += kBdRows) {
+    if (r0 % kQ >= live) continue;
+    for (int64_t j = 0; j < n; j += kStep) bd_scores8(b.q, kp, D, r0, c0 + j, j, b.s);
+  }
+  pf_softmax(rows, sh, M, c0, n, b.s, b.p, b.mx, b.sum);
+  const int64_t nv = D / 16;  // even: D is a multiple of 32
+  for (int64_t r0 = 0; r0 < M; r0 += kBdPvRows) {
+    if (r0 % kQ >= live) continue;
+    int64_t dg = 0;
+    for (; dg + 4 <= nv; dg += 4) bd_pv<4>(b.p, b.s, vp, D, r0, dg, c0, n, b.o);
+    if (dg < nv) bd_pv<2>(b.p, b.s, vp, D, r0, dg, c0, n, b.o);
+  }
+}
+
 void bd_run_item(const Item& it, const Pack& pk, const uint16_t* query, const int32_t* starts, const int32_t* lens,
                  const Shape& sh, const uint32_t* kbuf, const uint16_t* vbuf, uint16_t* out, PfScratch& sc) {
   const int64_t D = sh.D, g = sh.g, M = g * kQ;  // M: a multiple of 16
@@ -509,15 +558,7 @@ void bd_run_item(const Item& it, const Pack& pk, const uint16_t* query, const in
   const ItemBuffers b(sc, it, pk, query, sh, rows);
   for (int64_t c0 = (lo - first) / kStep * kStep; c0 <= last_pos - first; c0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, (last_pos - first - c0) / kStep * kStep + kStep);
-    for (int64_t r0 = 0; r0 < M; r0 += kBdRows)
-      for (int64_t j = 0; j < n; j += kStep) bd_scores8(b.q, kp, D, r0, c0 + j, j, b.s);
-    pf_softmax(rows, sh, M, c0, n, b.s, b.p, b.mx, b.sum);
-    const int64_t nv = D / 16;  // even: D is a multiple of 32
-    for (int64_t r0 = 0; r0 < M; r0 += kBdPvRows) {
-      int64_t dg = 0;
-      for (; dg + 4 <= nv; dg += 4) bd_pv<4>(b.p, b.s, vp, D, r0, dg, c0, n, b.o);
-      if (dg < nv) bd_pv<2>(b.p, b.s, vp, D, r0, dg, c0, n, b.o);
-    }
+    bd_chunk(rows, sh, M, M, c0, n, b, kp, vp);
   }
   pf_finish(it, pk, rows, sh, b.o, b.sum, out);
 }
@@ -545,24 +586,15 @@ bool cascade_prefix(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::
   if (D % 32 != 0 || !tandem_amx::bf16_dot()) return false;
   const int64_t P = shared_prefix(tables, table_stride, lens, begin, end, block_size);
   if (P == 0) return false;
-  const int64_t n = end - begin;
-  const int32_t* t0 = tables + begin * table_stride;
-  const int64_t g = H / Hkv, nh = h_end - h_begin, rows = n * nh * g, M = g * kQ;
+  const int64_t n = end - begin, g = H / Hkv, nh = h_end - h_begin, rows = n * nh * g, M = g * kQ;
   ps = prefix_state(state, rows, D, P);
-  float* st_o = state.data();  // ps's three parts, written here
-  float* st_mx = st_o + rows * D;
-  float* st_sum = st_mx + rows;
   const Shape sh{H, Hkv, D, g, block_size, H * D, kstride[0], kstride[1], kstride[2], vstride[0], vstride[1],
                  vstride[2], 0, scale, 0};
-  thread_local std::vector<uint32_t> kvec;
-  thread_local std::vector<uint16_t> vvec;
   thread_local PfScratch sc;
-  kvec.resize(P * D / 2 + 16);
-  vvec.resize(P * D + 32);
   if (static_cast<int64_t>(sc.mx.size()) != M || static_cast<int64_t>(sc.o.size()) < M * D + 16) sc.size(M, D);
-  uint32_t* kbuf = align64(kvec);
-  uint16_t* vbuf = align64(vvec);
-  const auto* qb16 = reinterpret_cast<const uint16_t*>(q);
+  uint32_t* kbuf = pack_buffer<uint32_t>(0, P * D / 2 + 16);
+  uint16_t* vbuf = pack_buffer<uint16_t>(1, P * D + 32);
+  const int32_t* t0 = tables + begin * table_stride;
   const int32_t plen = static_cast<int32_t>(P);  // the pack reads keys [0, P) of the first sequence's table
   for (int64_t kvh = h_begin; kvh < h_end; ++kvh) {
     const Pack pk{0, kvh, 0, P, 0, 0};
@@ -571,48 +603,11 @@ bool cascade_prefix(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::
     for (int64_t s0 = begin; s0 < end; s0 += kQ) {
       const int64_t nq = std::min<int64_t>(kQ, end - s0);
       const ItemRows item(nq, P);
-      uint16_t* qt = align64(sc.q);
-      float* sb = align64(sc.s);
-      uint16_t* pb = align64(sc.p);
-      float* ob = align64(sc.o);
       // Row m = head-in-group * 16 + i: sequence s0 + i's query head kvh * g + m / 16 (padding rows zero).
-      for (int64_t h = 0; h < g; ++h) {
-        for (int64_t i = 0; i < kQ; ++i) {
-          uint16_t* dst = qt + (h * kQ + i) * D;
-          if (i < nq) {
-            std::memcpy(dst, qb16 + ((s0 + i) * H + kvh * g + h) * D, D * sizeof(uint16_t));
-          } else {
-            std::memset(dst, 0, D * sizeof(uint16_t));
-          }
-        }
-      }
-      std::fill(ob, ob + M * D, 0.f);
-      std::fill(sc.mx.begin(), sc.mx.begin() + M, kMasked);
-      std::fill(sc.sum.begin(), sc.sum.begin() + M, 0.f);
-      for (int64_t c0 = 0; c0 < P; c0 += kChunk) {
-        const int64_t nk = std::min<int64_t>(kChunk, P - c0);  // a multiple of kStep
-        // Row groups wholly past the tile's sequences are padding: skipped (their softmax leaves P zero).
-        for (int64_t r0 = 0; r0 < M; r0 += kBdRows) {
-          if (r0 % kQ >= nq) continue;
-          for (int64_t j = 0; j < nk; j += kStep) bd_scores8(qt, kbuf, D, r0, c0 + j, j, sb);
-        }
-        pf_softmax(item, sh, M, c0, nk, sb, pb, sc.mx.data(), sc.sum.data());
-        const int64_t nv = D / 16;
-        for (int64_t r0 = 0; r0 < M; r0 += kBdPvRows) {
-          if (r0 % kQ >= nq) continue;
-          int64_t dg = 0;
-          for (; dg + 4 <= nv; dg += 4) bd_pv<4>(pb, sb, vbuf, D, r0, dg, c0, nk, ob);
-          if (dg < nv) bd_pv<2>(pb, sb, vbuf, D, r0, dg, c0, nk, ob);
-        }
-      }
-      for (int64_t h = 0; h < g; ++h) {
-        for (int64_t i = 0; i < nq; ++i) {
-          const int64_t m = h * kQ + i, r = ((s0 + i - begin) * nh + (kvh - h_begin)) * g + h;
-          std::memcpy(st_o + r * D, ob + m * D, D * sizeof(float));
-          st_mx[r] = sc.mx[m];
-          st_sum[r] = sc.sum[m];
-        }
-      }
+      const ItemBuffers b(sc, Item{0, s0, 0}, pk, reinterpret_cast<const uint16_t*>(q), sh, item);
+      for (int64_t c0 = 0; c0 < P; c0 += kChunk) bd_chunk(item, sh, M, nq, c0, std::min<int64_t>(kChunk, P - c0), b,
+                                                            kbuf, vbuf);
+      store_tile(state, rows, D, g, nh, ((s0 - begin) * nh + kvh - h_begin) * g, nq, b.o, b.mx, b.sum, 1.f);
     }
   }
   return true;
@@ -938,22 +933,18 @@ bool cascade_prefix(const float* q, const float* kc, const float* vc, const int6
   if (P == 0) return false;
   const int64_t n = end - begin, g = H / Hkv, nh = h_end - h_begin, rows = n * nh * g, M = g * kQ;
   ps = prefix_state(state, rows, D, P);
-  float* st_o = state.data();  // ps's three parts, written here
-  float* st_mx = st_o + rows * D;
-  float* st_sum = st_mx + rows;
   const Shape sh{H, Hkv, D, g, block_size, H * D, kstride[0], kstride[1], kstride[2], vstride[0], vstride[1],
                  vstride[2], 0, scale, 0};
-  thread_local std::vector<float> kvec, vvec;
   thread_local F32Scratch sc;
-  kvec.resize(P * D);
-  vvec.resize(P * D);
+  float* kbuf = pack_buffer<float>(0, P * D);
+  float* vbuf = pack_buffer<float>(1, P * D);
   if (static_cast<int64_t>(sc.mx.size()) != M || static_cast<int64_t>(sc.o.size()) < M * D) sc.size(M, D);
   const int32_t* t0 = tables + begin * table_stride;
   const int32_t plen = static_cast<int32_t>(P);  // the pack reads keys [0, P) of the first sequence's table
   constexpr float kLn2 = 0.693147180559945309f;
   for (int64_t kvh = h_begin; kvh < h_end; ++kvh) {
     const Pack pk{0, kvh, 0, P, 0, 0};
-    f32_pack(pk, kc, vc, t0, &plen, sh, kvec.data(), vvec.data());
+    f32_pack(pk, kc, vc, t0, &plen, sh, kbuf, vbuf);
     for (int64_t s0 = begin; s0 < end; s0 += kQ) {
       const int64_t nq = std::min<int64_t>(kQ, end - s0);
       const ItemRows item(nq, P);
@@ -963,17 +954,11 @@ bool cascade_prefix(const float* q, const float* kc, const float* vc, const int6
       std::fill(sc.mx.begin(), sc.mx.end(), kMasked);
       std::fill(sc.sum.begin(), sc.sum.end(), 0.f);
       for (int64_t c0 = 0; c0 < P; c0 += kChunk) {
-        f32_chunk(item, sh, M, nq, c0, std::min<int64_t>(kChunk, P - c0), sc.q.data(), kvec.data(), vvec.data(),
-                  sc.s.data(), sc.o.data(), sc.mx.data(), sc.sum.data(), sc.alpha.data());
+        f32_chunk(item, sh, M, nq, c0, std::min<int64_t>(kChunk, P - c0), sc.q.data(), kbuf, vbuf, sc.s.data(),
+                  sc.o.data(), sc.mx.data(), sc.sum.data(), sc.alpha.data());
       }
-      for (int64_t h = 0; h < g; ++h) {
-        for (int64_t i = 0; i < nq; ++i) {
-          const int64_t m = h * kQ + i, r = ((s0 + i - begin) * nh + (kvh - h_begin)) * g + h;
-          std::memcpy(st_o + r * D, sc.o.data() + m * D, D * sizeof(float));
-          st_mx[r] = sc.mx[m] * kLn2;
-          st_sum[r] = sc.sum[m];
-        }
-      }
+      store_tile(state, rows, D, g, nh, ((s0 - begin) * nh + kvh - h_begin) * g, nq, sc.o.data(), sc.mx.data(),
+                 sc.sum.data(), kLn2);
     }
   }
   return true;
@@ -1007,18 +992,6 @@ bool prefill_f32_ready() {
 }
 
 namespace {
-
-// The packs' buffers, one pair per calling thread, grown and kept: every element a call reads its packs write first,
-// so a fresh zero-filled vector a call (the packs of a 2,048-token step: ~16 MB a layer) was memset for nothing,
-// and faulted in page by page wherever malloc served it with mmap. 64-byte aligned.
-template <typename T>
-T* pack_buffer(int which, int64_t n) {
-  thread_local std::vector<T> buffers[2];
-  std::vector<T>& b = buffers[which];
-  const auto need = static_cast<size_t>(n + 64 / sizeof(T));
-  if (b.size() < need) b.resize(need);
-  return align64(b);
-}
 
 enum class Path { kBest, kWidened, kDot };  // kDot: AVX512-BF16 vectors even where AMX runs (tests)
 
