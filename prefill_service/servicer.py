@@ -99,8 +99,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                        ) -> prefill_pb2.PrefillResponse:
         """Prefill the prompt and push its KV into the destination: ``request.destination``, or, with ``later``,
         the one it reads (the prompt computes meanwhile, its KV held here; it is aborted when none comes within
-        the KV timeout). Then sample the first token, tell the decode node (``early``: and the caller, with
-        ``kv_pending`` set) and wait for the transfer's end."""
+        the KV timeout). Then sample the first token, tell the caller (``early``, with ``kv_pending`` set) at once,
+        before anything of the transfer: on a node with one core, the first token's way out runs ahead of the
+        attach's reply and the transfer's end (the client's time to first token is the request's critical path,
+        the decode node's first step after the KV lands is not); then tell the decode node and wait for the
+        transfer's end. A failure after the early answer ends the call with its status, as a failed transfer
+        does: the caller already has the first token and continues the request elsewhere."""
         arrival = time.monotonic()
         arrival_ns = time.time_ns()
         params = sampling_from_proto(request.sampling, resumed_output_tokens=request.resumed_output_tokens)
@@ -119,6 +123,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         send_span: trace.Span | None = None
         handle: TransferHandle | None = None
         computing: asyncio.Task[tuple[list[RequestOutput], float]] | None = None
+        attaching: asyncio.Future[bool] | None = None
         try:
             try:
                 if later is None:
@@ -138,23 +143,33 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                                     f"({self.transfer_timeout_s:g} s)") from None
                     self._check_destination(dest, len(prompt), span)
                     send_span, handle = await self._open_transfer(dest, context)
-                    if not await self.engine.call(AttachDestination(rid, self._destination(dest, handle))):
-                        raise ServiceError("the request left the prefill engine before its destination came")
+                    # Applied between steps: the first token may come before its reply (awaited after `early`).
+                    attaching = asyncio.ensure_future(self.engine.call(
+                        AttachDestination(rid, self._destination(dest, handle))))
                 outputs, first_token_time = await (computing or self._first_output(rid, stream))
+                reply, counters = self._reply(outputs, first_token_time, arrival)
+                if early is not None:
+                    pending = prefill_pb2.PrefillResponse()
+                    pending.CopyFrom(reply)
+                    pending.kv_pending = True
+                    await early(pending)
+                if attaching is not None and not await attaching:
+                    raise ServiceError("the request left the prefill engine before its destination came")
             except BaseException as exc:
                 if computing is not None:
                     computing.cancel()
+                if attaching is not None and not attaching.done():
+                    attaching.cancel()
                 if handle is not None:
                     await _drain(handle, f"prefill failed: {exc!r}", self.transfer_timeout_s)
                 self.engine.close_stream(rid)
                 self.engine.submit(AbortRequest(rid))
                 raise
             assert handle is not None and send_span is not None
-            reply, counters = self._reply(outputs, first_token_time, arrival)
             # The first token is out, so every block of the prompt has been pushed but those cached there or
             # outside the decode node's window.
             num_blocks = max(-(-len(prompt) // self.block_size) - _unsent_blocks(dest, self.block_size), 0)
-            stats = await self._transfer(handle, rid, reply, num_blocks, send_span, early)
+            stats = await self._transfer(handle, rid, reply, num_blocks, send_span)
         except BaseException as exc:
             if send_span is not None:
                 spans.set_error(send_span, exc, spans.failure_code(exc, self._status_for))
@@ -227,21 +242,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return reply, counters
 
     async def _transfer(self, handle: TransferHandle, rid: str, reply: prefill_pb2.PrefillResponse,
-                        num_blocks: int, send_span: trace.Span,
-                        early: Callable[[prefill_pb2.PrefillResponse], Awaitable[None]] | None = None,
-                        ) -> TransferStats:
-        """Tell the decode node the first token (then ``early`` the answer so far) and wait until every send
-        ended. The blocks held for the transfer are freed by the engine once it ends (its connector hears it from
-        the handle); a failed one's request is aborted here."""
+                        num_blocks: int, send_span: trace.Span) -> TransferStats:
+        """Tell the decode node the first token and wait until every send ended. The blocks held for the transfer
+        are freed by the engine once it ends (its connector hears it from the handle); a failed one's request is
+        aborted here."""
         finished = False
         try:
             first_logprob = reply.first_logprob if reply.HasField("first_logprob") else None
             handle.complete(reply.first_token, first_logprob, reply.num_cached_tokens)
-            if early is not None:
-                pending = prefill_pb2.PrefillResponse()
-                pending.CopyFrom(reply)
-                pending.kv_pending = True
-                await early(pending)
             stats = await handle.wait(self.transfer_timeout_s)
             finished = True
         except BaseException as exc:

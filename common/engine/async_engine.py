@@ -137,7 +137,10 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+                    # The outputs first: each hand-off wakes the event loop, which runs what it was handed in
+                    # order (a first token's answer, then the KV events' fan-out).
+                    self._deliver(self.engine.step(publish_kv_events=False))
+                    self.engine.publish_kv_events()
                 trimmer.maybe_trim()
         except BaseException as exc:  # the thread must report, not vanish
             log.exception("engine thread crashed")

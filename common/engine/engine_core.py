@@ -103,7 +103,7 @@ class EngineCore:
         try:
             return cast(R, self._dispatch(command))
         finally:
-            self._publish_kv_events()  # a reservation or a release can evict or free cached blocks
+            self.publish_kv_events()  # a reservation or a release can evict or free cached blocks
 
     def _dispatch(self, command: EngineCommand[Any]) -> object:
         match command:
@@ -130,7 +130,7 @@ class EngineCore:
                 self._set_kv_event_sink(command)
                 return None
             case SnapshotKVBlocks():
-                self._publish_kv_events()
+                self.publish_kv_events()
                 sequence = self._kv_event_sink.last_sequence if self._kv_event_sink is not None else 0
                 return KVSnapshot(tuple(self.kv.pool.cached_hashes()), self.kv.pool.digest, sequence)
             case PrepareKernels():
@@ -253,8 +253,11 @@ class EngineCore:
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> run the model and sample -> append tokens and stop."""
+    def step(self, publish_kv_events: bool = True) -> list[RequestOutput]:
+        """One iteration: schedule -> run the model and sample -> append tokens and stop.
+
+        ``publish_kv_events=False``: the caller hands the outputs on first and then calls
+        ``publish_kv_events`` (the serving loop: a KV event's fan-out is not on any request's critical path)."""
         start_ns = time.time_ns()
         arrived = self._finish_transfers()
         scheduled = self.scheduler.schedule()
@@ -268,7 +271,8 @@ class EngineCore:
         for out in outputs:
             if out.finished:
                 self.runner.forget(out.request_id)
-        self._publish_kv_events()
+        if publish_kv_events:
+            self.publish_kv_events()
         return outputs
 
     def _finish_transfers(self) -> list[RequestOutput]:
@@ -296,7 +300,7 @@ class EngineCore:
         self.step_prefill_tokens += prefill
         self.step_decode_tokens += scheduled.num_tokens - prefill  # num_tokens counts the draft slots
 
-    def _publish_kv_events(self) -> None:
+    def publish_kv_events(self) -> None:
         # One attribute test per step when nobody subscribes.
         if self._kv_event_sink is not None:
             batch = self.kv.drain_events()
