@@ -122,9 +122,8 @@ async def _serve(engine: _Engine) -> tuple[asyncio.Task[None], _Context, list[st
     context = _Context(log)
     servicer = PrefillServicer(engine, _Sender(log), "prefill-0", transfer_timeout_s=5.0)  # type: ignore[arg-type]
     task = asyncio.ensure_future(servicer.PrefillStream(_messages(), context))  # type: ignore[arg-type]
-    for _ in range(200):  # until the early answer is out (bounded)
-        if log:
-            break
+    deadline = asyncio.get_running_loop().time() + 10.0  # until the early answer is out (bounded)
+    while not log and not task.done() and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.005)
     return task, context, log
 
