@@ -166,8 +166,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self.engine.submit(AbortRequest(rid))
                 raise
             assert handle is not None and send_span is not None
-            # The first token is out, so every block of the prompt has been pushed but those cached there or
-            # outside the decode node's window.
+            # The first token is out and the destination attached, so every block of the prompt has been pushed
+            # but those cached there or outside the decode node's window.
             num_blocks = max(-(-len(prompt) // self.block_size) - _unsent_blocks(dest, self.block_size), 0)
             stats = await self._transfer(handle, rid, reply, num_blocks, send_span)
         except BaseException as exc:
