@@ -1,4 +1,5 @@
-"""Issue 38's multi-turn command, systems interleaved across rounds, pooled per system (session 35).
+"""Issue 38's multi-turn command, systems interleaved across rounds, pooled per system (session 35; session 40:
+``--baseline-system`` names the system the baseline checkout runs).
 
 The machine's speed moves by 10-20% between runs minutes apart, and `bench_serve` runs its systems one after
 another: a single run compares each system with another window of the machine (session 34 read disaggregated
@@ -6,8 +7,9 @@ another: a single run compares each system with another window of the machine (s
 then C B A), and every system's turns 3+ are pooled over the rounds; a system from another checkout (the
 routing before this session's change) runs inside each round beside them.
 
-    python interleave.py OUT_DIR --seeds 0,1 --rounds 2 [--systems A,B] [--baseline CHECKOUT]   # runs, summarizes
-    python interleave.py OUT_DIR --summarize                                    # the summary of OUT_DIR's runs
+    python interleave.py OUT_DIR --seeds 0,1 --rounds 2 [--systems A,B] [--baseline CHECKOUT] \
+        [--baseline-system disaggregated+shared]                                  # runs, summarizes
+    python interleave.py OUT_DIR --summarize                                      # the summary of OUT_DIR's runs
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def run_all(args: argparse.Namespace, out: Path) -> None:
             steps: list[tuple[Path, list[str], str]] = [(here, args.systems if forward else args.systems[::-1],
                                                          f"seed{seed}-r{r}")]
             if args.baseline:
-                base = (Path(args.baseline), [BASELINE], f"seed{seed}-r{r}-baseline")
+                base = (Path(args.baseline), [args.baseline_system], f"seed{seed}-r{r}-baseline")
                 steps = [*steps, base] if forward else [base, *steps]
             for checkout, systems, name in steps:
                 run_one(checkout, systems, seed, out, name)
@@ -117,7 +119,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--systems", type=lambda s: s.split(","), default=HERE_SYSTEMS,
                    help=f"this checkout's systems, in the first round's order [{','.join(HERE_SYSTEMS)}]")
-    p.add_argument("--baseline", help="a checkout whose conditional system runs inside each round")
+    p.add_argument("--baseline", help="a checkout whose --baseline-system runs inside each round")
+    p.add_argument("--baseline-system", default=BASELINE, help=f"the baseline checkout's system [{BASELINE}]")
     p.add_argument("--summarize", action="store_true", help="only summarize the runs already in OUT")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
