@@ -171,6 +171,25 @@ inline PrefixState prefix_state(std::vector<float>& state, int64_t rows, int64_t
   return PrefixState{P, o, o + rows * D, o + rows * (D + 1)};
 }
 
+// What both cascade_prefix passes (bf16, fp32) start from: the prefix sequences [begin, end) share (P, 0: no pass),
+// ``ps`` over ``state`` for their rows of heads [h_begin, h_end), and the kernels' shape (no causal window).
+struct PrefixJob {
+  int64_t P, n, g, nh, rows, M;
+  Shape sh;
+};
+
+inline PrefixJob prefix_job(const int32_t* tables, int64_t table_stride, const int64_t* lens, const int64_t* kstride,
+                            const int64_t* vstride, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                            int64_t begin, int64_t end, int64_t h_begin, int64_t h_end, std::vector<float>& state,
+                            PrefixState& ps) {
+  const int64_t P = shared_prefix(tables, table_stride, lens, begin, end, block_size);
+  const int64_t n = end - begin, g = H / Hkv, nh = h_end - h_begin, rows = n * nh * g;
+  if (P > 0) ps = prefix_state(state, rows, D, P);
+  const Shape sh{H, Hkv, D, g, block_size, H * D, kstride[0], kstride[1], kstride[2], vstride[0], vstride[1],
+                 vstride[2], 0, scale, 0};
+  return PrefixJob{P, n, g, nh, rows, g * kQ, sh};
+}
+
 // A cascade tile's rows into the state: row m = head-in-group * 16 + i (sequence s0 + i, KV head kvh) is state row
 // ((s0 + i - begin) * nh + kvh - h_begin) * g + m / 16; its max times mx_scale (into natural-log units).
 inline void store_tile(std::vector<float>& state, int64_t rows, int64_t D, int64_t g, int64_t nh, int64_t first_row,
@@ -584,12 +603,9 @@ bool cascade_prefix(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::
                     int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end,
                     int64_t h_begin, int64_t h_end, std::vector<float>& state, PrefixState& ps) {
   if (D % 32 != 0 || !tandem_amx::bf16_dot()) return false;
-  const int64_t P = shared_prefix(tables, table_stride, lens, begin, end, block_size);
+  const auto [P, n, g, nh, rows, M, sh] = prefix_job(tables, table_stride, lens, kstride, vstride, H, Hkv, D,
+                                                     block_size, scale, begin, end, h_begin, h_end, state, ps);
   if (P == 0) return false;
-  const int64_t n = end - begin, g = H / Hkv, nh = h_end - h_begin, rows = n * nh * g, M = g * kQ;
-  ps = prefix_state(state, rows, D, P);
-  const Shape sh{H, Hkv, D, g, block_size, H * D, kstride[0], kstride[1], kstride[2], vstride[0], vstride[1],
-                 vstride[2], 0, scale, 0};
   thread_local PfScratch sc;
   if (static_cast<int64_t>(sc.mx.size()) != M || static_cast<int64_t>(sc.o.size()) < M * D + 16) sc.size(M, D);
   uint32_t* kbuf = pack_buffer<uint32_t>(0, P * D / 2 + 16);
@@ -929,12 +945,9 @@ bool cascade_prefix(const float* q, const float* kc, const float* vc, const int6
                     int64_t D, int64_t block_size, float scale, int64_t begin, int64_t end, int64_t h_begin,
                     int64_t h_end, std::vector<float>& state, PrefixState& ps) {
   if (D % kVW != 0 || D > 256) return false;
-  const int64_t P = shared_prefix(tables, table_stride, lens, begin, end, block_size);
+  const auto [P, n, g, nh, rows, M, sh] = prefix_job(tables, table_stride, lens, kstride, vstride, H, Hkv, D,
+                                                     block_size, scale, begin, end, h_begin, h_end, state, ps);
   if (P == 0) return false;
-  const int64_t n = end - begin, g = H / Hkv, nh = h_end - h_begin, rows = n * nh * g, M = g * kQ;
-  ps = prefix_state(state, rows, D, P);
-  const Shape sh{H, Hkv, D, g, block_size, H * D, kstride[0], kstride[1], kstride[2], vstride[0], vstride[1],
-                 vstride[2], 0, scale, 0};
   thread_local F32Scratch sc;
   float* kbuf = pack_buffer<float>(0, P * D);
   float* vbuf = pack_buffer<float>(1, P * D);
