@@ -139,10 +139,12 @@ SERVING = ServingWorkload()  # the defaults the help text names for the per-leng
 def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, num_decode: int,
                cpus: tuple[int, ...], log_dir: Path, local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
                pool_args: tuple[str, ...] = (), role_pool_args: Mapping[str, tuple[str, ...]] | None = None,
-               ) -> Iterator[tuple[dict[Api, list[str]], str]]:
+               cpu_lending: bool = True) -> Iterator[tuple[dict[Api, list[str]], str]]:
     """Start ``system``; yield the client's targets per front and a description of where each service runs.
     ``pool_args``: node flags sizing every node's KV (``--num-blocks``, ``--kv-offload-gb``); ``role_pool_args``:
-    per role (prefill, decode) of a disaggregated system, flags after them (so they override)."""
+    per role (prefill, decode) of a disaggregated system, flags after them (so they override); ``cpu_lending``:
+    a disaggregated system's prefill node runs on its decode node's cores too while that one is idle, as
+    ``tandem up`` does."""
     from tandem_cli.launcher import ColocatedTopology, Launcher, Topology
 
     topology: Topology | ColocatedTopology
@@ -156,7 +158,8 @@ def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, nu
         topology = Topology(num_prefill=num_prefill, num_decode=num_decode, free_ports=True,
                             model_args=model_args, node_args=node_args, prefill_args=roles.get("prefill", ()),
                             decode_args=roles.get("decode", ()),
-                            gateway_args=system.gateway_args(local_prefill_max_tokens), cpus=cpus)
+                            gateway_args=system.gateway_args(local_prefill_max_tokens), cpus=cpus,
+                            cpu_lending=cpu_lending)
     else:
         topology = ColocatedTopology(replicas=num_prefill + num_decode, free_ports=True, model_args=model_args,
                                      node_args=node_args, cpus=cpus, serve_http=True)
@@ -165,8 +168,10 @@ def deployment(system: System, model_args: tuple[str, ...], num_prefill: int, nu
         if shared is not None:
             stack.enter_context(shared)  # removed after the launcher (entered next) has stopped the nodes
         stack.enter_context(launcher)
-        placement = ", ".join(f"{s.name} [cpu {','.join(map(str, s.cpus))}]" if s.cpus else f"{s.name} [unpinned]"
-                              for s in launcher.specs)
+        placement = ", ".join(
+            (f"{s.name} [cpu {','.join(map(str, s.cpus))}"
+             + (f", borrows {','.join(map(str, s.borrow_cpus))} while idle]" if s.borrow_cpus else "]"))
+            if s.cpus else f"{s.name} [unpinned]" for s in launcher.specs)
         fronts = [s for s in launcher.specs if s.role in ("gateway", "colocated")]
         yield {Api.GRPC: [s.target for s in fronts],
                Api.OPENAI: [f"http://127.0.0.1:{s.http_port}" for s in fronts if s.http_port]}, placement
@@ -189,7 +194,8 @@ def bench_system(system: System, args: argparse.Namespace, workload: Workload, v
     runs: list[tuple[tuple[Api, float], list[RequestRecord], float, dict[str, int]]] = []
     try:
         with deployment(system, model_args, args.prefill_nodes, args.decode_nodes, args.cpus, log_dir,
-                        args.local_prefill_max_tokens, pool_args(args), role_pool_args(args)) as (targets, placement):
+                        args.local_prefill_max_tokens, pool_args(args), role_pool_args(args),
+                        cpu_lending=args.cpu_lending) as (targets, placement):
             _progress(f"{system.name}: up in {time.perf_counter() - started:.1f} s ({placement}); warming up")
             for api in apis:
                 warm = ServingWorkload(num_requests=2 * len(targets[api]), prompt_len=(48, 256), output_len=(4, 8),
@@ -335,6 +341,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goodput", type=parse_slo, metavar="ttft:MS,tpot:MS",
                    help="the latency SLOs goodput and SLO attainment are judged by [per workload: " + "; ".join(
                        f"{name} {preset.slo.flag}" for name, preset in WORKLOADS.items()) + "]")
+    p.add_argument("--cpu-lending", action=argparse.BooleanOptionalAction, default=True,
+                   help="a disaggregated system's prefill node runs its layers on its decode node's cores too while "
+                        "that node is idle, as tandem up does (default: on)")
     p.add_argument("--local-prefill-max-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
                    help="the conditional system's gateway prefills prompts up to this many tokens on the decode "
                    f"node [{DEFAULT_LOCAL_PREFILL_MAX_TOKENS}]")

@@ -11,6 +11,7 @@ import grpc
 from common.config.engine_config import SpeculativeConfig
 from common.config.settings import ModelSettings, NodeSettings, SecuritySettings
 from common.engine.async_engine import AsyncEngine
+from common.engine.core_lending import ActivityFile, check_lending_role
 from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
 from common.engine.node_setup import engine_configs, load_draft_model, load_node_model, prepare_kernels
@@ -38,13 +39,15 @@ async def serve_decode(model_settings: ModelSettings, node: NodeSettings,
                        security: SecuritySettings | None = None) -> RunningServer:
     security = security or SecuritySettings()
     credentials = server_credentials(security, internal=True)  # fails fast on a bad TLS setup, before the model loads
+    check_lending_role("decode", node, model_settings)
     loaded = load_node_model(model_settings)
     cache, scheduler = engine_configs(node, model_settings.device)
     consumer = KVConsumer()
     core = EngineCore(loaded.model, cache, scheduler, speculative=speculative, connector=consumer,
                       draft_model=load_draft_model(speculative, model_settings, loaded.model_dir),
                       parallel=loaded.parallel)
-    engine = AsyncEngine(core, name="decode-engine")
+    activity = ActivityFile(node.activity_file) if node.activity_file else None
+    engine = AsyncEngine(core, name="decode-engine", activity=activity)
     await prepare_kernels(model_settings, engine)
     layout = make_layout(kv_cache_spec(loaded.model, node.block_size), loaded.name, model_fingerprint(loaded.model_dir))
     node_id = node.node_id or f"decode-{node.port}"

@@ -10,6 +10,7 @@ import grpc
 
 from common.config.settings import ModelSettings, NodeSettings, SecuritySettings
 from common.engine.async_engine import AsyncEngine
+from common.engine.core_lending import ActivityView, CoreBorrower, check_lending_role, parse_cpus
 from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
 from common.engine.node_setup import engine_configs, load_node_model, prepare_kernels
@@ -35,7 +36,18 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
                         security: SecuritySettings | None = None) -> RunningServer:
     security = security or SecuritySettings()
     credentials = server_credentials(security, internal=True)  # fails fast on a bad TLS setup, before the model loads
+    check_lending_role("prefill", node, model_settings)
+    borrower = None
+    if node.borrow_cpus:
+        import torch  # noqa: F401 - loads libgomp while this thread may run on both sets: it counts them
+
+        borrower = CoreBorrower.adopt(parse_cpus(node.borrow_cpus),
+                                      [ActivityView(path) for path in node.borrow_from.split(",") if path])
     loaded = load_node_model(model_settings)
+    if borrower is not None:
+        loaded.model.layer_threads = borrower
+        log.info("prefill layers run on CPUs %s, and on %s too while %s say idle", sorted(borrower.own),
+                 sorted(borrower.borrowed), node.borrow_from)
     cache, scheduler = engine_configs(node, model_settings.device)
     core = EngineCore(loaded.model, cache, scheduler, connector=KVProducer(cache.block_size),
                       parallel=loaded.parallel)
@@ -49,6 +61,9 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
     metrics = PrefillMetrics(node_id)
     # Read on scrape from the HTTP thread: O(1) reads of lengths and counters, atomic under the GIL.
     metrics.add_engine(lambda: snapshot_of(core.stats()))
+    if borrower is not None:
+        lender = borrower  # read on scrape: two ints the engine thread counts up
+        metrics.add_lending(lambda: (lender.borrowed_layers, lender.own_layers))
     servicer = PrefillServicer(engine, sender, node_id, node.kv_timeout_s, metrics, status.status_for)
     metrics_server = serve_metrics(metrics, node.host, node.metrics_port) if node.metrics_port else None
     try:
@@ -66,6 +81,10 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
     async def shutdown() -> None:
         await sender.close()
         engine.shutdown()
+        if borrower is not None:
+            borrower.close()
+            log.info("core lending: %d of %d prefill layers ran on borrowed CPUs too", borrower.borrowed_layers,
+                     borrower.borrowed_layers + borrower.own_layers)
         if metrics_server is not None:
             await metrics_server.stop()
 

@@ -118,6 +118,9 @@ async def serve_colocated(model_settings: ModelSettings, node: NodeSettings, set
 
     ``node`` sizes the engine (KV cache, batch limits); ``settings`` is the public side (address, limits).
     """
+    from common.engine.core_lending import check_lending_role
+
+    check_lending_role("colocated", node, model_settings)
     from common.engine.engine_core import ColocatedEngine
     from common.engine.node_setup import (
         engine_configs,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.engine.core_lending import SPINCOUNT
 from common.errors import EXIT_ADDRESS_IN_USE
 from common.serving.port_reservation import reserve_ports
 from tandem_cli.child_setup import PARENT_PID_ENV, PIN_CPUS_ENV
@@ -49,6 +50,10 @@ class NodeSpec:
     cpus: tuple[int, ...] = ()  # empty: no pinning
     metrics_port: int | None = None  # its Prometheus /metrics port, when the topology serves metrics
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API, when it serves one
+    # A prefill node's: a decode node's cores it may run its layers on while that node is idle (core lending:
+    # common/engine/core_lending.py); the process starts pinned to both sets.
+    borrow_cpus: tuple[int, ...] = ()
+    files: tuple[str, ...] = ()  # files it keeps (a decode node's activity file), removed when the launcher stops
 
     @property
     def target(self) -> str:
@@ -78,6 +83,9 @@ class Topology:
     # Prometheus /metrics: the gateway on metrics_base_port, prefill nodes on the next ports, then decode
     # nodes. None: no metrics endpoints. With free_ports, free ports are picked instead (any value but None).
     metrics_base_port: int | None = None
+    # Prefill node i runs its layers on decode node i's cores too while that node is idle (CPU nodes with a model
+    # in their own process, each on cores of its own; common/engine/core_lending.py). ``tandem up``: on.
+    cpu_lending: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -92,6 +100,10 @@ class Topology:
         ports = reserve_ports(n + 1) if self.free_ports else None  # the last one: HTTP
         metrics_ports = self._metrics_ports(n)
         workers = [("prefill", i) for i in range(self.num_prefill)] + [("decode", i) for i in range(self.num_decode)]
+        cores = [self._cores(k, len(workers)) for k in range(len(workers))]
+        # Lending pairs prefill node i with decode node i, each on cores of its own.
+        pairs = min(self.num_prefill, self.num_decode) if self.cpu_lending and len(self.cpus) >= len(workers) else 0
+        activity = [activity_path(f"decode-{i}") for i in range(pairs)]
         specs: list[NodeSpec] = []
         for k, (role, i) in enumerate(workers):
             base = PREFILL_BASE_PORT if role == "prefill" else DECODE_BASE_PORT
@@ -99,9 +111,17 @@ class Topology:
             extra = self.decode_args if role == "decode" else self.prefill_args
             metrics_port = metrics_ports[k + 1] if metrics_ports else None
             metrics = ("--metrics-port", str(metrics_port)) if metrics_port else ()
+            lending: tuple[str, ...] = ()
+            borrow: tuple[int, ...] = ()
+            files: tuple[str, ...] = ()
+            if i < pairs and role == "prefill":
+                borrow = cores[self.num_prefill + i]
+                lending = ("--borrow-cpus", ",".join(map(str, borrow)), "--borrow-from", activity[i])
+            elif i < pairs:
+                lending, files = ("--activity-file", activity[i]), (activity[i],)
             specs.append(NodeSpec(f"{role}-{i}", role, port,
-                                  ("--node-id", f"{role}-{i}", *self.model_args, *self.node_args, *extra, *metrics),
-                                  self._cores(k, len(workers)), metrics_port))
+                                  ("--node-id", f"{role}-{i}", *self.model_args, *self.node_args, *extra, *metrics,
+                                   *lending), cores[k], metrics_port, borrow_cpus=borrow, files=files))
         gateway_port = ports[-2] if ports else self.gateway_port
         http_port = None if self.http_port is None else ports[-1] if ports else self.http_port
         http = ("--http-port", str(http_port)) if http_port else ()
@@ -157,6 +177,15 @@ class ColocatedTopology:
                                   ("--node-id", f"colocated-{i}", *self.model_args, *self.node_args, *http),
                                   split_cores(self.cpus, i, n), http_port=http_port))
         return specs
+
+
+def activity_path(name: str) -> str:
+    """Where a decode node of this launcher keeps its activity file: shared memory where the host has it."""
+    import secrets
+    import tempfile
+
+    folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return str(folder / f"tandem-{os.getpid()}-{secrets.token_hex(4)}-{name}.activity")
 
 
 def split_cores(cpus: tuple[int, ...], k: int, n: int) -> tuple[int, ...]:
@@ -243,7 +272,9 @@ class Launcher:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             out = open(path, "ab" if append else "wb")  # noqa: SIM115 - lives as long as the process
-        env[PIN_CPUS_ENV] = ",".join(str(c) for c in spec.cpus)
+        env[PIN_CPUS_ENV] = ",".join(str(c) for c in (*spec.cpus, *spec.borrow_cpus))
+        if spec.borrow_cpus:  # libgomp reads it at load: its workers let the lent cores go ~0.3 ms after a layer
+            env.setdefault("GOMP_SPINCOUNT", SPINCOUNT)
         env[PARENT_PID_ENV] = str(os.getpid())
         self.procs[spec.name] = subprocess.Popen(
             argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
@@ -372,6 +403,9 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+        for spec in self.specs:  # what a node killed before it could clean up left behind
+            for path in spec.files:
+                Path(path).unlink(missing_ok=True)
 
     def __enter__(self) -> Launcher:
         # Nodes first, the gateway once they answer: its first Stats poll then sees every node up.

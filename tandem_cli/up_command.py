@@ -28,6 +28,9 @@ def add_role_layout_flags(up: argparse.ArgumentParser) -> None:
     for role in ("prefill", "decode"):
         g.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None, help=f"T of {role} nodes")
         g.add_argument(f"--{role}-pipeline-parallel-size", type=int, default=None, help=f"P of {role} nodes")
+    up.add_argument("--cpu-lending", action=argparse.BooleanOptionalAction, default=True,
+                    help="prefill node i runs its layers on decode node i's cores too while that node is idle (CPU "
+                         "nodes, each on cores of its own; default: on)")
 
 
 def parallel_args(args: argparse.Namespace, role: str) -> tuple[str, ...]:
@@ -58,6 +61,15 @@ def settings_args(args: argparse.Namespace, cls: type) -> tuple[str, ...]:
     return tuple(out)
 
 
+def cpu_lending(args: argparse.Namespace) -> bool:
+    """``--cpu-lending`` (on unless ``--no-cpu-lending``) where the nodes can honour it: CPU nodes whose prefill
+    model runs in the node's own process (common/engine/core_lending.py)."""
+    layout = {f"{kind}_parallel_size": getattr(args, f"prefill_{kind}_parallel_size", None)
+              or getattr(args, f"{kind}_parallel_size", None) for kind in ("tensor", "pipeline")}
+    prefill = load_settings(ModelSettings, {"device": getattr(args, "device", None), **layout})
+    return bool(getattr(args, "cpu_lending", True)) and prefill.device == "cpu" and not prefill.parallel
+
+
 def decode_args(args: argparse.Namespace) -> tuple[str, ...]:
     from common.config.settings import SpeculativeSettings
 
@@ -78,7 +90,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                         http_port=args.http_port or None, model_args=node_model_args(args),
                         decode_args=decode_args(args),
                         prefill_args=parallel_args(args, "prefill"),
-                        metrics_base_port=args.metrics_base_port)
+                        metrics_base_port=args.metrics_base_port, cpu_lending=cpu_lending(args))
     # Services log to files (the terminal shows only what `tandem up` says, and the demo's text); with
     # --log-dir - they log to this terminal, in the key=value form that reads better there than JSON.
     to_terminal = args.log_dir == "-"

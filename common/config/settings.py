@@ -212,9 +212,28 @@ class NodeSettings(EngineSettings):
     # again every register_interval_s (so a restarted gateway learns about it), and deregisters on shutdown.
     gateway: str = ""
     register_interval_s: float = 2.0
+    # Core lending on one host (common/engine/core_lending.py; ``tandem up`` sets these for each prefill node and
+    # the decode node beside it).
+    activity_file: str = field(default="", metadata={"help": (
+        "decode: keep this file (put it in /dev/shm) saying whether the engine has a step to run, so that a "
+        "prefill node on this host borrows this node's CPUs while it is idle")})
+    borrow_cpus: str = field(default="", metadata={"help": (
+        "prefill: run prefill layers on these CPUs too (as in 1,3-5) while every --borrow-from file says its "
+        "node is idle; start the process on its own CPUs and these, with GOMP_SPINCOUNT=30000")})
+    borrow_from: str = field(default="", metadata={"help": (
+        "prefill: the --activity-file of each node whose CPUs --borrow-cpus names, comma-separated")})
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if bool(self.borrow_cpus) != bool(self.borrow_from):
+            raise ValueError(f"{flag_name('borrow_cpus')} ({env_name('borrow_cpus')}) and {flag_name('borrow_from')} "
+                             f"({env_name('borrow_from')}) go together: the CPUs, and the files that say when "
+                             f"their node is idle")
+        if self.borrow_cpus:
+            try:
+                parse_cpus(self.borrow_cpus)
+            except ValueError as exc:
+                raise ValueError(f"{flag_name('borrow_cpus')} ({env_name('borrow_cpus')}): {exc}") from None
         for name in ("port", "kv_store_port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} out of range: {getattr(self, name)}")
@@ -264,6 +283,20 @@ class SecuritySettings:
     @property
     def mutual_tls(self) -> bool:
         return self.tls_ca is not None
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """``"1,3-5"`` -> (1, 3, 4, 5); a ValueError names what is wrong."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, sep, last = part.partition("-")
+        if not first.isdigit() or (sep and not last.isdigit()):
+            raise ValueError(f"{part!r} is not a CPU number or range (as in 1,3-5)")
+        lo, hi = int(first), int(last) if sep else int(first)
+        if hi < lo:
+            raise ValueError(f"{part!r}: the range ends before it starts")
+        cpus.update(range(lo, hi + 1))
+    return tuple(sorted(cpus))
 
 
 def flag_name(field_name: str) -> str:

@@ -23,6 +23,7 @@ from common.engine.request import RequestOutput
 from common.errors import EngineDeadError
 
 if TYPE_CHECKING:
+    from common.engine.core_lending import ActivityFile
     from common.engine.engine_core import EngineCore
 
 T = TypeVar("T")
@@ -44,8 +45,11 @@ ENGINE_SWITCH_INTERVAL_S = 1e-4
 class AsyncEngine:
     """An ``EngineCore`` driven by a background thread, with an async API."""
 
-    def __init__(self, engine: EngineCore, name: str = "engine") -> None:
+    def __init__(self, engine: EngineCore, name: str = "engine", activity: ActivityFile | None = None) -> None:
+        """``activity``: the file this node's engine thread keeps saying whether it has a step to run (a decode
+        node's ``--activity-file``: a prefill node beside it borrows its cores while it is idle)."""
         self.engine = engine
+        self._activity = activity
         # A command and, when someone awaits its reply, how to deliver it; None wakes the thread to stop.
         self._commands: queue.SimpleQueue[tuple[EngineCommand[Any], _Reply | None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
@@ -115,6 +119,8 @@ class AsyncEngine:
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self.engine.close()  # a parallel node's ranks stop with it
+        if self._activity is not None:
+            self._activity.close()
 
     @property
     def failed(self) -> bool:
@@ -134,9 +140,14 @@ class AsyncEngine:
     def _run(self) -> None:
         trimmer = HeapTrimmer()  # freed forward temporaries go back to the OS (common/engine/heap.py)
         try:
+            activity = self._activity
             while not self._stop.is_set():
+                if activity is not None:
+                    activity.set_busy(self.engine.has_unfinished())
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
+                    if activity is not None:
+                        activity.set_busy(True)  # before the step: a borrower gives the cores back at its next layer
                     # The outputs first: each hand-off wakes the event loop, which runs what it was handed in
                     # order (a first token's answer, then the KV events' fan-out).
                     self._deliver(self.engine.step(publish_kv_events=False))

@@ -37,6 +37,14 @@ class LayerKV(Protocol):
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class LayerThreads(Protocol):
+    """How many threads each decoder layer runs on (common/engine/core_lending.py's ``CoreBorrower``)."""
+
+    def before_layer(self, rows: int) -> None: ...
+
+    def after_layers(self) -> None: ...
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
@@ -170,6 +178,9 @@ class LlamaForCausalLM(nn.Module):
         self.fused_ops: FusedOps = EagerOps()
         # None: op by op. The after-load pass sets the one-call decode step (common/model/decode_step.py) on CPU.
         self.decode_step: DecodeStep | None = None
+        # Called around the decoder layers on the engine thread: a prefill node borrowing an idle decode node's
+        # cores (common/engine/core_lending.py) sets each layer's threads. None: nothing.
+        self.layer_threads: LayerThreads | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -218,8 +229,17 @@ class LlamaForCausalLM(nn.Module):
         """The decoder layers this model holds (the first ``num_layers``), with the residual stream carried
         beside the hidden state: what ``forward`` and a pipeline stage (common/parallel/tp_model.py) run."""
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for layer in cast("list[LlamaDecoderLayer]", layers):
-            x, residual = layer(positions, x, residual, meta, kv_cache, self.fused_ops)
+        threads = self.layer_threads
+        if threads is None:
+            for layer in cast("list[LlamaDecoderLayer]", layers):
+                x, residual = layer(positions, x, residual, meta, kv_cache, self.fused_ops)
+            return x, residual
+        try:
+            for layer in cast("list[LlamaDecoderLayer]", layers):
+                threads.before_layer(x.shape[0])
+                x, residual = layer(positions, x, residual, meta, kv_cache, self.fused_ops)
+        finally:
+            threads.after_layers()
         return x, residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

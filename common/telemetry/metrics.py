@@ -328,6 +328,25 @@ class PrefillMetrics(_TransferMetrics):
             "request_prefill_time_seconds", "First scheduled step to the first token sampled.", TTFT_BUCKETS)
 
 
+    def add_lending(self, layers: Callable[[], tuple[int, int]]) -> None:
+        """``tandem:prefill_layers{cpus=own|borrowed}``: decoder layers this node ran on its own CPUs, and on its
+        own plus an idle decode node's (core lending: common/engine/core_lending.py); ``layers`` reads both."""
+        self.registry.register(_LendingCollector(self.node, layers))
+
+
+class _LendingCollector(Collector):
+    def __init__(self, node: str, layers: Callable[[], tuple[int, int]]) -> None:
+        self._node, self._layers = node, layers
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(PREFIX + "prefill_layers", "Decoder layers run, on the node's own CPUs or on "
+                                     "them and an idle decode node's (core lending).", labels=["node", "cpus"])
+        borrowed, own = self._layers()
+        family.add_metric([self._node, "borrowed"], borrowed)
+        family.add_metric([self._node, "own"], own)
+        yield family
+
+
 class DecodeMetrics(_TransferMetrics):
     def __init__(self, node: str, registry: CollectorRegistry | None = None) -> None:
         super().__init__(node, registry, "received from prefill nodes")

@@ -102,8 +102,9 @@ def test_a_system_that_fails_to_start_is_reported_and_the_json_and_report_carry_
     seen: list[tuple[str, int]] = []
 
     @contextlib.contextmanager
-    def broken(system: bench_serve.System, *args: object) -> Iterator[tuple[list[str], str]]:
+    def broken(system: bench_serve.System, *args: object, **kwargs: object) -> Iterator[tuple[list[str], str]]:
         seen.append((system.name, args[-3]))  # type: ignore[arg-type]
+        assert kwargs == {"cpu_lending": True}  # as tandem up lays the nodes out
         raise RuntimeError("gateway exited with code 2 during start-up")
         yield [], ""
 

@@ -45,7 +45,9 @@ def main(num_requests: int, new: int) -> None:
     dis = dataclasses.replace(SYSTEMS["disaggregated"], name="disaggregated+shared", kv_offload="shared")
     col = dataclasses.replace(SYSTEMS["colocated"], name="colocated+shared", kv_offload="shared")
     rng = random.Random(0)
-    with deployment(dis, MODEL_ARGS, 1, 1, (0, 1), log, pool_args=POOL, role_pool_args=ROLES) as (t_dis, p1), \
+    lending = os.environ.get("CPU_LENDING", "1") == "1"  # session 41: CPU_LENDING=0 for the deployment before it
+    with deployment(dis, MODEL_ARGS, 1, 1, (0, 1), log, pool_args=POOL, role_pool_args=ROLES,
+                    cpu_lending=lending) as (t_dis, p1), \
             deployment(col, MODEL_ARGS, 1, 1, (0, 1), log, pool_args=POOL) as (t_col, p2):
         print(p1, "|", p2, flush=True)
         if cores := os.environ.get("PIN_GW"):
