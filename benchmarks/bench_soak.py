@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
                         node_args=("--kv-timeout-s", "20", "--grace-s", "1", *tier_args,
                                    *(("--num-blocks", str(args.num_blocks)) if args.num_blocks else ())),
                         gateway_args=("--stats-interval-s", "0.5", "--shutdown-grace-s", "1"),
-                        cpus=args.cpus or tuple(sorted(os.sched_getaffinity(0))))
+                        cpus=args.cpus or tuple(sorted(os.sched_getaffinity(0))), cpu_lending=True)
     launcher = Launcher(topology, log_dir=out_dir / "logs", restart=RestartPolicy(initial_backoff_s=1.0),
                         on_event=lambda m: _progress(m))
     if args.restart_node and args.restart_node not in {s.name for s in launcher.specs}:

@@ -273,7 +273,7 @@ class Launcher:
             path.parent.mkdir(parents=True, exist_ok=True)
             out = open(path, "ab" if append else "wb")  # noqa: SIM115 - lives as long as the process
         env[PIN_CPUS_ENV] = ",".join(str(c) for c in (*spec.cpus, *spec.borrow_cpus))
-        if spec.borrow_cpus:  # libgomp reads it at load: its workers let the lent cores go ~0.3 ms after a layer
+        if spec.borrow_cpus:  # libgomp reads it at load: its workers let the lent cores go soon after a layer
             env.setdefault("GOMP_SPINCOUNT", SPINCOUNT)
         env[PARENT_PID_ENV] = str(os.getpid())
         self.procs[spec.name] = subprocess.Popen(

@@ -219,7 +219,7 @@ class NodeSettings(EngineSettings):
         "prefill node on this host borrows this node's CPUs while it is idle")})
     borrow_cpus: str = field(default="", metadata={"help": (
         "prefill: run prefill layers on these CPUs too (as in 1,3-5) while every --borrow-from file says its "
-        "node is idle; start the process on its own CPUs and these, with GOMP_SPINCOUNT=30000")})
+        "node is idle; start the process on its own CPUs and these, with GOMP_SPINCOUNT=10000")})
     borrow_from: str = field(default="", metadata={"help": (
         "prefill: the --activity-file of each node whose CPUs --borrow-cpus names, comma-separated")})
 

@@ -11,16 +11,18 @@ request can arrive at any moment, from outside.
   engine has a step to run (``IDLE``, ``BUSY``, ``STOPPED``), written by its engine thread when that changes.
 - ``ActivityView`` (the prefill node, ``--borrow-from PATH,...``): reads it; a file that is missing, foreign or
   ``STOPPED`` reads as not idle (and is looked for again every second).
-- ``CoreBorrower`` (the prefill node, ``--borrow-cpus CPUS``): before each decoder layer of a forward of at least
-  ``min_rows`` rows, on the engine thread, the layer runs with one OpenMP thread per own and borrowed CPU while
-  every view reads idle, else on the own CPUs only: a decode node that gets work waits at most one prefill layer
-  for its core. The engine thread itself is pinned to its own CPUs outside borrowed layers; the worker threads
-  OpenMP starts for a borrowed layer inherit both sets. The switch is the engine thread's OpenMP thread count
-  (``omp_set_num_threads``: its own ICV, which PyTorch's kernels and oneDNN read) and its affinity.
+- ``CoreBorrower`` (the prefill node, ``--borrow-cpus CPUS``): before each decoder layer, on the engine thread, the
+  layer runs with one OpenMP thread per own and borrowed CPU while every view reads idle, else on the own CPUs
+  only: a decode node that gets work waits at most one prefill layer for its core. A forward borrows however few
+  its rows (4 new tokens after a cached history compute faster on two cores too), unless it runs as the one-call
+  C++ step that takes a few rows after a cached prefix (common/model/decode_step.py). The engine thread
+  itself is pinned to its own CPUs outside borrowed layers; the worker threads OpenMP starts for a borrowed layer
+  inherit both sets. The switch is the engine thread's OpenMP thread count (``omp_set_num_threads``: its own ICV,
+  which PyTorch's kernels and oneDNN read) and its affinity.
 
 The process starts on its own and borrowed CPUs (the launcher pins both) so that libgomp, which counts the CPUs at
 load, lets its workers spin between kernels rather than sleep (``GOMP_SPINCOUNT`` bounds that spin: the launcher
-sets 30000, about 0.3 ms, so a worker lets the decode node's core go soon after the last borrowed layer);
+sets 10000: as fast as 30000 or more between kernels, and a worker lets the decode node's core go sooner);
 ``CoreBorrower.adopt`` then narrows the starting thread to its own CPUs before any other thread starts.
 Measured in session 41: benchmarks/results/2026-12-07-core-lending/RESULTS.md.
 """
@@ -53,8 +55,10 @@ STATE_OFFSET = _HEADER.size  # one byte: the state
 SIZE = 64
 IDLE, BUSY, STOPPED = 0, 1, 2
 REOPEN_S = 1.0  # how often a view looks again for a file that is missing or stopped
-MIN_ROWS = 16  # a forward with fewer rows runs on the own CPUs: a second thread would cost more than it saves
-SPINCOUNT = "30000"  # GOMP_SPINCOUNT for a borrowing node (the launcher's default; libgomp reads it at load)
+# After a forward that completed a prompt, its KV lands on the decode node within a few milliseconds and that node
+# starts decoding it: the layers of the prefill node's next forward in that time (a queued prompt) do not borrow.
+HANDOVER_S = 0.02
+SPINCOUNT = "10000"  # GOMP_SPINCOUNT for a borrowing node (the launcher's default; libgomp reads it at load)
 
 
 class ActivityFile:
@@ -152,8 +156,9 @@ class CoreBorrower:
     model's ``layer_threads``; every call on the engine thread). Counts the layers run each way."""
 
     def __init__(self, own: Sequence[int], borrowed: Sequence[int], views: Sequence[ActivityView],
-                 min_rows: int = MIN_ROWS, set_threads: Callable[[int], None] | None = None,
-                 set_affinity: Callable[[set[int]], None] | None = None) -> None:
+                 set_threads: Callable[[int], None] | None = None,
+                 set_affinity: Callable[[set[int]], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not own or not borrowed or set(own) & set(borrowed):
             raise ValueError(f"borrowing needs own and borrowed CPUs, apart: own {sorted(own)}, "
                              f"borrowed {sorted(borrowed)}")
@@ -161,10 +166,11 @@ class CoreBorrower:
             raise ValueError("borrowing needs the activity file of the node whose CPUs it borrows (--borrow-from)")
         self.own, self.borrowed = set(own), set(borrowed)
         self.views = list(views)
-        self.min_rows = min_rows
         self._set_threads = set_threads
         self._set_affinity = set_affinity or (lambda cpus: os.sched_setaffinity(0, cpus))
         self.lending = False  # whether the engine thread runs on the borrowed CPUs now
+        self._clock = clock
+        self._quiet_until = 0.0  # no borrowing before then (a prompt's KV is landing on the decode node)
         self.borrowed_layers = self.own_layers = 0
 
     @classmethod
@@ -199,8 +205,8 @@ class CoreBorrower:
             self._threads(len(self.own))
             self._set_affinity(self.own)
 
-    def before_layer(self, rows: int) -> None:
-        on = rows >= self.min_rows and all(v.idle() for v in self.views)
+    def before_layer(self) -> None:
+        on = all(v.idle() for v in self.views) and self._clock() >= self._quiet_until
         self._lend(on)
         if on:
             self.borrowed_layers += 1
@@ -209,6 +215,9 @@ class CoreBorrower:
 
     def after_layers(self) -> None:
         self._lend(False)
+
+    def handing_over(self) -> None:
+        self._quiet_until = self._clock() + HANDOVER_S
 
     @contextlib.contextmanager
     def borrowing(self) -> Iterator[None]:

@@ -130,6 +130,9 @@ class ModelRunner:
         self.draft_seconds += time.perf_counter() - start
         start = time.perf_counter()
         hidden, meta = self.forward(output, drafts)
+        threads = self.model.layer_threads
+        if threads is not None and any(c.samples for c in output.chunks):
+            threads.handing_over()  # a prompt computed: its KV is about to make the decode node busy
         ends = meta.query_start_loc.tolist()[1:]
         result = self._sample(output.chunks, drafts, draft_probs, ends,
                               lambda rows: self.model.compute_logits(hidden[rows]))

@@ -40,9 +40,12 @@ class LayerKV(Protocol):
 class LayerThreads(Protocol):
     """How many threads each decoder layer runs on (common/engine/core_lending.py's ``CoreBorrower``)."""
 
-    def before_layer(self, rows: int) -> None: ...
+    def before_layer(self) -> None: ...
 
     def after_layers(self) -> None: ...
+
+    def handing_over(self) -> None:
+        """The forward that just ran completed a prompt (the engine samples its first token)."""
 
 
 class LlamaAttention(nn.Module):
@@ -236,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
             return x, residual
         try:
             for layer in cast("list[LlamaDecoderLayer]", layers):
-                threads.before_layer(x.shape[0])
+                threads.before_layer()
                 x, residual = layer(positions, x, residual, meta, kv_cache, self.fused_ops)
         finally:
             threads.after_layers()

@@ -14,6 +14,7 @@ import pytest
 from common.config.settings import ModelSettings, NodeSettings
 from common.engine.core_lending import (
     BUSY,
+    HANDOVER_S,
     REOPEN_S,
     STATE_OFFSET,
     ActivityFile,
@@ -99,40 +100,54 @@ class FakeView(ActivityView):
         pass
 
 
-def _borrower(views: list[FakeView], **kwargs: Any) -> tuple[CoreBorrower, list[tuple[str, Any]]]:
+def _borrower(views: list[FakeView]) -> tuple[CoreBorrower, list[tuple[str, Any]]]:
     calls: list[tuple[str, Any]] = []
     borrower = CoreBorrower([0], [1], views, set_threads=lambda n: calls.append(("threads", n)),
-                            set_affinity=lambda cpus: calls.append(("cpus", cpus)), **kwargs)
+                            set_affinity=lambda cpus: calls.append(("cpus", cpus)))
     return borrower, calls
 
 
 def test_the_borrower_lends_layer_by_layer() -> None:
     decode = FakeView(idle=True)
-    borrower, calls = _borrower([decode], min_rows=16)
-    borrower.before_layer(100)
+    borrower, calls = _borrower([decode])
+    borrower.before_layer()
     assert calls == [("cpus", {0, 1}), ("threads", 2)] and borrower.lending
-    borrower.before_layer(100)
+    borrower.before_layer()
     assert len(calls) == 2  # no switch while it stays idle
     decode.state = False  # the decode node got work: the next layer gives its core back
-    borrower.before_layer(100)
+    borrower.before_layer()
+    borrower.before_layer()
     assert calls[2:] == [("threads", 1), ("cpus", {0})] and not borrower.lending
     decode.state = True
-    borrower.before_layer(8)  # too few rows to pay for a second thread
-    assert not borrower.lending
-    borrower.before_layer(16)
+    borrower.before_layer()
     assert borrower.lending
     borrower.after_layers()  # every forward ends on the own CPUs
     assert not borrower.lending and calls[-2:] == [("threads", 1), ("cpus", {0})]
     assert (borrower.borrowed_layers, borrower.own_layers) == (3, 2)
 
 
+def test_a_completed_prompt_holds_the_lending_while_its_kv_lands() -> None:
+    clock = Clock()
+    calls: list[tuple[str, Any]] = []
+    borrower = CoreBorrower([0], [1], [FakeView(True)], set_threads=lambda n: calls.append(("threads", n)),
+                            set_affinity=lambda cpus: calls.append(("cpus", cpus)), clock=clock)
+    borrower.before_layer()
+    borrower.handing_over()  # the forward sampled a prompt's first token: the decode node is about to get work
+    borrower.after_layers()
+    borrower.before_layer()  # the next queued prompt's first layer, before the decode node says busy
+    assert not borrower.lending
+    clock.now += HANDOVER_S
+    borrower.before_layer()
+    assert borrower.lending
+
+
 def test_every_lender_must_be_idle() -> None:
     a, b = FakeView(True), FakeView(False)
     borrower, _ = _borrower([a, b])
-    borrower.before_layer(64)
+    borrower.before_layer()
     assert not borrower.lending
     b.state = True
-    borrower.before_layer(64)
+    borrower.before_layer()
     assert borrower.lending
 
 
@@ -292,3 +307,36 @@ def test_a_decode_engine_thread_says_when_it_has_steps_to_run(tmp_path: Path,
         engine.shutdown()
     assert not path.exists()  # the node stopped: its file is gone
     view.close()
+
+
+def test_the_model_runner_calls_the_layer_threads(tiny_model_factory: Callable[..., Path]) -> None:
+    """Around every decoder layer of a forward, and once a forward completes a prompt."""
+    from common.config.engine_config import CacheConfig, SchedulerConfig
+    from common.engine.engine_core import ColocatedEngine
+    from common.model.loader import load_model
+    from common.sampling.params import SamplingParams
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def before_layer(self) -> None:
+            self.calls.append("layer")
+
+        def after_layers(self) -> None:
+            self.calls.append("done")
+
+        def handing_over(self) -> None:
+            self.calls.append("handover")
+
+    model = load_model(tiny_model_factory("llama"), dtype="float32")
+    model.decode_step = None  # op by op: a short chunk after a cached prefix may otherwise run as one C++ call
+    recorder = Recorder()
+    model.layer_threads = recorder
+    engine = ColocatedEngine(model, CacheConfig(block_size=16, num_blocks=32),
+                             SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_prefill_chunk=16))
+    engine.add_request("r", list(range(3, 27)), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    engine.step()  # the prompt's first 16 tokens: no token sampled yet
+    assert recorder.calls == ["layer", "layer", "done"]
+    engine.step()  # the rest: its first token
+    assert recorder.calls[3:] == ["layer", "layer", "done", "handover"]
