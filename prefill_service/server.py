@@ -8,9 +8,9 @@ import uuid
 
 import grpc
 
-from common.config.settings import ModelSettings, NodeSettings, SecuritySettings
+from common.config.settings import ModelSettings, NodeSettings, SecuritySettings, parse_cpus
 from common.engine.async_engine import AsyncEngine
-from common.engine.core_lending import ActivityView, CoreBorrower, check_lending_role, parse_cpus
+from common.engine.core_lending import ActivityView, CoreBorrower, check_lending_role
 from common.engine.engine_core import EngineCore
 from common.engine.model_runner import kv_cache_spec
 from common.engine.node_setup import engine_configs, load_node_model, prepare_kernels
@@ -62,8 +62,7 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
     # Read on scrape from the HTTP thread: O(1) reads of lengths and counters, atomic under the GIL.
     metrics.add_engine(lambda: snapshot_of(core.stats()))
     if borrower is not None:
-        lender = borrower  # read on scrape: two ints the engine thread counts up
-        metrics.add_lending(lambda: (lender.borrowed_layers, lender.own_layers))
+        metrics.add_lending(borrower.layer_counts)  # read on scrape: two ints the engine thread counts up
     servicer = PrefillServicer(engine, sender, node_id, node.kv_timeout_s, metrics, status.status_for)
     metrics_server = serve_metrics(metrics, node.host, node.metrics_port) if node.metrics_port else None
     try:
@@ -83,8 +82,8 @@ async def serve_prefill(model_settings: ModelSettings, node: NodeSettings,
         engine.shutdown()
         if borrower is not None:
             borrower.close()
-            log.info("core lending: %d of %d prefill layers ran on borrowed CPUs too", borrower.borrowed_layers,
-                     borrower.borrowed_layers + borrower.own_layers)
+            borrowed, own = borrower.layer_counts()
+            log.info("core lending: %d of %d prefill layers ran on borrowed CPUs too", borrowed, borrowed + own)
         if metrics_server is not None:
             await metrics_server.stop()
 

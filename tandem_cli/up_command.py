@@ -64,8 +64,9 @@ def settings_args(args: argparse.Namespace, cls: type) -> tuple[str, ...]:
 def cpu_lending(args: argparse.Namespace) -> bool:
     """``--cpu-lending`` (on unless ``--no-cpu-lending``) where the nodes can honour it: CPU nodes whose prefill
     model runs in the node's own process (common/engine/core_lending.py)."""
-    layout = {f"{kind}_parallel_size": getattr(args, f"prefill_{kind}_parallel_size", None)
-              or getattr(args, f"{kind}_parallel_size", None) for kind in ("tensor", "pipeline")}
+    flags = parallel_args(args, "prefill")
+    layout = {flag.removeprefix("--").replace("-", "_"): int(value)
+              for flag, value in zip(flags[::2], flags[1::2], strict=True)}
     prefill = load_settings(ModelSettings, {"device": getattr(args, "device", None), **layout})
     return bool(getattr(args, "cpu_lending", True)) and prefill.device == "cpu" and not prefill.parallel
 

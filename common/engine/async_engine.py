@@ -142,9 +142,10 @@ class AsyncEngine:
         try:
             activity = self._activity
             while not self._stop.is_set():
+                busy = self.engine.has_unfinished()
                 if activity is not None:
-                    activity.set_busy(self.engine.has_unfinished())
-                self._drain_commands(block=not self.engine.has_unfinished())
+                    activity.set_busy(busy)
+                self._drain_commands(block=not busy)
                 if self.engine.has_unfinished():
                     if activity is not None:
                         activity.set_busy(True)  # before the step: a borrower gives the cores back at its next layer

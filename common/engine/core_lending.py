@@ -30,8 +30,6 @@ Measured in session 41: benchmarks/results/2026-12-07-core-lending/RESULTS.md.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import logging
 import mmap
 import os
 import struct
@@ -40,14 +38,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.config.settings import parse_cpus
-
 if TYPE_CHECKING:
     from common.config.settings import ModelSettings, NodeSettings
-
-__all__ = ["ActivityFile", "ActivityView", "CoreBorrower", "check_lending_role", "parse_cpus"]
-
-log = logging.getLogger(__name__)
 
 MAGIC = b"TNDMACT1"
 _HEADER = struct.Struct("<8sQ")  # magic, writer pid
@@ -135,22 +127,6 @@ class ActivityView:
             self._map = None
 
 
-def _omp_set_num_threads() -> Callable[[int], None]:
-    """The calling thread's OpenMP thread count, set without torch.set_num_threads (which also resets PyTorch's
-    global count and clears oneDNN's computation cache): libgomp's own ``omp_set_num_threads`` where PyTorch
-    runs on libgomp, else torch's."""
-    from common.kernels.openmp import loaded_libgomp
-
-    for path in loaded_libgomp():
-        fn = getattr(ctypes.CDLL(path), "omp_set_num_threads", None)
-        if fn is not None:
-            fn.argtypes, fn.restype = [ctypes.c_int], None
-            return fn  # type: ignore[no-any-return]
-    import torch
-
-    return torch.set_num_threads
-
-
 class CoreBorrower:
     """Runs a prefill's decoder layers on ``own`` + ``borrowed`` CPUs while every ``views`` reads idle (the
     model's ``layer_threads``; every call on the engine thread). Counts the layers run each way."""
@@ -191,7 +167,9 @@ class CoreBorrower:
 
     def _threads(self, n: int) -> None:
         if self._set_threads is None:
-            self._set_threads = _omp_set_num_threads()
+            from common.kernels.openmp import thread_count_setter
+
+            self._set_threads = thread_count_setter()
         self._set_threads(n)
 
     def _lend(self, on: bool) -> None:
@@ -215,6 +193,10 @@ class CoreBorrower:
 
     def after_layers(self) -> None:
         self._lend(False)
+
+    def layer_counts(self) -> tuple[int, int]:
+        """Layers run on own + borrowed CPUs, and on the own ones only."""
+        return self.borrowed_layers, self.own_layers
 
     def handing_over(self) -> None:
         self._quiet_until = self._clock() + HANDOVER_S

@@ -150,9 +150,9 @@ class EngineCore:
         max_rows = max(config.max_num_batched_tokens, config.backlog_budget[0] if config.backlog_budget else 0)
         started = time.perf_counter()
         calls = warm_onednn_buckets(self.runner.model, max_rows)
-        borrower = getattr(self.runner.model, "layer_threads", None)
-        if borrower is not None and hasattr(borrower, "borrowing"):
-            with borrower.borrowing():  # and at the thread count of the layers run on a decode node's cores
+        threads = self.runner.model.layer_threads
+        if threads is not None:
+            with threads.borrowing():  # and at the thread count of the layers run on a decode node's cores
                 calls += warm_onednn_buckets(self.runner.model, max_rows)
         if calls:
             log.info("oneDNN's GEMM warmed at %d row counts up to %d rows in %.2f s", calls, max_rows,

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from common.config.settings import kernel_setting
 
@@ -39,6 +41,28 @@ def loaded_libgomp() -> list[str]:
     return sorted(p for p in paths if p.startswith("/"))
 
 
+def libgomp_functions(name: str) -> list[Any]:
+    """``name`` (a ctypes function) in every libgomp mapped into this process that has it."""
+    found = []
+    for path in loaded_libgomp():
+        fn = getattr(ctypes.CDLL(path), name, None)
+        if fn is not None:
+            found.append(fn)
+    return found
+
+
+def thread_count_setter() -> Callable[[int], None]:
+    """Sets the calling thread's OpenMP thread count without torch.set_num_threads (which also resets PyTorch's
+    global count and clears oneDNN's computation cache): libgomp's own ``omp_set_num_threads`` where PyTorch
+    runs on libgomp, else torch's."""
+    for fn in libgomp_functions("omp_set_num_threads"):
+        fn.argtypes, fn.restype = [ctypes.c_int], None
+        return fn  # type: ignore[no-any-return]
+    import torch
+
+    return torch.set_num_threads
+
+
 def hand_over_openmp() -> bool:
     """Let the calling thread's libgomp team go (see the module docstring); True when one was let go or none
     existed. Call it from the thread that built the model, before the engine thread's first step."""
@@ -46,11 +70,9 @@ def hand_over_openmp() -> bool:
     if mode == "off":
         return False
     released = False
-    for path in loaded_libgomp():
-        pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
-        if pause is not None:
-            pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-            released = pause(OMP_PAUSE_SOFT) == 0 or released
+    for pause in libgomp_functions("omp_pause_resource_all"):
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        released = pause(OMP_PAUSE_SOFT) == 0 or released
     if not released:
         if mode == "on":
             raise RuntimeError("TANDEM_CPU_OMP_HANDOFF=on, but this process has no libgomp with "

@@ -11,6 +11,7 @@ chosen ``AttentionBackend``, the only place that knows about the paged KV cache.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
@@ -46,6 +47,10 @@ class LayerThreads(Protocol):
 
     def handing_over(self) -> None:
         """The forward that just ran completed a prompt (the engine samples its first token)."""
+
+    def borrowing(self) -> AbstractContextManager[None]:
+        """The body runs at the thread count of the lent layers (the start-up warm-up of the kernels)."""
+        ...
 
 
 class LlamaAttention(nn.Module):
@@ -233,16 +238,14 @@ class LlamaForCausalLM(nn.Module):
         beside the hidden state: what ``forward`` and a pipeline stage (common/parallel/tp_model.py) run."""
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         threads = self.layer_threads
-        if threads is None:
-            for layer in cast("list[LlamaDecoderLayer]", layers):
-                x, residual = layer(positions, x, residual, meta, kv_cache, self.fused_ops)
-            return x, residual
         try:
             for layer in cast("list[LlamaDecoderLayer]", layers):
-                threads.before_layer()
+                if threads is not None:
+                    threads.before_layer()
                 x, residual = layer(positions, x, residual, meta, kv_cache, self.fused_ops)
         finally:
-            threads.after_layers()
+            if threads is not None:
+                threads.after_layers()
         return x, residual
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

@@ -327,7 +327,6 @@ class PrefillMetrics(_TransferMetrics):
         self.request_prefill_time = self._histogram(
             "request_prefill_time_seconds", "First scheduled step to the first token sampled.", TTFT_BUCKETS)
 
-
     def add_lending(self, layers: Callable[[], tuple[int, int]]) -> None:
         """``tandem:prefill_layers{cpus=own|borrowed}``: decoder layers this node ran on its own CPUs, and on its
         own plus an idle decode node's (core lending: common/engine/core_lending.py); ``layers`` reads both."""

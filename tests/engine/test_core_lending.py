@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from common.config.settings import ModelSettings, NodeSettings
+from common.config.settings import ModelSettings, NodeSettings, parse_cpus
 from common.engine.core_lending import (
     BUSY,
     HANDOVER_S,
@@ -21,7 +21,6 @@ from common.engine.core_lending import (
     ActivityView,
     CoreBorrower,
     check_lending_role,
-    parse_cpus,
 )
 
 TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")

@@ -1,46 +1,16 @@
 """hop.py's disaggregated requests from the services' console spans (LOGDIR/disaggregated+shared): every span's
 start and end and every event, in ms from the gateway's generate span, p10 / p50 / p90 in time order (session 40).
 
-    python spans_hop.py LOGDIR/disaggregated+shared
+    PYTHONPATH=CHECKOUT python spans_hop.py LOGDIR/disaggregated+shared
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
-from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
-SERVICES = ("gateway", "prefill-0", "decode-0")
-
-
-def seconds(stamp: str) -> float:
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-
-
-def spans_in(path: Path, service: str) -> Iterator[dict[str, Any]]:
-    """Every span a service's log holds (one-line records and indented span dumps mixed)."""
-    text, decoder, i = path.read_text(), json.JSONDecoder(), 0
-    while (j := text.find("{", i)) >= 0:
-        try:
-            obj, i = decoder.raw_decode(text, j)
-        except ValueError:
-            i = j + 1
-            continue
-        if isinstance(obj, dict) and "context" in obj:
-            obj["_service"] = service
-            yield obj
-
-
-def traces(folder: Path) -> dict[str, list[dict[str, Any]]]:
-    by_trace: dict[str, list[dict[str, Any]]] = {}
-    for service in SERVICES:
-        for span in spans_in(folder / f"{service}.log", service):
-            by_trace.setdefault(span["context"]["trace_id"], []).append(span)
-    return by_trace
+from benchmarks.console_spans import seconds, traces
 
 
 def main(folder: Path) -> None:

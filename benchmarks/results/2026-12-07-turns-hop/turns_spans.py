@@ -3,7 +3,7 @@ the gateway's TTFT, the hop in (gateway span start -> prefill span), the prefill
 start -> last chunk end), the hop out (-> the gateway's first_token event), and how much of the compute a decode
 stream ran beside; compute per new token with and without a stream beside (session 40).
 
-    python turns_spans.py LOG_DIR/disaggregated+shared
+    PYTHONPATH=CHECKOUT python turns_spans.py LOG_DIR/disaggregated+shared
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spans_hop import seconds, traces
+from benchmarks.console_spans import seconds, traces
 
 
 def turn_rows(folder: Path) -> list[dict[str, float]]:
