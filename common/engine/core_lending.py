@@ -15,10 +15,13 @@ request can arrive at any moment, from outside.
   layer runs with one OpenMP thread per own and borrowed CPU while every view reads idle, else on the own CPUs
   only: a decode node that gets work waits at most one prefill layer for its core. A forward borrows however few
   its rows (4 new tokens after a cached history compute faster on two cores too), unless it runs as the one-call
-  C++ step that takes a few rows after a cached prefix (common/model/decode_step.py). The engine thread
-  itself is pinned to its own CPUs outside borrowed layers; the worker threads OpenMP starts for a borrowed layer
-  inherit both sets. The switch is the engine thread's OpenMP thread count (``omp_set_num_threads``: its own ICV,
-  which PyTorch's kernels and oneDNN read) and its affinity.
+  C++ step that takes a few rows after a cached prefix (common/model/decode_step.py). The engine thread's
+  OpenMP team is bound one thread per CPU at its first borrowed layer (``pin_team``: the engine thread on its own
+  CPU, the worker on the borrowed one), so the switch is only the engine thread's OpenMP thread count
+  (``omp_set_num_threads``: its own ICV, which PyTorch's kernels and oneDNN read). Unbound, the two threads shared
+  both CPUs and a woken worker often landed on its master's CPU while the other idled (session 42: lent forwards
+  of the same size took 40 to 108 ms). Where the team cannot be bound (no libgomp), the engine thread's affinity
+  switches with the count instead.
 
 The process starts on its own and borrowed CPUs (the launcher pins both) so that libgomp, which counts the CPUs at
 load, lets its workers spin between kernels rather than sleep (``GOMP_SPINCOUNT`` bounds that spin: the launcher
@@ -134,6 +137,7 @@ class CoreBorrower:
     def __init__(self, own: Sequence[int], borrowed: Sequence[int], views: Sequence[ActivityView],
                  set_threads: Callable[[int], None] | None = None,
                  set_affinity: Callable[[set[int]], None] | None = None,
+                 pin: Callable[[list[int]], bool] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not own or not borrowed or set(own) & set(borrowed):
             raise ValueError(f"borrowing needs own and borrowed CPUs, apart: own {sorted(own)}, "
@@ -144,6 +148,8 @@ class CoreBorrower:
         self.views = list(views)
         self._set_threads = set_threads
         self._set_affinity = set_affinity or (lambda cpus: os.sched_setaffinity(0, cpus))
+        self._pin = pin
+        self.pinned: bool | None = None  # whether the team is bound one thread per CPU (None: not tried yet)
         self.lending = False  # whether the engine thread runs on the borrowed CPUs now
         self._clock = clock
         self._quiet_until = 0.0  # no borrowing before then (a prompt's KV is landing on the decode node)
@@ -172,16 +178,28 @@ class CoreBorrower:
             self._set_threads = thread_count_setter()
         self._set_threads(n)
 
+    def _bind_team(self) -> bool:
+        """Bind the engine thread's OpenMP team, own CPUs first, once (the first borrowed layer: the warm-up)."""
+        if self.pinned is None:
+            if self._pin is None:
+                from common.kernels.openmp import pin_team
+
+                self._pin = pin_team
+            self.pinned = bool(self._pin(sorted(self.own) + sorted(self.borrowed)))
+        return self.pinned
+
     def _lend(self, on: bool) -> None:
         if on == self.lending:
             return
         self.lending = on
         if on:
-            self._set_affinity(self.own | self.borrowed)
+            if not self._bind_team():
+                self._set_affinity(self.own | self.borrowed)
             self._threads(len(self.own) + len(self.borrowed))
         else:
             self._threads(len(self.own))
-            self._set_affinity(self.own)
+            if not self.pinned:
+                self._set_affinity(self.own)
 
     def before_layer(self) -> None:
         on = all(v.idle() for v in self.views) and self._clock() >= self._quiet_until

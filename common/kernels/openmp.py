@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,43 @@ def thread_count_setter() -> Callable[[int], None]:
     import torch
 
     return torch.set_num_threads
+
+
+def pin_team(cpus: Sequence[int]) -> bool:
+    """Bind the calling thread's OpenMP team, one thread per CPU: thread ``i`` (0: the caller) to ``cpus[i]``.
+
+    One parallel region of ``len(cpus)`` threads in every libgomp of the process, each thread setting its own
+    affinity; libgomp keeps a team's threads in their places across regions and thread counts, so a later region of
+    ``k`` threads runs on ``cpus[:k]``. Without it the team's threads share the set of CPUs they were started on,
+    and a woken worker may land on the CPU its master runs on while another CPU idles (session 42: a lent prefill
+    layer's worker and master took turns on one core for up to 88 ms of a 108 ms forward). False where PyTorch's
+    OpenMP is not libgomp (nothing bound)."""
+    import os
+
+    callback_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    pinned = False
+    for path in loaded_libgomp():
+        lib = ctypes.CDLL(path)
+        parallel, thread_num = getattr(lib, "GOMP_parallel", None), getattr(lib, "omp_get_thread_num", None)
+        if parallel is None or thread_num is None:
+            continue
+        thread_num.argtypes, thread_num.restype = [], ctypes.c_int
+        parallel.argtypes = [callback_type, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        parallel.restype = None
+        errors: list[BaseException] = []
+
+        def bind(_: object, thread_num: Any = thread_num, errors: list[BaseException] = errors) -> None:
+            try:
+                os.sched_setaffinity(0, {cpus[thread_num()]})
+            except BaseException as exc:  # raised in a libgomp thread: reported in the caller
+                errors.append(exc)
+
+        body = callback_type(bind)
+        parallel(body, None, len(cpus), 0)  # ctypes lets the GIL go: each thread takes it to run bind
+        if errors:
+            raise errors[0]
+        pinned = True
+    return pinned
 
 
 def hand_over_openmp() -> bool:

@@ -76,6 +76,9 @@ def test_a_prefill_node_borrows_the_idle_decode_nodes_core(tiny_served_model_dir
             text = response.read().decode()
         borrowed = re.search(r'tandem:prefill_layers_total\{cpus="borrowed",node="prefill-0"\} (\S+)', text)
         assert borrowed is not None and float(borrowed.group(1)) >= 2, text[-2000:]
+        # The engine thread's OpenMP team is bound one thread per core: a worker on the borrowed core alone
+        allowed = [os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
+        assert {CPUS[1]} in allowed and {CPUS[0], CPUS[1]} not in allowed, allowed
         activity = next(s for s in launcher.specs if s.role == "decode").files[0]
         assert Path(activity).exists()
     assert not Path(activity).exists()  # gone with the deployment

@@ -99,37 +99,53 @@ class FakeView(ActivityView):
         pass
 
 
-def _borrower(views: list[FakeView]) -> tuple[CoreBorrower, list[tuple[str, Any]]]:
+def _borrower(views: list[FakeView], pins: bool = True) -> tuple[CoreBorrower, list[tuple[str, Any]]]:
     calls: list[tuple[str, Any]] = []
+
+    def pin(cpus: list[int]) -> bool:
+        calls.append(("pin", cpus))
+        return pins
+
     borrower = CoreBorrower([0], [1], views, set_threads=lambda n: calls.append(("threads", n)),
-                            set_affinity=lambda cpus: calls.append(("cpus", cpus)))
+                            set_affinity=lambda cpus: calls.append(("cpus", cpus)), pin=pin)
     return borrower, calls
 
 
 def test_the_borrower_lends_layer_by_layer() -> None:
     decode = FakeView(idle=True)
     borrower, calls = _borrower([decode])
-    borrower.before_layer()
-    assert calls == [("cpus", {0, 1}), ("threads", 2)] and borrower.lending
+    borrower.before_layer()  # the first borrowed layer binds the team (own CPU first), once
+    assert calls == [("pin", [0, 1]), ("threads", 2)] and borrower.lending and borrower.pinned
     borrower.before_layer()
     assert len(calls) == 2  # no switch while it stays idle
     decode.state = False  # the decode node got work: the next layer gives its core back
     borrower.before_layer()
     borrower.before_layer()
-    assert calls[2:] == [("threads", 1), ("cpus", {0})] and not borrower.lending
+    assert calls[2:] == [("threads", 1)] and not borrower.lending
     decode.state = True
     borrower.before_layer()
-    assert borrower.lending
+    assert borrower.lending and calls[3:] == [("threads", 2)]
     borrower.after_layers()  # every forward ends on the own CPUs
-    assert not borrower.lending and calls[-2:] == [("threads", 1), ("cpus", {0})]
+    assert not borrower.lending and calls[-1] == ("threads", 1)
     assert (borrower.borrowed_layers, borrower.own_layers) == (3, 2)
+
+
+def test_an_unbound_team_switches_the_engine_threads_affinity() -> None:
+    borrower, calls = _borrower([FakeView(idle=True)], pins=False)  # no libgomp: the team cannot be bound
+    borrower.before_layer()
+    borrower.after_layers()
+    borrower.before_layer()
+    assert calls == [("pin", [0, 1]), ("cpus", {0, 1}), ("threads", 2), ("threads", 1), ("cpus", {0}),
+                     ("cpus", {0, 1}), ("threads", 2)]
+    assert borrower.pinned is False
 
 
 def test_a_completed_prompt_holds_the_lending_while_its_kv_lands() -> None:
     clock = Clock()
     calls: list[tuple[str, Any]] = []
     borrower = CoreBorrower([0], [1], [FakeView(True)], set_threads=lambda n: calls.append(("threads", n)),
-                            set_affinity=lambda cpus: calls.append(("cpus", cpus)), clock=clock)
+                            set_affinity=lambda cpus: calls.append(("cpus", cpus)), pin=lambda cpus: True,
+                            clock=clock)
     borrower.before_layer()
     borrower.handing_over()  # the forward sampled a prompt's first token: the decode node is about to get work
     borrower.after_layers()
@@ -154,7 +170,7 @@ def test_warm_up_borrows_whatever_the_views_say() -> None:
     borrower, calls = _borrower([FakeView(False)])
     with borrower.borrowing():
         assert borrower.lending
-    assert not borrower.lending and calls == [("cpus", {0, 1}), ("threads", 2), ("threads", 1), ("cpus", {0})]
+    assert not borrower.lending and calls == [("pin", [0, 1]), ("threads", 2), ("threads", 1)]
 
 
 def test_the_borrower_refuses_what_it_cannot_do() -> None:
@@ -240,6 +256,7 @@ def test_logits_are_the_same_with_layers_on_borrowed_cpus(smollm2_dir: Path) -> 
     own, lent, borrower = _in_thread(both)
     assert borrower.borrowed_layers > 0 and borrower.own_layers > 0 and not borrower.lending
     assert torch.equal(own, lent)
+    assert borrower.pinned  # PyTorch's OpenMP here is libgomp: the team was bound (test_openmp checks where)
 
 
 def test_settings_and_roles_refuse_what_lending_cannot_honour() -> None:

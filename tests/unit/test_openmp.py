@@ -80,3 +80,50 @@ def test_libgomp_is_found_where_pytorch_loads_it() -> None:
     if sys.platform == "linux" and torch.backends.openmp.is_available():
         # Linux wheels of PyTorch carry GNU's OpenMP (torch/lib/libgomp*.so*), loaded with torch itself
         assert any(Path(p).name.startswith("libgomp") for p in paths), paths
+
+
+# An engine thread on one CPU binds its team to that CPU and another: where each thread of the team may run after,
+# across regions of one and two threads (the thread count a lending prefill node switches layer by layer).
+PIN_PROBE = """
+import json, os, sys, threading, torch
+sys.path.insert(0, {repo!r})
+from common.kernels.openmp import pin_team, thread_count_setter
+cpus = sorted(os.sched_getaffinity(0))[:2]
+def allowed():
+    out = {{}}
+    for tid in os.listdir("/proc/self/task"):
+        out[int(tid)] = sorted(os.sched_getaffinity(int(tid)))
+    return out
+out = {{}}
+def engine():
+    os.sched_setaffinity(0, {{cpus[0]}})
+    before = set(allowed())
+    out["pinned"] = pin_team(cpus)
+    set_threads = thread_count_setter()
+    x = torch.ones(1 << 22)
+    for n in (1, 2, 1, 2):
+        set_threads(n)
+        x.add_(1)
+    now = allowed()
+    out["engine"] = now[threading.get_native_id()]
+    out["workers"] = [now[t] for t in set(now) - before]
+    out["sum"] = float(x.sum())
+t = threading.Thread(target=engine)
+t.start()
+t.join()
+print(json.dumps({{"cpus": cpus, **out}}))
+"""
+
+
+def test_pin_team_binds_the_engine_threads_team_one_thread_per_cpu() -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    out = subprocess.run([sys.executable, "-c", PIN_PROBE.format(repo=str(REPO))], capture_output=True, text=True,
+                         timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if not got["pinned"]:
+        pytest.skip("PyTorch's OpenMP here is not libgomp")
+    first, second = got["cpus"]
+    assert got["engine"] == [first]  # the calling thread: thread 0 of its team
+    assert got["workers"] == [[second]]  # its one worker, still there and still bound after 1- and 2-thread regions
+    assert got["sum"] == 5.0 * (1 << 22)
