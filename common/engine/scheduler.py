@@ -111,7 +111,9 @@ class Scheduler:
         if needed > self.kv.num_free_blocks - self._watermark_blocks:
             return None
         self._stalled = False
-        allocation = self.kv.allocate(request.request_id, request.prompt_token_ids, first_query_pos=first_query)
+        # its KV arrives in whole blocks: a partly filled one kept in the tier would be written over
+        allocation = self.kv.allocate(request.request_id, request.prompt_token_ids, first_query_pos=first_query,
+                                      tail=False)
         if allocation is None:
             return None
         request.arrival_seq = next(self._arrivals)
@@ -346,8 +348,9 @@ class Scheduler:
 
     def free_held(self, request_id: str) -> None:
         """The connector is done with a finished request's blocks (e.g. KV transfer read them): free them."""
-        if self.held.pop(request_id, None) is not None:
-            self.kv.free(request_id)
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request_id, self._computed_tokens(request))
             self._stalled = False
 
     @property
@@ -467,6 +470,10 @@ class Scheduler:
                 return False
         return True
 
+    def _computed_tokens(self, request: Request) -> list[int] | None:
+        """What ``KVCacheManager.free`` needs to keep a finished request's last, partly filled block, if it does."""
+        return request.token_slice(0, request.num_computed_tokens) if self.kv.keeps_tails else None
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
@@ -524,8 +531,8 @@ class Scheduler:
         request.finish_reason = reason
         if self.connector.request_finished(request):
             self.held[request.request_id] = request
-        else:
-            self.kv.free(request.request_id)
+        else:  # its last, partly filled block to the offload tier (if any), for a turn that goes on from it
+            self.kv.free(request.request_id, self._computed_tokens(request))
 
 
 def _output(request: Request, new_tokens: list[int], reason: FinishReason | None,

@@ -61,6 +61,13 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes |
     return h.digest()
 
 
+def tail_key(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes | None = None) -> BlockHash:
+    """The key of a partly filled block (1 .. block_size - 1 tokens after the block ``parent`` names) in an
+    offload tier: ``hash_block`` over those tokens, which a full block's hash never equals (the token count is
+    hashed). Never a prefix-cache entry, so never in KV events or a router's index."""
+    return hash_block(parent, token_ids, salt)
+
+
 def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, salt: bytes | None = None) -> list[BlockHash]:
     """Return the chained hashes of every full block of ``token_ids``; a trailing partial block has none."""
     assert block_size > 0, f"block_size must be positive, got {block_size}"

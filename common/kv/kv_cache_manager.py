@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.kv.block_hash import BlockHash, hash_block
+from common.kv.block_hash import BlockHash, hash_block, tail_key
 from common.kv.block_pool import BlockPool
 from common.kv.kv_events import DEFAULT_LOG_CAPACITY, KVEventBatch, KVEventLog
 
@@ -74,6 +74,7 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         self.offload: Tier | None = None  # the tier under the pool (set_offload); None: evicted blocks are gone
         self.offload_hits = 0  # prompt tokens restored from it, in tokens like prefix_cache_hits (a part of them)
+        self.tail_hits = 0  # of those, tokens of partly filled blocks (``allocate``'s ``tail``)
         # Set when every layer (a draft model's too) has a sliding window: the largest one. Blocks wholly before
         # every window are then freed early (free_outside_window); None: a request keeps all its blocks.
         self.window: int | None = None
@@ -94,6 +95,12 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of KV blocks held by requests (the ``kv_usage`` gauge)."""
         return self.pool.usage
+
+    @property
+    def keeps_tails(self) -> bool:
+        """Whether ``free`` keeps a request's last, partly filled block (given its tokens): an offload tier, no
+        sliding window."""
+        return self.offload is not None and self.window is None
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -159,7 +166,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ mutations
 
     def allocate(self, request_id: str, token_ids: Sequence[int], salt: bytes | None = None,
-                 first_query_pos: int = 0, max_new_tokens: int | None = None) -> Allocation | None:
+                 first_query_pos: int = 0, max_new_tokens: int | None = None,
+                 tail: bool = True) -> Allocation | None:
         """Admit a new request: reuse its cached prefix and reserve fresh blocks for the rest of the prompt.
 
         ``first_query_pos``: the lowest position this node will compute a query for (a decode node receiving the
@@ -172,6 +180,12 @@ class KVCacheManager:
         ``max_new_tokens``: slots only for the cached prefix and this many prompt tokens after it (a first chunk;
         None: the whole prompt). The table then holds fewer tokens than the prompt, and ``append_slots`` grows it
         chunk by chunk, so a windowed request that frees its dead blocks as it goes never holds the whole prompt.
+
+        ``tail``: past the last full block found, look in the offload tier for a request's last, partly filled
+        block that an earlier request left there (``free`` with its tokens: a conversation's previous turn): its
+        KV is restored into the first new block and its tokens count as cached, so the prompt is computed from
+        exactly where the history ends, not from its last full block (token-granular reuse, as SGLang's radix
+        cache; a decode node whose prompt KV arrives in whole blocks passes False).
         """
         assert request_id not in self._requests, f"request {request_id!r} already has blocks"
         assert len(token_ids) > 0, "empty prompt"
@@ -190,6 +204,10 @@ class KVCacheManager:
         # (past the dead blocks too: the match above only ends at a miss after them).
         offloaded = self._match_offloaded(token_ids, salt, cached_hashes) if self.offload is not None else []
         num_cached_tokens = max(len(cached_hashes) + len(offloaded), num_dead) * self.block_size
+        tail_hash, tail_len = None, 0
+        if tail and self.keeps_tails:
+            tail_hash, tail_len = self._match_tail(token_ids, salt, cached_hashes + offloaded)
+            num_cached_tokens += tail_len
         num_tokens = len(token_ids)
         if max_new_tokens is not None:
             num_tokens = min(num_tokens, num_cached_tokens + max_new_tokens)
@@ -201,13 +219,17 @@ class KVCacheManager:
         # Touch before allocating so get_new_blocks can't evict the very blocks we are reusing.
         self.pool.touch(live_hits)
         restored: list[BlockHash] = []
-        if offloaded:  # the next new blocks take the tier's KV and are cached at once, as written blocks are
+        if offloaded or tail_hash is not None:
+            # the next new blocks take the tier's KV (full ones are cached at once, as written blocks are)
             assert self.offload is not None and len(cached_ids) >= num_dead  # the match never ends before them
-            self.offload.pin(offloaded)  # the pool's evictions below are saved without displacing them
+            # the pool's evictions below are saved without displacing them
+            self.offload.pin(offloaded if tail_hash is None else [*offloaded, tail_hash])
             try:
                 new_ids = self.pool.get_new_blocks(num_new)
             finally:
                 self.offload.unpin()
+            if tail_hash is not None:  # private to this request, which writes its remaining slots: not cached
+                self.offload.load(tail_hash, new_ids[len(offloaded)])
             for block_id, block_hash in zip(new_ids, offloaded, strict=False):
                 self.offload.load(block_hash, block_id)
                 self.pool.cache_block(block_id, block_hash)
@@ -226,8 +248,9 @@ class KVCacheManager:
             self.prefix_cache_queries += len(token_ids)
             # only blocks found here (a dead one too, though it is not taken), not those merely outside the window
             found = sum(block_id != NULL_BLOCK for block_id in cached_ids) + len(restored)
-            self.prefix_cache_hits += found * self.block_size
-            self.offload_hits += len(restored) * self.block_size
+            self.prefix_cache_hits += found * self.block_size + tail_len
+            self.offload_hits += len(restored) * self.block_size + tail_len
+            self.tail_hits += tail_len
         return Allocation(list(block_ids), num_cached_tokens)
 
     def append_slots(self, request_id: str, num_new_tokens: int) -> list[int] | None:
@@ -329,9 +352,16 @@ class KVCacheManager:
                 self.pool.uncache_block(last)
         return copies
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks, tail first so its last blocks are evicted before its shared head."""
+    def free(self, request_id: str, computed_token_ids: Sequence[int] | None = None) -> None:
+        """Release the request's blocks, tail first so its last blocks are evicted before its shared head.
+
+        ``computed_token_ids``: the request's tokens whose KV is written (its prompt, and its output but the last
+        token): with an offload tier its last, partly filled block is kept there first, under ``tail_key``, for
+        a later prompt that goes on from exactly these tokens (``allocate``'s ``tail``: the conversation's next
+        turn). Full blocks take the usual way (cached, offered to the tier when freed)."""
         req = self._requests.pop(request_id)
+        if computed_token_ids is not None and self.keeps_tails:
+            self._keep_tail(req, computed_token_ids)
         self.pool.free_blocks(b for b in reversed(req.block_ids) if b != NULL_BLOCK)
 
     def blocks_outside_window(self, first_query_pos: int) -> int:
@@ -383,6 +413,33 @@ class KVCacheManager:
                 break
             out.append(parent)
         return out
+
+    def _match_tail(self, token_ids: Sequence[int], salt: bytes | None, full: list[BlockHash]
+                    ) -> tuple[BlockHash | None, int]:
+        """The tier's longest partly filled block that goes on from the prompt's ``full`` blocks (their hashes) with
+        the prompt's next tokens, leaving at least one to compute, and its length (None, 0: none)."""
+        assert self.offload is not None
+        bs = self.block_size
+        start = len(full) * bs
+        parent = full[-1] if full else None
+        for length in range(min(bs - 1, len(token_ids) - 1 - start), 0, -1):
+            key = tail_key(parent, token_ids[start : start + length], salt)
+            if self.offload.holds(key):
+                return key, length
+        return None, 0
+
+    def _keep_tail(self, req: _RequestBlocks, computed: Sequence[int]) -> None:
+        assert self.offload is not None
+        bs = self.block_size
+        num_full, length = divmod(min(len(computed), req.num_tokens), bs)
+        if length == 0 or req.block_ids[num_full] == NULL_BLOCK:
+            return
+        hashes = req.block_hashes[:num_full]
+        parent = hashes[-1] if hashes else None
+        for index in range(len(hashes), num_full):  # full blocks not committed (yet): their hashes carry the chain
+            parent = hash_block(parent, computed[index * bs : (index + 1) * bs], req.salt)
+        start = num_full * bs
+        self.offload.save_tail(req.block_ids[num_full], tail_key(parent, computed[start : start + length], req.salt))
 
     def _record_stored(self, events: KVEventLog, req: _RequestBlocks, token_ids: Sequence[int],
                        indexes: list[int]) -> None:

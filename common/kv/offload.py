@@ -51,6 +51,11 @@ class Tier(Protocol):
     def save(self, block_id: int, block_hash: BlockHash) -> None:
         """Keep the KV of pool block ``block_id`` (about to be reused) under ``block_hash``."""
 
+    def save_tail(self, block_id: int, key: BlockHash) -> None:
+        """Keep the KV of pool block ``block_id``, a finished request's last, partly filled block, under ``key``
+        (``block_hash.tail_key``). The block is not cached in the pool, so it may be written again as soon as this
+        returns: copy it now (or a snapshot of it)."""
+
     def load(self, block_hash: BlockHash, block_id: int) -> None:
         """Write the KV kept under ``block_hash`` into pool block ``block_id``; it must be held."""
 
@@ -209,6 +214,12 @@ class OffloadStore:
         """``save`` through ``copier``; the views are taken now (``kv_cache.data`` may be rebound later)."""
         return copier.submit(self.data[slot], self.kv_cache.data[block_id])
 
+    def save_ordered(self, block_id: int, slot: int) -> None:
+        """``save`` in the compute stream's order (a GPU pool: queued behind the step that wrote the block, ahead
+        of any later write to it; a CPU pool: at once)."""
+        src = self.kv_cache.data[block_id]
+        self.data[slot].copy_(src, non_blocking=src.is_cuda)
+
     def load(self, slot: int, block_id: int) -> None:
         self.kv_cache.data[block_id].copy_(self.data[slot], non_blocking=self.kv_cache.data.is_cuda)
 
@@ -281,6 +292,15 @@ class OffloadTier:
         if slot is not None:
             self._wait_slot(slot)  # an earlier copy into the slot (its previous hash's) lands first
             self.store.save(block_id, slot)
+
+    def save_tail(self, block_id: int, key: BlockHash) -> None:
+        if key in self.index:  # kept already (the same key is the same KV): just more recently used
+            self.index.reserve(key)
+            return
+        slot = self.index.reserve(key)
+        if slot is not None:
+            self._wait_slot(slot)  # an earlier copy into the slot (its previous hash's) lands first
+            self.store.save_ordered(block_id, slot)
 
     def load(self, block_hash: BlockHash, block_id: int) -> None:
         slot = self.index.slot_of(block_hash)

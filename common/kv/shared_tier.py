@@ -151,6 +151,16 @@ class SharedTier:
         if not self._touch(block_hash):
             self._write(self.kv_cache.data[block_id], block_hash)
 
+    def save_tail(self, block_id: int, key: BlockHash) -> None:
+        if self._touch(key):
+            return
+        src = self.kv_cache.data[block_id]
+        snapshot = src.to("cpu", copy=True)  # the block may be written again once this returns
+        if self._executor is None:
+            self._write(snapshot, key)
+        else:
+            self._executor.submit(self._write, snapshot, key)
+
     def load(self, block_hash: BlockHash, block_id: int) -> None:
         import torch
 

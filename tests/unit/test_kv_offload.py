@@ -324,3 +324,92 @@ def test_a_remote_prompt_restores_only_the_blocks_inside_the_window(tmp_path: Pa
     manager.free("a2")
     assert manager.num_free_blocks == 6
     manager.check_integrity()
+
+
+def _tiered(slots: int = 8) -> tuple[KVCache, KVCacheManager, OffloadTier]:
+    cache = KVCache(SPEC, num_blocks=6)
+    manager = KVCacheManager(6, SPEC.block_size)
+    tier = OffloadTier(OffloadStore(cache, slots, None), OffloadIndex(slots))
+    manager.set_offload(tier)
+    return cache, manager, tier
+
+
+def test_a_finished_requests_partly_filled_block_is_restored_for_the_prompt_that_goes_on_from_it() -> None:
+    cache, manager, tier = _tiered()
+    history = list(range(100, 115))  # 3 full blocks of 4 and 3 tokens in the fourth, all with KV written
+    blocks = _write(cache, manager, "turn1", history)
+    tail_kv = cache.data[blocks[3]].clone()
+    manager.free("turn1", history)  # the tail goes to the tier now: its block is not cached and may be reused
+    assert len(tier.index) == 1
+    cache.data[blocks[3]] = -1.0  # reused and written over
+    turn2 = history + [7, 8, 9]
+    alloc = manager.allocate("turn2", turn2)
+    assert alloc is not None and alloc.num_cached_tokens == 15  # computed from exactly where the history ends
+    assert (manager.prefix_cache_hits, manager.offload_hits, manager.tail_hits) == (15, 3, 3)
+    assert torch.equal(cache.data[alloc.block_ids[3], :, :, :3], tail_kv[:, :, :3])  # the tail's three slots
+    assert alloc.block_ids[3] not in blocks[:3]  # a new block, private to turn2 (it writes slot 3 next)
+    manager.check_integrity()
+
+
+def test_a_tail_is_found_only_by_a_prompt_that_goes_on_from_all_of_its_tokens() -> None:
+    _, manager, _ = _tiered()
+    history = list(range(100, 115))
+    _write(manager.offload.store.kv_cache, manager, "turn1", history)  # type: ignore[union-attr]
+    manager.free("turn1", history)
+    for i, prompt in enumerate((history[:14] + [1, 2],  # differs inside the tail: its full blocks only
+                                history,  # the same tokens: the last one is left to compute (it needs logits)
+                                history[:12] + [5])):  # shorter than the tail
+        alloc = manager.allocate(f"r{i}", prompt)
+        assert alloc is not None and alloc.num_cached_tokens == 12
+        manager.free(f"r{i}")
+    assert manager.tail_hits == 0
+    salted = manager.allocate("salted", history + [1], salt=b"tenant")  # another salt shares nothing
+    assert salted is not None and salted.num_cached_tokens == 0
+    manager.free("salted")
+    whole = manager.allocate("decode", history + [1], tail=False)  # a decode node: its KV arrives in whole blocks
+    assert whole is not None and whole.num_cached_tokens == 12
+    manager.check_integrity()
+
+
+def test_tails_need_a_tier_and_no_sliding_window() -> None:
+    manager = KVCacheManager(6, SPEC.block_size)
+    assert not manager.keeps_tails
+    cache, manager, tier = _tiered()
+    assert manager.keeps_tails
+    manager.window = 8
+    assert not manager.keeps_tails
+    history = list(range(100, 115))
+    _write(cache, manager, "turn1", history)
+    manager.free("turn1", history)
+    assert len(tier.index) == 0
+
+
+def test_a_conversations_next_turn_restores_its_tail_with_output_unchanged(tiny_model_factory: Callable[..., Path]
+                                                                            ) -> None:
+    """Offline, host-memory tier: turn 2's prompt is turn 1's prompt, its answer and a new message; the prefix
+    cache holds the history's full blocks and the tier its last, partly filled one, so only the message is
+    computed: the same greedy tokens as without any cache."""
+    from common.config.engine_config import CacheConfig
+    from common.engine.llm import LLM
+    from common.sampling.params import SamplingParams
+    from tests.model.test_families import _with_tokenizer
+
+    model_dir = _with_tokenizer(tiny_model_factory("llama", seed=2))
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 128, (40,), generator=gen).tolist()
+    message = torch.randint(3, 128, (9,), generator=gen).tolist()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def turns(offload: str) -> tuple[list[int], list[int], int]:
+        cache = CacheConfig(block_size=16, num_blocks=16, kv_offload=offload, kv_offload_gb=0.01,
+                            enable_prefix_caching=offload != "none")
+        with LLM(model_dir, dtype="float32", device="cpu", cache=cache) as llm:
+            answer = llm.generate([prompt], params)[0].token_ids
+            out = llm.generate([prompt + answer + message], params)[0]
+            llm.engine.kv.check_integrity()
+            return answer, out.token_ids, llm.engine.kv.tail_hits
+
+    plain_answer, plain_out, _ = turns("none")
+    answer, out, tail_hits = turns("cpu")
+    assert (answer, out) == (plain_answer, plain_out)
+    assert tail_hits == 40 + 12 - 1 - 48  # the history's KV (all but the last answer token's) past 3 full blocks

@@ -199,16 +199,38 @@ def test_a_second_engine_continues_the_firsts_conversation_from_its_kv(tiny_mode
     with LLM(model_dir, dtype="float32", device="cpu", cache=cache("shared")) as a:
         assert a.generate([prompt], params)[0].token_ids == answer
         _drain(a.engine.offload)
-        assert a.engine.stats().kv_shared_tier == a.engine.offload.id and a.engine.stats().offload_blocks == 3
+        # the history's 3 full blocks and its last, partly filled one (tokens 48-50)
+        assert a.engine.stats().kv_shared_tier == a.engine.offload.id and a.engine.stats().offload_blocks == 4
         with LLM(other_dir, dtype="float32", device="cpu", cache=cache("shared")) as other:  # another model
             other.generate([prompt + answer + message], params)
             assert other.engine.kv.offload_hits == 0 and other.engine.offload.id != a.engine.offload.id
         with LLM(model_dir, dtype="float32", device="cpu", cache=cache("shared")) as b:
             out = b.generate([prompt + answer + message], params)[0].token_ids
-            # 40 + 12 = 52 tokens of history: 3 full blocks (the answer's 11 KV entries up to 48 included)
-            assert b.engine.kv.offload_hits == 48 and out == expected
+            # 40 + 12 = 52 tokens of history, 51 with KV (all but the last answer token's): 3 full blocks and the
+            # tail's 3 tokens; only the message is computed
+            assert b.engine.kv.offload_hits == 51 and b.engine.kv.tail_hits == 3 and out == expected
             b.engine.kv.check_integrity()
     assert not list(shared.rglob("*.kv"))  # every node removed the files it wrote
+
+
+def test_one_nodes_tail_is_restored_by_another(tmp_path: Path) -> None:
+    """A decode node lets go of a conversation (prompt and answer): its last, partly filled block goes to the shared
+    directory from a snapshot (the block itself is free at once); the prefill node of the next turn restores it."""
+    cache_a, manager_a, tier_a = _node(tmp_path)
+    cache_b, manager_b, tier_b = _node(tmp_path)
+    history = list(range(100, 114))  # 3 full blocks and 2 tokens
+    blocks = _write(cache_a, manager_a, "a", history)
+    tail_kv = cache_a.data[blocks[3], :, :, :2].clone()
+    manager_a.free("a", history)
+    cache_a.data[blocks[3]] = -1.0  # written over at once: the tier wrote the snapshot
+    _drain(tier_a)
+    assert len(tier_a) == 4  # 3 full blocks (offered when freed) and the tail
+    again = manager_b.allocate("b", history + [1, 2, 3])
+    assert again is not None and again.num_cached_tokens == 14 and manager_b.tail_hits == 2
+    assert torch.equal(cache_b.data[again.block_ids[3], :, :, :2], tail_kv)
+    manager_b.check_integrity()
+    tier_a.close()
+    tier_b.close()
 
 
 def test_a_killed_writers_files_are_removed_by_the_next_node_that_lists_the_writers(tmp_path: Path) -> None:
