@@ -41,14 +41,13 @@ def loaded_libgomp() -> list[str]:
     return sorted(p for p in paths if p.startswith("/"))
 
 
+def _libgomps() -> list[ctypes.CDLL]:
+    return [ctypes.CDLL(path) for path in loaded_libgomp()]
+
+
 def libgomp_functions(name: str) -> list[Any]:
     """``name`` (a ctypes function) in every libgomp mapped into this process that has it."""
-    found = []
-    for path in loaded_libgomp():
-        fn = getattr(ctypes.CDLL(path), name, None)
-        if fn is not None:
-            found.append(fn)
-    return found
+    return [fn for lib in _libgomps() if (fn := getattr(lib, name, None)) is not None]
 
 
 def thread_count_setter() -> Callable[[int], None]:
@@ -76,8 +75,7 @@ def pin_team(cpus: Sequence[int]) -> bool:
 
     callback_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
     pinned = False
-    for path in loaded_libgomp():
-        lib = ctypes.CDLL(path)
+    for lib in _libgomps():
         parallel, thread_num = getattr(lib, "GOMP_parallel", None), getattr(lib, "omp_get_thread_num", None)
         if parallel is None or thread_num is None:
             continue

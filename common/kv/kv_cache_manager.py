@@ -432,12 +432,10 @@ class KVCacheManager:
         assert self.offload is not None
         bs = self.block_size
         num_full, length = divmod(min(len(computed), req.num_tokens), bs)
-        if length == 0 or req.block_ids[num_full] == NULL_BLOCK:
+        # Every full block of computed tokens is committed (the scheduler commits each as it fills): its hash is there.
+        if length == 0 or req.block_ids[num_full] == NULL_BLOCK or len(req.block_hashes) < num_full:
             return
-        hashes = req.block_hashes[:num_full]
-        parent = hashes[-1] if hashes else None
-        for index in range(len(hashes), num_full):  # full blocks not committed (yet): their hashes carry the chain
-            parent = hash_block(parent, computed[index * bs : (index + 1) * bs], req.salt)
+        parent = req.block_hashes[num_full - 1] if num_full else None
         start = num_full * bs
         self.offload.save_tail(req.block_ids[num_full], tail_key(parent, computed[start : start + length], req.salt))
 

@@ -214,12 +214,6 @@ class OffloadStore:
         """``save`` through ``copier``; the views are taken now (``kv_cache.data`` may be rebound later)."""
         return copier.submit(self.data[slot], self.kv_cache.data[block_id])
 
-    def save_ordered(self, block_id: int, slot: int) -> None:
-        """``save`` in the compute stream's order (a GPU pool: queued behind the step that wrote the block, ahead
-        of any later write to it; a CPU pool: at once)."""
-        src = self.kv_cache.data[block_id]
-        self.data[slot].copy_(src, non_blocking=src.is_cuda)
-
     def load(self, slot: int, block_id: int) -> None:
         self.kv_cache.data[block_id].copy_(self.data[slot], non_blocking=self.kv_cache.data.is_cuda)
 
@@ -300,7 +294,7 @@ class OffloadTier:
         slot = self.index.reserve(key)
         if slot is not None:
             self._wait_slot(slot)  # an earlier copy into the slot (its previous hash's) lands first
-            self.store.save_ordered(block_id, slot)
+            self.store.save(block_id, slot)
 
     def load(self, block_hash: BlockHash, block_id: int) -> None:
         slot = self.index.slot_of(block_hash)
